@@ -1,0 +1,134 @@
+"""The op interface every backend implements; `ds4/core/graph.py` is written against it.
+
+Ops are kernel-sized (the Triton backend's kernel list), take and return backend arrays, and
+never hand data back to the host inside a forward step: routing, indexer selection, positions
+and row counts stay where the backend keeps them. Shapes below use n = tokens in the chunk,
+E = n_embd, HC = n_hc, H = heads, D = head_dim. A chunk covers absolute positions [p0, p0 + n).
+
+`numerics` is "ds4" (apply the FP8 / Hadamard+FP4 / f16 simulations of spec §3.10 where the ops
+below say so) or "exact" (leave them out).
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from typing import Any
+
+import numpy as np
+
+from ..core.config import ModelConfig
+from ..core.gguf_model import Tensor
+from ..core.weights import Compressor, HyperConnection, Indexer
+
+Array = Any  # the backend's array type
+LayerState = dict  # name -> Array, shapes from ds4.core.state.layer_state_shapes
+
+
+class Backend(ABC):
+    name: str = "?"
+
+    def __init__(self, cfg: ModelConfig, numerics: str = "ds4"):
+        if numerics not in ("ds4", "exact"):
+            raise ValueError(f"numerics: expected 'ds4' or 'exact', got {numerics!r}")
+        self.cfg = cfg
+        self.numerics = numerics
+
+    @property
+    def ds4_numerics(self) -> bool:
+        return self.numerics == "ds4"
+
+    @property
+    def device(self) -> str:
+        return "cpu"
+
+    # ---- memory ---------------------------------------------------------------------------------
+
+    @abstractmethod
+    def upload(self, tensor: Tensor) -> Any:
+        """Make a weight usable by the ops; must keep quantized weights quantized."""
+
+    @abstractmethod
+    def alloc_state(self, shapes: dict[str, tuple[int, ...]], fill: dict[str, float]) -> LayerState: ...
+
+    @abstractmethod
+    def state_to_numpy(self, st: LayerState, name: str) -> np.ndarray: ...
+
+    @abstractmethod
+    def state_from_numpy(self, st: LayerState, name: str, value: np.ndarray) -> None: ...
+
+    @abstractmethod
+    def to_numpy(self, x: Array) -> np.ndarray: ...
+
+    # ---- ops ------------------------------------------------------------------------------------
+
+    @abstractmethod
+    def embed(self, token_embd, tokens: np.ndarray) -> Array:
+        """[n] token ids -> mHC state [n, HC, E], each stream a copy of the embedding row."""
+
+    @abstractmethod
+    def hc_pre(self, X: Array, hc: HyperConnection) -> tuple[Array, Array, Array]:
+        """mHC collapse (§3.2): -> (x_in [n, E], post [n, HC], comb [n, HC, HC])."""
+
+    @abstractmethod
+    def hc_post(self, y: Array, X: Array, post: Array, comb: Array) -> Array:
+        """mHC expand (§3.3): X_new[j] = post[j]·y + Σ_i comb[i][j]·X[i]."""
+
+    @abstractmethod
+    def rms_norm(self, x: Array, weight=None) -> Array:
+        """RMSNorm over the last axis (eps from the config); weight None = unweighted."""
+
+    @abstractmethod
+    def linear(self, x: Array, w) -> Array:
+        """[n, in] @ W[out, in]ᵀ -> [n, out] on the quantized weight."""
+
+    @abstractmethod
+    def rope(self, x: Array, p0: int, il: int, inverse: bool = False) -> Array:
+        """Tail RoPE (adjacent pairs, last n_rot dims) of [n, ..., d] rows at positions p0+i,
+        with layer il's frequencies; inverse rotates back (sin negated)."""
+
+    @abstractmethod
+    def kv_store(self, st: LayerState, kv: Array, p0: int) -> None:
+        """FP8 simulation (ds4) and f16 rounding (ds4) of the [n, D] K=V rows, pushed into the
+        raw ring at p % raw_cap."""
+
+    @abstractmethod
+    def compressor(self, st: LayerState, a: Array, w: Compressor, p0: int, il: int, indexer: bool) -> None:
+        """Feed n attention-normed activations to the layer's compressor (§3.5), appending a
+        compressed row (attention: FP8 + f16 in ds4 numerics; indexer: Hadamard+FP4 + f16)
+        whenever a window closes. Rows go to st['comp'] / st['index']."""
+
+    @abstractmethod
+    def indexer_select(self, st: LayerState, qr: Array, a: Array, w: Indexer, p0: int, il: int) -> Array | None:
+        """CSA top-k (§3.6): a visibility mask [n, rows] over compressed rows, or None when no
+        query in the chunk sees more rows than top_k."""
+
+    @abstractmethod
+    def attention(self, q: Array, st: LayerState, sinks, p0: int, il: int, selected: Array | None) -> Array:
+        """Sink attention (§3.4 step 9) of q [n, H, D] over the raw window and the visible
+        compressed rows (filtered by `selected`) -> [n, H, D]."""
+
+    @abstractmethod
+    def grouped_output(self, o: Array, w_a, w_b) -> Array:
+        """[n, H, D] -> [n, E] through the grouped low-rank output projection (§3.4 step 11)."""
+
+    @abstractmethod
+    def router(self, f: Array, gate_inp, bias, tid2eid, tokens: np.ndarray, il: int) -> tuple[Array, Array]:
+        """-> (expert ids [n, k], weights [n, k]) per §3.7 (hash layers use tid2eid[token])."""
+
+    @abstractmethod
+    def moe(self, f: Array, ids: Array, weights: Array, gate, up, down, il: int) -> Array:
+        """Σ_i w_i · down_e(swiglu(gate_e·f, up_e·f)) over the selected experts -> [n, E]."""
+
+    @abstractmethod
+    def shared_expert(self, f: Array, gate, up, down, il: int) -> Array: ...
+
+    @abstractmethod
+    def add(self, a: Array, b: Array) -> Array: ...
+
+    @abstractmethod
+    def head_norm(self, q: Array) -> Array:
+        """[n, H*D] -> per-head unweighted RMSNorm, shaped [n, H, D]."""
+
+    @abstractmethod
+    def output_logits(self, X: Array, hc: HyperConnection, norm, out) -> Array:
+        """Output head (§3.8) of the last row of X [n, HC, E] -> float32 logits [vocab]."""

@@ -1,0 +1,77 @@
+"""The DS4 forward pass, written once against the backend op interface (ds4/backends/base.py).
+
+A chunk of tokens at absolute positions [p0, p0 + n) runs layer-major: every layer's attention
+sublayer for the whole chunk, then its FFN sublayer, then the next layer. Within a chunk the ops
+respect causality themselves (the raw window and compressed rows a query sees depend on its own
+position), so one chunk, many chunks and token-by-token decode compute the same function.
+Spec §3 has every formula; the comments here point at its sections.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+
+from .weights import LayerWeights, ModelWeights
+
+
+def attention_sublayer(be, L: LayerWeights, st, X, p0: int):
+    """§3.4: mHC collapse, Q/KV projections, tail RoPE, cache update, sink attention, output."""
+    il = L.il
+    x_in, post, comb = be.hc_pre(X, L.hc_attn)
+    a = be.rms_norm(x_in, L.attn_norm)
+    qr = be.rms_norm(be.linear(a, L.attn_q_a), L.attn_q_a_norm)  # also the indexer's input
+    q = be.rope(be.head_norm(be.linear(qr, L.attn_q_b)), p0, il)
+    kv = be.rope(be.rms_norm(be.linear(a, L.attn_kv), L.attn_kv_a_norm), p0, il)
+    be.kv_store(st, kv, p0)
+    selected = None
+    if L.compressor is not None:
+        # Compress before attending: a token that closes a window sees its own window's row.
+        be.compressor(st, a, L.compressor, p0, il, indexer=False)
+    if L.indexer is not None:
+        be.compressor(st, a, L.indexer.compressor, p0, il, indexer=True)
+        selected = be.indexer_select(st, qr, a, L.indexer, p0, il)
+    o = be.attention(q, st, L.attn_sinks, p0, il, selected)
+    y = be.grouped_output(be.rope(o, p0, il, inverse=True), L.attn_output_a, L.attn_output_b)
+    return be.hc_post(y, X, post, comb)
+
+
+def ffn_sublayer(be, L: LayerWeights, X, tokens: np.ndarray):
+    """§3.7: mHC collapse, routing (hash or top-k), routed + shared experts, mHC expand."""
+    il = L.il
+    x_in, post, comb = be.hc_pre(X, L.hc_ffn)
+    f = be.rms_norm(x_in, L.ffn_norm)
+    ids, weights = be.router(f, L.ffn_gate_inp, L.exp_probs_b, L.tid2eid, tokens, il)
+    routed = be.moe(f, ids, weights, L.ffn_gate_exps, L.ffn_up_exps, L.ffn_down_exps, il)
+    shared = be.shared_expert(f, L.ffn_gate_shexp, L.ffn_up_shexp, L.ffn_down_shexp, il)
+    return be.hc_post(be.add(routed, shared), X, post, comb)
+
+
+def run_layers(be, w: ModelWeights, states: dict, X, tokens: np.ndarray, p0: int, layers: range):
+    """Layers [first, end) over a chunk; X is the mHC state [n, HC, E] entering `first`."""
+    for il in layers:
+        L = w.layers[il]
+        X = attention_sublayer(be, L, states[il], X, p0)
+        X = ffn_sublayer(be, L, X, tokens)
+    return X
+
+
+def forward_chunk(be, w: ModelWeights, states: dict, tokens: np.ndarray, p0: int, logits: bool = True):
+    """Embed, all layers, and (optionally) the logits of the chunk's last token."""
+    X = be.embed(w.token_embd, tokens)
+    X = run_layers(be, w, states, X, tokens, p0, range(w.cfg.n_layer))
+    return be.output_logits(X, w.output_hc, w.output_norm, w.output) if logits else None
+
+
+def chunk_bounds(start: int, end: int, prefill_cap: int) -> list[tuple[int, int]]:
+    """Split [start, end) at multiples of prefill_cap, so chunks align to absolute positions
+    and compressor rows finalise in the same order as in a cold run."""
+    out = []
+    p = start
+    while p < end:
+        q = min(end, (p // prefill_cap + 1) * prefill_cap)
+        out.append((p, q))
+        p = q
+    return out
+
+

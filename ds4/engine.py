@@ -1,0 +1,136 @@
+"""`Engine` (a mapped model bound to a backend) and `Session` (one sequence's state).
+
+    eng = ds4.Engine.open("model.gguf", backend="reference")
+    s = eng.session(ctx=4096)
+    s.sync(eng.tokenizer.encode_rendered(prompt))
+    s.eval(token); s.logits  # float32 [vocab], for the next token
+"""
+
+from __future__ import annotations
+
+import os
+from functools import cached_property
+
+import numpy as np
+
+from .backends import backend_class
+from .core.gguf_model import GGUFModel
+from .core.graph import chunk_bounds, forward_chunk
+from .core.state import FILL, SessionLayout, layer_state_shapes
+from .core.tokenizer import Tokenizer
+from .core.weights import bind_weights
+
+
+class Engine:
+    def __init__(self, model: GGUFModel, backend, weights):
+        self.model = model
+        self.config = model.config
+        self.backend = backend
+        self.weights = weights
+
+    @classmethod
+    def open(cls, path: str | os.PathLike | None = None, backend: str = "reference",
+             numerics: str = "ds4", **backend_options) -> "Engine":
+        """Map the GGUF (None = the embedded default model) and bind it to a backend."""
+        if path is None:
+            from .core.default_model import default_model_path
+
+            path = default_model_path()
+        model = GGUFModel(path)
+        if numerics == "ds4":
+            model.config.check_ds4_numerics()
+        be = backend_class(backend)(model.config, numerics=numerics, **backend_options)
+        return cls(model, be, bind_weights(model, be.upload))
+
+    @cached_property
+    def tokenizer(self) -> Tokenizer:
+        return Tokenizer.from_vocabulary(*self.model.vocabulary)
+
+    @property
+    def numerics(self) -> str:
+        return self.backend.numerics
+
+    def session(self, ctx: int = 4096, prefill_cap: int | None = None) -> "Session":
+        return Session(self, SessionLayout.create(self.config, ctx, prefill_cap))
+
+
+class Session:
+    """The state of one token sequence: per-layer caches plus the next-token logits."""
+
+    def __init__(self, engine: Engine, layout: SessionLayout):
+        self.engine = engine
+        self.layout = layout
+        self.ctx = layout.ctx
+        self._tokens: list[int] = []
+        self._logits: np.ndarray | None = None
+        self._reset_state()
+
+    def _reset_state(self) -> None:
+        be, cfg = self.engine.backend, self.engine.config
+        self.states = {il: be.alloc_state(layer_state_shapes(cfg, self.layout, il), FILL)
+                       for il in self.engine.weights.layers}
+        self._tokens = []
+        self._logits = None
+
+    @property
+    def tokens(self) -> list[int]:
+        return list(self._tokens)
+
+    @property
+    def logits(self) -> np.ndarray:
+        if self._logits is None:
+            raise RuntimeError("session has no logits yet: sync or eval at least one token")
+        return self._logits
+
+    def _check_tokens(self, tokens) -> list[int]:
+        tokens = [int(t) for t in tokens]
+        n_vocab = self.engine.config.n_vocab
+        for i, t in enumerate(tokens):
+            if not 0 <= t < n_vocab:
+                raise ValueError(f"tokens[{i}]: expected an id in [0, {n_vocab}), got {t}")
+        if len(tokens) > self.ctx:
+            raise ValueError(f"tokens: {len(tokens)} tokens do not fit the session's ctx={self.ctx}")
+        return tokens
+
+    def _prefill(self, new: list[int]) -> None:
+        """Evaluate `new` after the current tokens, in chunks aligned to prefill_cap."""
+        be, w = self.engine.backend, self.engine.weights
+        start = len(self._tokens)
+        seq = self._tokens + new
+        for a, b in chunk_bounds(start, len(seq), self.layout.prefill_cap):
+            chunk = np.asarray(seq[a:b], dtype=np.int64)
+            out = forward_chunk(be, w, self.states, chunk, a, logits=(b == len(seq)))
+            self._tokens = seq[:b]
+        self._logits = np.asarray(be.to_numpy(out), dtype=np.float32)
+
+    def sync(self, tokens) -> None:
+        """Make the session hold exactly `tokens`, reusing the common prefix it already has."""
+        tokens = self._check_tokens(tokens)
+        if not tokens:
+            self._reset_state()
+            return
+        common = 0
+        for x, y in zip(self._tokens, tokens):
+            if x != y:
+                break
+            common += 1
+        if common == len(tokens) == len(self._tokens):
+            return
+        if common < len(self._tokens) or common == len(tokens):
+            # The compressor frontiers and the raw ring cannot be un-run: rebuild from the start.
+            self._reset_state()
+            common = 0
+        self._prefill(tokens[common:])
+
+    def eval(self, token: int) -> None:
+        """Append one token (a decode step)."""
+        if len(self._tokens) + 1 > self.ctx:
+            raise ValueError(f"eval: the session is full (ctx={self.ctx})")
+        self._prefill(self._check_tokens([token]))
+
+    def rewind(self, pos: int) -> None:
+        """Keep only the first `pos` tokens."""
+        if not 0 <= pos <= len(self._tokens):
+            raise ValueError(f"rewind: expected a position in [0, {len(self._tokens)}], got {pos}")
+        if pos != len(self._tokens):
+            self.sync(self._tokens[:pos])
