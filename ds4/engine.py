@@ -9,6 +9,7 @@
 from __future__ import annotations
 
 import os
+from dataclasses import dataclass
 from functools import cached_property
 
 import numpy as np
@@ -52,6 +53,18 @@ class Engine:
 
     def session(self, ctx: int = 4096, prefill_cap: int | None = None) -> "Session":
         return Session(self, SessionLayout.create(self.config, ctx, prefill_cap))
+
+
+@dataclass
+class Snapshot:
+    tokens: list[int]
+    logits: np.ndarray | None
+    arrays: dict  # layer -> state name -> numpy array
+    layout: SessionLayout
+
+    @property
+    def nbytes(self) -> int:
+        return sum(a.nbytes for st in self.arrays.values() for a in st.values())
 
 
 class Session:
@@ -127,6 +140,24 @@ class Session:
         if len(self._tokens) + 1 > self.ctx:
             raise ValueError(f"eval: the session is full (ctx={self.ctx})")
         self._prefill(self._check_tokens([token]))
+
+    def snapshot(self) -> "Snapshot":
+        """A host copy of the whole session (state arrays, tokens, logits) to restore later."""
+        be = self.engine.backend
+        arrays = {il: {name: be.state_to_numpy(st, name) for name in st}
+                  for il, st in self.states.items()}
+        logits = None if self._logits is None else self._logits.copy()
+        return Snapshot(list(self._tokens), logits, arrays, self.layout)
+
+    def restore(self, snap: "Snapshot") -> None:
+        if snap.layout != self.layout:
+            raise ValueError(f"snapshot: expected a session layout {self.layout}, got {snap.layout}")
+        be = self.engine.backend
+        for il, st in self.states.items():
+            for name in st:
+                be.state_from_numpy(st, name, snap.arrays[il][name])
+        self._tokens = list(snap.tokens)
+        self._logits = None if snap.logits is None else snap.logits.copy()
 
     def rewind(self, pos: int) -> None:
         """Keep only the first `pos` tokens."""

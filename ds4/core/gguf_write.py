@@ -49,3 +49,37 @@ def write_gguf(path: str | os.PathLike, cfg: ModelConfig,
         raise
     return path
 
+
+
+def write_sparse_gguf(path: str | os.PathLike, cfg: ModelConfig, types: dict[str, GGMLType],
+                      tokens: list[str], merges: list[str]) -> Path:
+    """A full DS4 GGUF whose tensor data is a hole: the header is real, the file is extended to
+    its full size without writing data. Used to check that opening a full-size model reads
+    only its directory, and as the shape source for weights generated on a device."""
+    from .layout import expected_tensors
+
+    path = Path(path)
+    w = GGUFWriter(path, ARCH)
+    w.add_name(cfg.name or "ds4-synthetic")
+    for key, vtype, value in cfg.to_metadata():
+        if isinstance(value, list):
+            w.add_key_value(key, value, GGUFValueType.ARRAY, sub_type=vtype)
+        else:
+            w.add_key_value(key, value, vtype)
+    w.add_token_list(tokens)
+    w.add_token_merges(merges)
+    for name, spec in expected_tensors(cfg).items():
+        ttype = types.get(name, spec.shipped)
+        nbytes = row_bytes(ttype, spec.dims[0]) * int(np.prod(spec.dims[1:], dtype=np.int64))
+        w.add_tensor_info(name, list(reversed(spec.dims)), np.dtype(np.float32), nbytes,
+                          raw_dtype=GGMLQuantizationType(int(ttype)))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_ti_data_to_file()
+    w.close()
+    # tensor data: each tensor padded to the alignment, starting at the aligned end of the header
+    total = sum(ti.nbytes + (-ti.nbytes) % w.data_alignment for ti in w.tensors[0].values())
+    size = path.stat().st_size
+    with open(path, "r+b") as f:
+        f.truncate(size + (-size) % w.data_alignment + total)
+    return path

@@ -1,0 +1,103 @@
+"""What every command shares: the two consoles, one-line errors, progress bars, opening models."""
+
+from __future__ import annotations
+
+import contextlib
+from pathlib import Path
+from typing import Callable, Iterator, NoReturn
+
+import typer
+from rich.console import Console
+from rich.progress import (BarColumn, MofNCompleteColumn, Progress, TaskProgressColumn, TextColumn,
+                           TimeElapsedColumn)
+from rich.text import Text
+
+# Results go to stdout; progress, status and diagnostics to stderr, so `ds4 ... > file` keeps
+# only the result. Both consoles look sys.stdout/sys.stderr up at write time.
+out = Console(highlight=False)
+err = Console(stderr=True, highlight=False)
+
+
+class CLIError(Exception):
+    """A failure to report as one red line (no traceback) and exit with `code`."""
+
+    def __init__(self, message: str, code: int = 1):
+        super().__init__(message)
+        self.message = message
+        self.code = code
+
+
+def fail(message: str, code: int = 1) -> NoReturn:
+    """Print `error: message` in red on stderr and exit with `code`."""
+    # soft_wrap: a tensor name or path is never split across lines; the terminal wraps instead.
+    err.print(Text("error: ", style="bold red") + Text(message, style="red"), soft_wrap=True)
+    raise typer.Exit(code)
+
+
+@contextlib.contextmanager
+def library_errors() -> Iterator[None]:
+    """Turn the library's expected failures (bad file, bad model, bad value) into `fail`."""
+    try:
+        yield
+    except CLIError as e:
+        fail(e.message, e.code)
+    except (ValueError, RuntimeError, OSError) as e:  # ModelError and ConfigError are ValueErrors
+        fail(str(e) or type(e).__name__)
+
+
+def progress_bar(transient: bool = False) -> Progress:
+    return Progress(TextColumn("[progress.description]{task.description}"), BarColumn(),
+                    MofNCompleteColumn(), TaskProgressColumn(), TimeElapsedColumn(),
+                    console=err, transient=transient)
+
+
+@contextlib.contextmanager
+def progress_callback(description: str, transient: bool = False) -> Iterator[Callable[[int, int], None]]:
+    """A `progress(i, n)` callback for the library that shows a bar once it is first called."""
+    state: dict = {}
+
+    def update(i: int, n: int) -> None:
+        if "bar" not in state:
+            state["bar"] = progress_bar(transient)
+            state["bar"].start()
+            state["task"] = state["bar"].add_task(description, total=n)
+        state["bar"].update(state["task"], completed=i, total=n)
+
+    try:
+        yield update
+    finally:
+        if "bar" in state:
+            state["bar"].stop()
+
+
+def resolve_model(path: Path | None) -> Path:
+    """The model file to open: `path`, or the embedded default (created on first use)."""
+    if path is not None:
+        if not path.exists():
+            raise CLIError(f"model file not found: {path}")
+        if not path.is_file():
+            raise CLIError(f"model path is not a file: {path}")
+        return path
+    from ds4.core.default_model import cache_dir, default_model_path
+
+    with progress_callback(f"creating the embedded default model in {cache_dir()} "
+                           "(first run only)") as progress:
+        return default_model_path(progress=progress)
+
+
+def open_engine(path: Path | None, backend: str = "reference", numerics: str = "ds4"):
+    """Resolve the model (creating the default one if needed) and open it on `backend`."""
+    import ds4
+
+    with library_errors():
+        model_path = resolve_model(path)
+        return ds4.Engine.open(model_path, backend=backend, numerics=numerics)
+
+
+def human_bytes(n: int) -> str:
+    size = float(n)
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if size < 1024 or unit == "TiB":
+            return f"{size:.0f} {unit}" if unit == "B" else f"{size:.1f} {unit}"
+        size /= 1024
+    raise AssertionError("unreachable")

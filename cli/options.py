@@ -1,0 +1,108 @@
+"""Option definitions shared by the commands (model, backend, numerics, context, sampling).
+
+Each is an `Annotated` type, so a command declares e.g. `model: ModelOption = None` and gets the
+same flags, help text and validation as every other command.
+"""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+from typing import Annotated, Literal, Optional
+
+import typer
+
+from ds4.backends import BACKENDS
+from ds4.core.chat import DEFAULT_SYSTEM
+
+# Literal[...] built from the registry, so a backend added there is accepted here too.
+BackendName = Literal[tuple(BACKENDS)]  # type: ignore[valid-type]
+NumericsName = Literal["ds4", "exact"]
+
+MAX_SEED = (1 << 64) - 1
+
+
+def check_range(lo: float | None = None, hi: float | None = None, *, lo_open: bool = False):
+    """A callback that rejects NaN/inf and values outside [lo, hi] (or (lo, hi] with lo_open)."""
+
+    def callback(value):
+        if value is None:
+            return value
+        if isinstance(value, float) and not math.isfinite(value):
+            raise typer.BadParameter(f"expected a finite number, got {value}")
+        too_low = lo is not None and (value <= lo if lo_open else value < lo)
+        too_high = hi is not None and value > hi
+        if too_low or too_high:
+            left = "(" if lo_open else "["
+            lo_s = "-inf" if lo is None else f"{lo:g}"
+            hi_s = "inf" if hi is None else f"{hi:g}"
+            right = ")" if hi is None else "]"
+            raise typer.BadParameter(f"expected a value in {left}{lo_s}, {hi_s}{right}, got {value}")
+        return value
+
+    return callback
+
+
+# ---- model and engine ---------------------------------------------------------------------------
+
+ModelOption = Annotated[Optional[Path], typer.Option(
+    "--model", "-m", metavar="GGUF", show_default=False, dir_okay=False,
+    help="DS4 GGUF model file. Default: the embedded default model (a tiny synthetic DS4 model "
+         "with the real vocabulary, created in the ds4 cache on first use; DS4_CACHE moves it).")]
+
+ModelArgument = Annotated[Optional[Path], typer.Argument(
+    metavar="[MODEL]", show_default=False, dir_okay=False,
+    help="DS4 GGUF model file. Default: the embedded default model.")]
+
+BackendOption = Annotated[BackendName, typer.Option(
+    "--backend", "-b",
+    help="Compute backend: reference (numpy, runs anywhere), triton (CUDA), mlx (Metal).")]
+
+NumericsOption = Annotated[NumericsName, typer.Option(
+    "--numerics",
+    help="ds4: simulate ds4's FP8 K/V, FP4 indexer and f16 cache rounding (what the real "
+         "engine computes); exact: plain float32 math (for comparing with transformers).")]
+
+CtxOption = Annotated[int, typer.Option(
+    "--ctx", "-c", metavar="TOKENS", callback=check_range(2),
+    help="Session context size in tokens (prompt + generated); at most the model's "
+         "context_length.")]
+
+# ---- prompt -------------------------------------------------------------------------------------
+
+PromptOption = Annotated[str, typer.Option(
+    "--prompt", "-p", metavar="TEXT", show_default=False,
+    help="The user message; '-' reads it from stdin.")]
+
+SystemOption = Annotated[str, typer.Option(
+    "--system", metavar="TEXT",
+    help="System text placed before the user message; --system '' leaves it out.")]
+
+NoThinkOption = Annotated[bool, typer.Option(
+    "--nothink",
+    help="Open the answer with </think> instead of <think>, so the model answers without "
+         "reasoning first.")]
+
+# ---- sampling -----------------------------------------------------------------------------------
+
+TempOption = Annotated[float, typer.Option(
+    "--temp", "-t", callback=check_range(0.0),
+    help="Sampling temperature; 0 is greedy (argmax, no random draw).")]
+
+TopKOption = Annotated[int, typer.Option(
+    "--top-k", callback=check_range(0),
+    help="Sample among the k most likely tokens only; 0 turns it off (ds4 caps it at 1024).")]
+
+TopPOption = Annotated[float, typer.Option(
+    "--top-p", callback=check_range(0.0, 1.0, lo_open=True),
+    help="Nucleus sampling: keep the most likely tokens up to this cumulative probability; "
+         "1 turns it off.")]
+
+MinPOption = Annotated[float, typer.Option(
+    "--min-p", callback=check_range(0.0, 1.0),
+    help="Drop tokens whose probability is below min-p times the best token's; 0 turns it off.")]
+
+SeedOption = Annotated[Optional[int], typer.Option(
+    "--seed", "-s", callback=check_range(0, MAX_SEED), show_default="time",
+    help="Seed of ds4's xorshift64* sampler; the same seed, prompt and options give the same "
+         "text. The seed used is printed with the stats.")]

@@ -1,0 +1,170 @@
+"""Sessions on the reference backend: chunked prefill ≡ one-shot ≡ decode, prefix reuse, rewind,
+errors, and weights that stay quantized."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+import ds4
+from ds4.core.gguf_model import GGUFModel
+from ds4.core.quants import dequantize_rows
+from ds4.core.tiny import make_tiny
+
+PROMPT = [int(x) for x in np.random.default_rng(7).integers(0, 512, 48)]
+
+
+@pytest.fixture(scope="module")
+def model_path(tmp_path_factory):
+    path = tmp_path_factory.mktemp("e") / "test.gguf"
+    make_tiny(path, preset="test", seed=1)
+    return path
+
+
+@pytest.fixture(scope="module", params=["ds4", "exact"])
+def engine(request, model_path):
+    return ds4.Engine.open(model_path, numerics=request.param)
+
+
+def _rel(a, b):
+    return float(np.abs(a - b).max() / np.abs(b).max())
+
+
+def test_prompt_exercises_every_mechanism(engine):
+    """48 tokens slide the 8-row raw window, close 12 ratio-4 and 6 ratio-8 windows, and give
+    the indexer (top-k 4) more rows than it may keep."""
+    cfg = engine.config
+    assert len(PROMPT) > 2 * cfg.sliding_window
+    assert len(PROMPT) // 4 > 2 * cfg.indexer_top_k and len(PROMPT) // 8 >= 3
+
+
+def test_one_shot_chunked_and_decode_agree(engine):
+    one = engine.session(ctx=128)
+    one.sync(PROMPT)
+    for cap in (5, 16):  # chunk edges inside and on compressor windows
+        chunked = engine.session(ctx=128, prefill_cap=cap)
+        chunked.sync(PROMPT)
+        assert _rel(chunked.logits, one.logits) <= 1e-5
+    step = engine.session(ctx=128)
+    step.sync(PROMPT[:1])
+    for t in PROMPT[1:]:
+        step.eval(t)
+    assert _rel(step.logits, one.logits) <= 1e-5
+    assert step.tokens == PROMPT
+
+
+def test_sync_reuses_prefix_and_rewinds(engine):
+    ref = engine.session(ctx=128)
+    ref.sync(PROMPT[:30])
+    s = engine.session(ctx=128)
+    s.sync(PROMPT)
+    s.rewind(30)
+    assert s.tokens == PROMPT[:30]
+    assert _rel(s.logits, ref.logits) <= 1e-5
+    s.sync(PROMPT[:30] + [5, 6, 7])  # extends the held prefix
+    ref.eval(5), ref.eval(6), ref.eval(7)
+    assert _rel(s.logits, ref.logits) <= 1e-5
+    s.sync(PROMPT[:10] + [1, 2])  # diverges inside the held prefix
+    fresh = engine.session(ctx=128)
+    fresh.sync(PROMPT[:10] + [1, 2])
+    assert _rel(s.logits, fresh.logits) <= 1e-5
+
+
+def test_greedy_generation_is_deterministic(engine):
+    out = []
+    for _ in range(2):
+        s = engine.session(ctx=128)
+        s.sync(PROMPT[:12])
+        toks = []
+        for _ in range(8):
+            toks.append(int(np.argmax(s.logits)))
+            s.eval(toks[-1])
+        out.append(toks)
+    assert out[0] == out[1]
+
+
+def test_bad_input_is_rejected_clearly(engine):
+    s = engine.session(ctx=16)
+    with pytest.raises(ValueError, match=r"tokens\[1\]: expected an id in \[0, 512\), got 512"):
+        s.sync([1, 512])
+    with pytest.raises(ValueError, match="do not fit the session's ctx=16"):
+        s.sync(list(range(17)))
+    with pytest.raises(RuntimeError, match="no logits yet"):
+        _ = s.logits
+    with pytest.raises(ValueError, match="ctx: expected at least 2"):
+        engine.session(ctx=1)
+    with pytest.raises(ValueError, match="backend: expected one of"):
+        ds4.Engine.open(engine.model.path, backend="nope")
+    with pytest.raises(ValueError, match="numerics: expected 'ds4' or 'exact'"):
+        ds4.Engine.open(engine.model.path, numerics="fast")
+
+
+def test_embedding_row_matches_gguf_py(engine):
+    """The first op reads the F16 embedding straight from the mapped file."""
+    from gguf import GGMLQuantizationType
+    from gguf.quants import dequantize
+
+    t = engine.model.tensor("token_embd.weight")
+    X = engine.backend.embed(t, np.array([3, 17]))
+    want = dequantize(t.rows()[[3, 17]], GGMLQuantizationType.F16)
+    assert X.shape == (2, engine.config.n_hc, engine.config.n_embd)
+    assert np.array_equal(X[:, 2], want)
+
+
+def test_weights_stay_quantized(model_path):
+    """Every bound weight is a view into the mapped file; the decode cache is bounded."""
+    eng = ds4.Engine.open(model_path, cache_bytes=1 << 20)
+    s = eng.session(ctx=64)
+    s.sync(PROMPT[:20])
+    for layer in eng.weights.layers.values():
+        for w in (layer.attn_q_a, layer.ffn_gate_exps, layer.ffn_down_exps):
+            base = w.raw
+            while base is not None and not isinstance(base, np.memmap):
+                base = base.base
+            assert base is not None, f"{w.name} is not a view of the mapped file"
+    assert eng.backend._cached <= 1 << 20
+    # the decode of one weight equals gguf-py's
+    from gguf import GGMLQuantizationType
+    from gguf.quants import dequantize
+
+    w = eng.model.tensor("blk.3.ffn_down_exps.weight")
+    ours = dequantize_rows(w.expert(5), w.type, w.dims[0])
+    theirs = dequantize(w.expert(5), GGMLQuantizationType(int(w.type)))
+    assert np.array_equal(ours, theirs)
+
+
+def test_resident_memory_is_about_the_file_size(tmp_path):
+    """Running the tiny model (real 129k vocabulary) keeps RSS near the GGUF's size, far below
+    its float32 size."""
+    path = tmp_path / "tiny.gguf"
+    make_tiny(path, preset="tiny", seed=0)
+
+    def rss():
+        with open("/proc/self/status") as f:
+            return next(int(x.split()[1]) * 1024 for x in f if x.startswith("VmRSS"))
+
+    m = GGUFModel(path)
+    f32_bytes = sum(4 * int(np.prod(t.dims)) for t in m.tensors.values())
+    before = rss()
+    eng = ds4.Engine.open(path, cache_bytes=32 << 20)
+    s = eng.session(ctx=64)
+    s.sync(eng.tokenizer.encode_rendered("Hello there, how are you?"))
+    s.eval(int(np.argmax(s.logits)))
+    grown = rss() - before
+    assert grown < 1.15 * path.stat().st_size + (32 << 20), (grown >> 20, path.stat().st_size >> 20)
+    assert grown < f32_bytes / 2
+
+
+def test_snapshot_restore_continues_identically(engine):
+    s = engine.session(ctx=128)
+    s.sync(PROMPT[:20])
+    snap = s.snapshot()
+    s.sync(PROMPT)  # extend, then go back to the snapshot
+    s.restore(snap)
+    assert s.tokens == PROMPT[:20]
+    s.sync(PROMPT[:20] + [9, 8])
+    ref = engine.session(ctx=128)
+    ref.sync(PROMPT[:20] + [9, 8])
+    assert np.array_equal(s.logits, ref.logits)
+    with pytest.raises(ValueError, match="snapshot: expected a session layout"):
+        engine.session(ctx=64).restore(snap)
