@@ -23,16 +23,22 @@ from .core.weights import bind_weights
 
 
 class Engine:
-    def __init__(self, model: GGUFModel, backend, weights):
+    def __init__(self, model: GGUFModel, backend, weights, layers: range):
         self.model = model
         self.config = model.config
         self.backend = backend
         self.weights = weights
+        self.layers = layers
 
     @classmethod
     def open(cls, path: str | os.PathLike | None = None, backend: str = "reference",
-             numerics: str = "ds4", **backend_options) -> "Engine":
-        """Map the GGUF (None = the embedded default model) and bind it to a backend."""
+             numerics: str = "ds4", layers: range | None = None, **backend_options) -> "Engine":
+        """Map the GGUF (None = the embedded default model) and bind it to a backend.
+
+        `layers` (default: all) binds only a contiguous layer range, as a pipeline stage does:
+        the embedding is bound when the range starts at 0, the output head when it ends at the
+        last layer.
+        """
         if path is None:
             from .core.default_model import default_model_path
 
@@ -40,8 +46,15 @@ class Engine:
         model = GGUFModel(path)
         if numerics == "ds4":
             model.config.check_ds4_numerics()
+        n_layer = model.config.n_layer
+        layers = range(n_layer) if layers is None else layers
+        if layers.step != 1 or not 0 <= layers.start < layers.stop <= n_layer:
+            raise ValueError(f"layers: expected a contiguous range within [0, {n_layer}), got "
+                             f"{layers.start}:{layers.stop}")
         be = backend_class(backend)(model.config, numerics=numerics, **backend_options)
-        return cls(model, be, bind_weights(model, be.upload))
+        weights = bind_weights(model, be.upload, layers=layers, embedding=layers.start == 0,
+                               head=layers.stop == n_layer)
+        return cls(model, be, weights, layers)
 
     @cached_property
     def tokenizer(self) -> Tokenizer:
@@ -108,6 +121,9 @@ class Session:
     def _prefill(self, new: list[int]) -> None:
         """Evaluate `new` after the current tokens, in chunks aligned to prefill_cap."""
         be, w = self.engine.backend, self.engine.weights
+        if w.token_embd is None or w.output is None:
+            raise RuntimeError(f"this engine holds layers {self.engine.layers.start}:"
+                               f"{self.engine.layers.stop} only; run it as a pipeline stage")
         start = len(self._tokens)
         seq = self._tokens + new
         for a, b in chunk_bounds(start, len(seq), self.layout.prefill_cap):
