@@ -27,11 +27,21 @@ class CLIError(Exception):
         self.code = code
 
 
+def print_error(message: str) -> None:
+    """`error: message` in red on stderr."""
+    # soft_wrap: a tensor name or path is never split across lines; the terminal wraps instead.
+    err.print(Text.assemble(("error: ", "bold red"), (message, "red")), soft_wrap=True)
+
+
 def fail(message: str, code: int = 1) -> NoReturn:
     """Print `error: message` in red on stderr and exit with `code`."""
-    # soft_wrap: a tensor name or path is never split across lines; the terminal wraps instead.
-    err.print(Text("error: ", style="bold red") + Text(message, style="red"), soft_wrap=True)
+    print_error(message)
     raise typer.Exit(code)
+
+
+def print_field(key: str, value: str, width: int = 14) -> None:
+    """One `  key   value` line of a result on stdout."""
+    out.print(Text.assemble((f"  {key:<{width}}", "cyan"), value), soft_wrap=True)
 
 
 @contextlib.contextmanager
@@ -41,6 +51,8 @@ def library_errors() -> Iterator[None]:
         yield
     except CLIError as e:
         fail(e.message, e.code)
+    except BrokenPipeError:
+        raise  # the reader went away: not a failure to report
     except (ValueError, RuntimeError, OSError) as e:  # ModelError and ConfigError are ValueErrors
         fail(str(e) or type(e).__name__)
 
@@ -57,6 +69,11 @@ def progress_callback(description: str, transient: bool = False) -> Iterator[Cal
     state: dict = {}
 
     def update(i: int, n: int) -> None:
+        if not err.is_terminal:  # a log gets one line, not a redrawn bar
+            if not state:
+                state["said"] = True
+                err.print(Text(f"{description} ...", style="dim"), soft_wrap=True)
+            return
         if "bar" not in state:
             state["bar"] = progress_bar(transient)
             state["bar"].start()

@@ -13,7 +13,6 @@ from typing import Annotated, Literal, Optional
 import typer
 
 from ds4.backends import BACKENDS
-from ds4.core.chat import DEFAULT_SYSTEM
 
 # Literal[...] built from the registry, so a backend added there is accepted here too.
 BackendName = Literal[tuple(BACKENDS)]  # type: ignore[valid-type]

@@ -43,6 +43,9 @@ def write_gguf(path: str | os.PathLike, cfg: ModelConfig,
         w.close()
         with open(tmp, "rb+") as f:
             os.fsync(f.fileno())
+        umask = os.umask(0)
+        os.umask(umask)
+        os.chmod(tmp, 0o666 & ~umask)  # mkstemp made it private; a model file is not
         os.replace(tmp, path)
     except BaseException:
         Path(tmp).unlink(missing_ok=True)
