@@ -301,6 +301,12 @@ def _rate(count: int, seconds: float) -> str:
     return f"{count / seconds:.1f} tokens/s" if count and seconds > 0 else "- tokens/s"
 
 
+# Commands that live in their own modules (KV handoff, pipeline, bench).
+from . import kv  # noqa: E402
+
+kv.register(app)
+
+
 def main() -> None:
     """Console-script entry point (`ds4`)."""
     app()

@@ -181,3 +181,18 @@ class Session:
             raise ValueError(f"rewind: expected a position in [0, {len(self._tokens)}], got {pos}")
         if pos != len(self._tokens):
             self.sync(self._tokens[:pos])
+
+    def save_payload(self, dest, version: int = 2) -> int:
+        """Write the DSV4 session payload (spec §4.1) to a binary stream, or atomically to a
+        path; returns its size in bytes."""
+        from .core.payload import save_session
+
+        return save_session(self, dest, version)
+
+    def load_payload(self, src, nbytes: int | None = None) -> None:
+        """Restore the session from a DSV4 payload (bytes, a path or a binary stream; `nbytes`:
+        its exact size when the stream runs on). The next token is sampled from the saved logits,
+        without evaluating the model. Raises PayloadError, leaving the session as it was."""
+        from .core.payload import load_session
+
+        self._tokens, self._logits = load_session(self, src, nbytes)

@@ -8,6 +8,7 @@ activations stay O(1) through the whole forward pass; the vocabulary is the real
 
 from __future__ import annotations
 
+import dataclasses
 import os
 from pathlib import Path
 from typing import Callable
@@ -79,7 +80,10 @@ def make_tiny(path: str | os.PathLike, preset: str = "tiny", experts: str = "q2"
     if experts not in EXPERT_MIXES:
         raise ValueError(f"experts: expected one of {', '.join(EXPERT_MIXES)}, got {experts!r}")
     tokens, merges = preset_vocabulary(preset)
-    cfg = preset_config(preset, vocab_size=len(tokens))
+    # The seed and expert mix are in the name, so models that differ only in their random
+    # weights still get different fingerprints (which cover metadata, not weight bytes).
+    cfg = dataclasses.replace(preset_config(preset, vocab_size=len(tokens)),
+                              name=f"ds4-synthetic-{preset}-{experts}-seed{seed}")
     cfg.validate()
     specs = expected_tensors(cfg)
     gate_type, down_type = EXPERT_MIXES[experts]

@@ -1,0 +1,352 @@
+"""KV handoff commands: `ds4 prefill`, `ds4 decode`, `ds4 kv-send`, `ds4 kv-recv`.
+
+A prefill node evaluates the prompt and writes (or sends) the DSV4 session payload; a decode node
+loads (or receives) it and continues from the saved next-token logits, without re-evaluating
+anything. Transfers use DS4K (wire.md §3). `register(app)` adds the four commands to a typer app.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Annotated, Optional
+
+import typer
+from rich.text import Text
+
+from ds4.core.chat import DEFAULT_SYSTEM
+
+from .common import CLIError, err, human_bytes, library_errors, open_engine, out, resolve_model
+from .options import (MAX_SEED, BackendOption, CtxOption, MinPOption, ModelOption, NoThinkOption,
+                      NumericsOption, SeedOption, SystemOption, TempOption, TopKOption, TopPOption,
+                      check_range)
+
+DEFAULT_IO_TIMEOUT = 120.0
+
+# ---- options ------------------------------------------------------------------------------------
+
+_SIZE_UNITS = {"": 1, "K": 1 << 10, "M": 1 << 20, "G": 1 << 30, "T": 1 << 40}
+
+
+def _parse_size(value: str) -> int:
+    text = value.strip().upper().removesuffix("IB").removesuffix("B")
+    unit = text[-1:] if text[-1:] in _SIZE_UNITS else ""
+    number = text[: len(text) - len(unit)]
+    try:
+        n = int(float(number) * _SIZE_UNITS[unit])
+    except ValueError:
+        raise typer.BadParameter(f"expected a size such as 4294967296, 512M or 16G, got {value!r}") from None
+    if n <= 0:
+        raise typer.BadParameter(f"expected a positive size, got {value!r}")
+    return n
+
+
+def _check_hostport(value: str | None):
+    if value is None:
+        return None
+    from ds4.wire.ds4k import parse_hostport
+
+    try:
+        return parse_hostport(value)
+    except ValueError as e:
+        raise typer.BadParameter(str(e)) from None
+
+
+AuthTokenOption = Annotated[Optional[str], typer.Option(
+    "--auth-token", envvar="DS4_WIRE_TOKEN", show_envvar=True, show_default=False,
+    help="Shared secret both ends must know (proven with HMAC-SHA256 over a receiver nonce, "
+         "never sent in the clear).")]
+
+IoTimeoutOption = Annotated[float, typer.Option(
+    "--io-timeout", metavar="SECONDS", callback=check_range(0.0, lo_open=True),
+    help="Give up when the peer sends or accepts nothing for this long.")]
+
+HostOption = Annotated[str, typer.Option(
+    "--host", metavar="ADDR",
+    help="Address to listen on; the default accepts local senders only (0.0.0.0: any).")]
+
+MaxKvBytesOption = Annotated[str, typer.Option(
+    "--max-kv-bytes", metavar="SIZE",
+    help="Refuse payloads larger than this (bytes, or with a K/M/G/T suffix).")]
+
+ListenPort = Annotated[int, typer.Argument(
+    metavar="PORT", callback=check_range(0, 65535), show_default=False,
+    help="TCP port to listen on (0: any free port, printed on stderr).")]
+
+
+# ---- prefill ------------------------------------------------------------------------------------
+
+def prefill(
+    prompt: Annotated[Optional[str], typer.Option(
+        "--prompt", "-p", metavar="TEXT", show_default=False,
+        help="The user message; '-' reads it from stdin.")] = None,
+    prompt_file: Annotated[Optional[Path], typer.Option(
+        "--prompt-file", metavar="FILE", dir_okay=False, show_default=False,
+        help="Read the user message from FILE (UTF-8).")] = None,
+    save_kv: Annotated[Optional[Path], typer.Option(
+        "--save-kv", metavar="FILE", dir_okay=False, show_default=False,
+        help="Write the session payload to FILE (atomically).")] = None,
+    send_kv: Annotated[Optional[str], typer.Option(
+        "--send-kv", metavar="HOST:PORT", show_default=False,
+        help="Send the session payload to a `ds4 decode --recv-kv` or `ds4 kv-recv` there.")] = None,
+    model: ModelOption = None,
+    nothink: NoThinkOption = False,
+    system: SystemOption = DEFAULT_SYSTEM,
+    ctx: CtxOption = 4096,
+    backend: BackendOption = "reference",
+    numerics: NumericsOption = "ds4",
+    auth_token: AuthTokenOption = None,
+    io_timeout: IoTimeoutOption = DEFAULT_IO_TIMEOUT,
+) -> None:
+    """Prefill a prompt (no generation) and save or send the session for another node to decode."""
+    from ds4.core.chat import encode_prompt
+
+    if (prompt is None) == (prompt_file is None):
+        raise typer.BadParameter("give exactly one of --prompt and --prompt-file",
+                                 param_hint="'--prompt' / '--prompt-file'")
+    if (save_kv is None) == (send_kv is None):
+        raise typer.BadParameter("give exactly one of --save-kv and --send-kv",
+                                 param_hint="'--save-kv' / '--send-kv'")
+    dest = _check_hostport(send_kv) if send_kv is not None else None
+    with library_errors():
+        if prompt_file is not None:
+            prompt = prompt_file.read_text(encoding="utf-8")
+        elif prompt == "-":
+            prompt = sys.stdin.read()
+    eng = open_engine(model, backend, numerics)
+    with library_errors():
+        if ctx > eng.config.context_length:
+            raise CLIError(f"--ctx {ctx} is more than the model's context_length "
+                           f"{eng.config.context_length}")
+        ids = encode_prompt(eng.tokenizer, prompt, system=system or None, think=not nothink)
+        if len(ids) >= ctx:
+            raise CLIError(f"the prompt has {len(ids)} tokens, which leaves no room in "
+                           f"--ctx {ctx}; raise --ctx")
+        session = eng.session(ctx=ctx)
+        with err.status(f"prefilling {len(ids)} prompt tokens ..."):
+            t0 = time.perf_counter()
+            session.sync(ids)
+            t_prefill = time.perf_counter() - t0
+        if save_kv is not None:
+            size = session.save_payload(save_kv)
+            out.print(Text("saved ", style="green") + Text(str(save_kv), style="bold")
+                      + Text(f" ({len(ids)} tokens, {human_bytes(size)}, {size:,} bytes)"),
+                      soft_wrap=True)
+        else:
+            from ds4.wire.ds4k import send_payload
+
+            with tempfile.TemporaryDirectory(prefix="ds4-kv-") as tmp:
+                path = Path(tmp) / "session.dsv4"
+                size = session.save_payload(path)
+                with err.status(f"sending {human_bytes(size)} to {send_kv} ..."):
+                    t0 = time.perf_counter()
+                    send_payload(path, *dest, fingerprint=eng.model.fingerprint,
+                                 auth_token=auth_token, timeout=io_timeout)
+                    t_send = time.perf_counter() - t0
+            out.print(Text("sent ", style="green") + Text(send_kv, style="bold")
+                      + Text(f" ({len(ids)} tokens, {human_bytes(size)}, {size:,} bytes, "
+                             f"{_mbps(size, t_send)})"), soft_wrap=True)
+    err.print(Text(f"prompt: {len(ids)} tokens, {_rate(len(ids), t_prefill)} · payload: "
+                   f"{size / len(ids):,.0f} bytes/token", style="dim"), soft_wrap=True)
+
+
+# ---- decode -------------------------------------------------------------------------------------
+
+def decode(
+    load_kv: Annotated[Optional[Path], typer.Option(
+        "--load-kv", metavar="FILE", dir_okay=False, show_default=False,
+        help="Continue the session saved in FILE (by `ds4 prefill --save-kv`).")] = None,
+    recv_kv: Annotated[Optional[int], typer.Option(
+        "--recv-kv", metavar="PORT", callback=check_range(0, 65535), show_default=False,
+        help="Wait for a session on this TCP port (from `ds4 prefill --send-kv` or `ds4 kv-send`; "
+             "0: any free port, printed on stderr), then continue it.")] = None,
+    n: Annotated[int, typer.Option(
+        "--tokens", "-n", metavar="N", min=0,
+        help="Generate at most N tokens (fewer if the model emits end-of-sentence or the "
+             "context fills).")] = 64,
+    temp: TempOption = 1.0,
+    top_k: TopKOption = 0,
+    top_p: TopPOption = 1.0,
+    min_p: MinPOption = 0.05,
+    seed: SeedOption = None,
+    model: ModelOption = None,
+    ctx: Annotated[Optional[int], typer.Option(
+        "--ctx", "-c", metavar="TOKENS", callback=check_range(2), show_default="the saved ctx",
+        help="Session context size; at least the saved one.")] = None,
+    backend: BackendOption = "reference",
+    numerics: NumericsOption = "ds4",
+    host: HostOption = "127.0.0.1",
+    auth_token: AuthTokenOption = None,
+    max_kv_bytes: MaxKvBytesOption = "16G",
+    io_timeout: IoTimeoutOption = DEFAULT_IO_TIMEOUT,
+) -> None:
+    """Continue a prefilled session (from a file or the network), streaming the text to stdout."""
+    from ds4.core.payload import check_payload
+    from ds4.core.sampling import Rng, SamplingParams, sample
+
+    if (load_kv is None) == (recv_kv is None):
+        raise typer.BadParameter("give exactly one of --load-kv and --recv-kv",
+                                 param_hint="'--load-kv' / '--recv-kv'")
+    limit = _parse_size(max_kv_bytes)
+    with contextlib.suppress(AttributeError, ValueError):  # any text must reach a non-UTF-8 stdout
+        sys.stdout.reconfigure(errors="replace")
+    if seed is None:
+        seed = time.time_ns() & MAX_SEED
+    params = SamplingParams(temperature=temp, top_k=top_k, top_p=top_p, min_p=min_p)
+    rng = Rng(seed)
+
+    eng = open_engine(model, backend, numerics)
+    tok = eng.tokenizer
+    with library_errors(), tempfile.TemporaryDirectory(prefix="ds4-kv-") as tmp:
+        if recv_kv is not None:
+            path = Path(tmp) / "session.dsv4"
+            _receive(recv_kv, path, host, eng.model.fingerprint, eng.config, limit, auth_token,
+                     io_timeout)
+        else:
+            path = load_kv
+            if not path.is_file():
+                raise CLIError(f"KV file not found: {path}")
+        h = check_payload(path)
+        session_ctx = h.ctx if ctx is None else ctx
+        if h.ctx > session_ctx:
+            raise CLIError(f"--ctx {session_ctx} is smaller than the saved session's ctx {h.ctx}")
+        session = eng.session(ctx=session_ctx, prefill_cap=h.prefill_cap)
+        t0 = time.perf_counter()
+        session.load_payload(path)
+        t_load = time.perf_counter() - t0
+        size = path.stat().st_size
+    n_prompt = len(session.tokens)
+
+    stream = tok.stream_decoder()
+    generated, stop = 0, None
+    t0 = time.perf_counter()
+    try:
+        with library_errors():
+            while generated < n:
+                if n_prompt + generated >= session.ctx:
+                    stop = f"the context is full (ctx {session.ctx})"
+                    break
+                token = sample(session.logits, params, rng)
+                if token == tok.eos_id:
+                    break
+                _write(stream.push(token))
+                generated += 1
+                session.eval(token)
+    except KeyboardInterrupt:
+        stop = "interrupted"
+    t_gen = time.perf_counter() - t0
+    _write(stream.flush() + "\n")
+
+    if stop:
+        err.print(Text(f"stopped: {stop}", style="yellow"))
+    stats = (f"loaded: {n_prompt} tokens ({human_bytes(size)}) in {t_load:.2f} s · "
+             f"generated: {generated} tokens, {_rate(generated, t_gen)}")
+    if temp > 0:
+        stats += f" · seed {seed}"
+    err.print(Text(stats, style="dim"), soft_wrap=True)
+    if stop == "interrupted":
+        raise typer.Exit(130)
+
+
+# ---- kv-send / kv-recv --------------------------------------------------------------------------
+
+def kv_send(
+    file: Annotated[Path, typer.Argument(
+        metavar="FILE", dir_okay=False, show_default=False, help="The payload to send.")],
+    dest: Annotated[str, typer.Argument(
+        metavar="HOST:PORT", show_default=False, help="Where a `ds4 kv-recv` or "
+        "`ds4 decode --recv-kv` listens.")],
+    model: ModelOption = None,
+    auth_token: AuthTokenOption = None,
+    io_timeout: IoTimeoutOption = DEFAULT_IO_TIMEOUT,
+) -> None:
+    """Send a saved session payload to another node (DS4K). The model names it in the manifest."""
+    from ds4.core.gguf_model import GGUFModel
+    from ds4.core.payload import check_payload
+    from ds4.wire.ds4k import send_payload
+
+    host, port = _check_hostport(dest)
+    with library_errors():
+        m = GGUFModel(resolve_model(model))
+        if not file.is_file():
+            raise CLIError(f"KV file not found: {file}")
+        size = file.stat().st_size
+        check_payload(file, m.config, size)  # refuse locally what the receiver would refuse
+        with err.status(f"sending {human_bytes(size)} to {dest} ..."):
+            t0 = time.perf_counter()
+            manifest = send_payload(file, host, port, fingerprint=m.fingerprint,
+                                    auth_token=auth_token, timeout=io_timeout)
+            dt = time.perf_counter() - t0
+    out.print(Text("sent ", style="green") + Text(str(file), style="bold")
+              + Text(f" to {dest} ({manifest.n_tokens} tokens, {size:,} bytes, {_mbps(size, dt)}, "
+                     f"sha256 {manifest.sha256[:16]}…)"), soft_wrap=True)
+
+
+def kv_recv(
+    port: ListenPort,
+    out_file: Annotated[Path, typer.Option(
+        "--out", "-o", metavar="FILE", dir_okay=False, show_default=False,
+        help="Where to put the payload (written atomically; nothing is left there on failure).")],
+    model: Annotated[Optional[Path], typer.Option(
+        "--model", "-m", metavar="GGUF", dir_okay=False, show_default=False,
+        help="Accept only payloads for this model (fingerprint, layout and exact size are "
+             "checked). Without it any DSV4 payload is accepted.")] = None,
+    host: HostOption = "127.0.0.1",
+    auth_token: AuthTokenOption = None,
+    max_kv_bytes: MaxKvBytesOption = "16G",
+    io_timeout: IoTimeoutOption = DEFAULT_IO_TIMEOUT,
+) -> None:
+    """Receive one session payload from another node (DS4K) into a file."""
+    limit = _parse_size(max_kv_bytes)
+    with library_errors():
+        fingerprint = config = None
+        if model is not None:
+            from ds4.core.gguf_model import GGUFModel
+
+            m = GGUFModel(resolve_model(model))
+            fingerprint, config = m.fingerprint, m.config
+        if not out_file.resolve().parent.is_dir():
+            raise CLIError(f"--out: directory does not exist: {out_file.parent}")
+        t0 = time.perf_counter()
+        manifest = _receive(port, out_file, host, fingerprint, config, limit, auth_token, io_timeout)
+        dt = time.perf_counter() - t0
+    out.print(Text("received ", style="green") + Text(str(out_file), style="bold")
+              + Text(f" ({manifest.n_tokens} tokens, {manifest.payload_bytes:,} bytes, "
+                     f"sha256 {manifest.sha256[:16]}…, {dt:.2f} s)"), soft_wrap=True)
+
+
+def _receive(port, path, host, fingerprint, config, limit, auth_token, io_timeout):
+    from ds4.wire.ds4k import Receiver
+
+    with Receiver(port, host=host, fingerprint=fingerprint, config=config, max_bytes=limit,
+                  auth_token=auth_token, timeout=io_timeout) as r:
+        shown = f"[{r.host}]" if ":" in r.host else r.host
+        err.print(Text(f"listening on {shown}:{r.port}", style="dim"), soft_wrap=True)
+        return r.receive(path)
+
+
+# ---- helpers ------------------------------------------------------------------------------------
+
+def _write(text: str) -> None:
+    if text:
+        sys.stdout.write(text)
+        sys.stdout.flush()
+
+
+def _rate(count: int, seconds: float) -> str:
+    return f"{count / seconds:.1f} tokens/s" if count and seconds > 0 else "- tokens/s"
+
+
+def _mbps(size: int, seconds: float) -> str:
+    return f"{size / seconds / 1e6:.1f} MB/s" if seconds > 0 else "- MB/s"
+
+
+def register(app: typer.Typer) -> None:
+    """Add `prefill`, `decode`, `kv-send` and `kv-recv` to a typer app."""
+    app.command("prefill")(prefill)
+    app.command("decode")(decode)
+    app.command("kv-send")(kv_send)
+    app.command("kv-recv")(kv_recv)

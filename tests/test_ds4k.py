@@ -1,0 +1,406 @@
+"""DS4K transfers (wire.md §3) over real loopback sockets: exact bytes land atomically; a flipped
+byte in transit, a sender killed half-way, another model's payload, an over-limit size, a wrong
+auth token, a bad record and a stalled sender are each rejected with a clear reason on both ends
+and leave nothing at the destination; and the CLI's network paths (`prefill --send-kv`,
+`decode --recv-kv`, `kv-send`, `kv-recv`)."""
+
+from __future__ import annotations
+
+import io
+import os
+import select
+import signal
+import socket
+import struct
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+import typer
+from typer.testing import CliRunner
+
+import ds4
+from ds4.core.chat import encode_prompt
+from ds4.core.tiny import make_tiny, preset_config
+from ds4.wire import ds4k
+from ds4.wire.ds4k import DS4KError, Receiver, send_payload
+
+ROOT = Path(__file__).resolve().parents[1]
+PROMPT = [int(x) for x in np.random.default_rng(5).integers(0, 512, 21)]
+T_OUT = 10.0  # every socket wait in these tests is bounded
+
+
+@pytest.fixture(scope="module")
+def model_path(tmp_path_factory) -> Path:
+    return make_tiny(tmp_path_factory.mktemp("m") / "test.gguf", preset="test", seed=1)
+
+
+@pytest.fixture(scope="module")
+def eng(model_path):
+    return ds4.Engine.open(model_path)
+
+
+@pytest.fixture(scope="module")
+def payload(eng) -> bytes:
+    s = eng.session(ctx=64)
+    s.sync(PROMPT)
+    f = io.BytesIO()
+    s.save_payload(f)
+    return f.getvalue()
+
+
+class Landing(threading.Thread):
+    """receiver.receive(out) in a thread; .result is the manifest or the exception."""
+
+    def __init__(self, receiver: Receiver, out: Path):
+        super().__init__(daemon=True)
+        self.receiver, self.out, self.result = receiver, out, None
+
+    def run(self):
+        try:
+            self.result = self.receiver.receive(self.out, accept_timeout=T_OUT)
+        except BaseException as e:  # noqa: BLE001 - handed to the test
+            self.result = e
+
+    def finish(self):
+        self.join(T_OUT + 5)
+        assert not self.is_alive(), "receiver hung"
+        self.receiver.close()
+        return self.result
+
+
+def receiver(eng, **kw) -> Receiver:
+    kw.setdefault("fingerprint", eng.model.fingerprint)
+    kw.setdefault("config", eng.config)
+    kw.setdefault("timeout", T_OUT)
+    return Receiver(0, **kw)
+
+
+def assert_rejected(landing: Landing, status: int, words: list[str], dest_dir: Path):
+    err = landing.finish()
+    assert isinstance(err, DS4KError), err
+    assert err.status == status, (err.status, str(err))
+    for w in words:
+        assert w in str(err), str(err)
+    assert os.listdir(dest_dir) == [], "something was left at the destination"
+
+
+# ---- transfers ----------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("source", ["bytes", "path"])
+def test_payload_lands_byte_for_byte(eng, payload, tmp_path, source):
+    dest = tmp_path / "in"
+    dest.mkdir()
+    src: object = payload
+    if source == "path":
+        src = tmp_path / "out.dsv4"
+        src.write_bytes(payload)
+    r = receiver(eng)
+    assert r.host == "127.0.0.1"  # loopback unless told otherwise
+    land = Landing(r, dest / "s.dsv4")
+    land.start()
+    sent = send_payload(src, "127.0.0.1", r.port, fingerprint=eng.model.fingerprint, timeout=T_OUT)
+    got = land.finish()
+    assert got == sent
+    assert (sent.payload_bytes, sent.n_tokens, sent.ctx, sent.version) == (len(payload), 21, 64, 2)
+    assert sent.fingerprint == eng.model.fingerprint.hex()
+    assert (dest / "s.dsv4").read_bytes() == payload
+    assert os.listdir(dest) == ["s.dsv4"]  # no temporary file left behind
+    s = eng.session(ctx=64)
+    s.load_payload(dest / "s.dsv4")
+    assert s.tokens == PROMPT
+
+
+def test_auth_token(eng, payload, tmp_path):
+    r = receiver(eng, auth_token="s3cret")
+    land = Landing(r, tmp_path / "s.dsv4")
+    land.start()
+    send_payload(payload, "127.0.0.1", r.port, fingerprint=eng.model.fingerprint,
+                 auth_token="s3cret", timeout=T_OUT)
+    assert not isinstance(land.finish(), Exception)
+    os.unlink(tmp_path / "s.dsv4")
+
+    r = receiver(eng, auth_token="s3cret")
+    land = Landing(r, tmp_path / "s.dsv4")
+    land.start()
+    with pytest.raises(DS4KError, match="wrong auth token") as e:
+        send_payload(payload, "127.0.0.1", r.port, fingerprint=eng.model.fingerprint,
+                     auth_token="guess", timeout=T_OUT)
+    assert e.value.status == ds4k.AUTH_FAILED
+    assert_rejected(land, ds4k.AUTH_FAILED, ["wrong auth token"], tmp_path)
+
+    r = receiver(eng, auth_token="s3cret")
+    land = Landing(r, tmp_path / "s.dsv4")
+    land.start()
+    with pytest.raises(DS4KError, match="requires an auth token"):
+        send_payload(payload, "127.0.0.1", r.port, fingerprint=eng.model.fingerprint, timeout=T_OUT)
+    assert_rejected(land, ds4k.INCOMPLETE, ["closed"], tmp_path)
+
+
+class FlipProxy(threading.Thread):
+    """Forwards one connection to `port`, flipping one bit of the sender's stream at `at`."""
+
+    def __init__(self, port: int, at: int):
+        super().__init__(daemon=True)
+        self.target, self.at = port, at
+        self.lsock = socket.create_server(("127.0.0.1", 0))
+        self.port = self.lsock.getsockname()[1]
+
+    def run(self):
+        self.lsock.settimeout(T_OUT)
+        with self.lsock, self.lsock.accept()[0] as c, \
+                socket.create_connection(("127.0.0.1", self.target), timeout=T_OUT) as u:
+            c.settimeout(T_OUT)
+
+            def back():
+                try:
+                    while data := u.recv(1 << 16):
+                        c.sendall(data)
+                except OSError:
+                    pass
+                finally:
+                    try:
+                        c.shutdown(socket.SHUT_WR)
+                    except OSError:
+                        pass
+
+            t = threading.Thread(target=back, daemon=True)
+            t.start()
+            n = 0
+            try:
+                while data := c.recv(1 << 16):
+                    if n <= self.at < n + len(data):
+                        data = bytearray(data)
+                        data[self.at - n] ^= 0x10
+                    u.sendall(data)
+                    n += len(data)
+            except OSError:
+                pass
+            t.join(T_OUT)
+
+
+def test_a_flipped_byte_in_transit_is_caught(eng, payload, tmp_path):
+    r = receiver(eng)
+    land = Landing(r, tmp_path / "s.dsv4")
+    land.start()
+    proxy = FlipProxy(r.port, at=16 + 4096 + 777)  # past the record header and manifest
+    proxy.start()
+    with pytest.raises(DS4KError, match="SHA-256 mismatch") as e:
+        send_payload(payload, "127.0.0.1", proxy.port, fingerprint=eng.model.fingerprint,
+                     timeout=T_OUT)
+    assert e.value.status == ds4k.CORRUPT
+    assert_rejected(land, ds4k.CORRUPT, ["SHA-256 mismatch", "corrupted in transit"], tmp_path)
+    proxy.join(T_OUT)
+
+
+KILLED_SENDER = """
+import os, signal, sys
+from ds4.wire import ds4k
+data = open(sys.argv[1], "rb").read()
+m = ds4k.make_manifest(data, bytes.fromhex(sys.argv[3]))
+sock = ds4k.open_transfer("127.0.0.1", int(sys.argv[2]), m, timeout=10)
+sock.sendall(data[: len(data) // 2])
+os.kill(os.getpid(), signal.SIGKILL)
+"""
+
+
+def test_a_sender_killed_half_way_leaves_nothing(eng, payload, tmp_path):
+    src = tmp_path / "src.dsv4"
+    src.write_bytes(payload)
+    dest = tmp_path / "in"
+    dest.mkdir()
+    r = receiver(eng)
+    land = Landing(r, dest / "s.dsv4")
+    land.start()
+    p = subprocess.run([sys.executable, "-c", KILLED_SENDER, str(src), str(r.port),
+                        eng.model.fingerprint.hex()], cwd=ROOT, timeout=60,
+                       env={**os.environ, "PYTHONPATH": str(ROOT)}, capture_output=True, text=True)
+    assert p.returncode == -signal.SIGKILL, p.stderr
+    assert_rejected(land, ds4k.INCOMPLETE,
+                    [f"after {len(payload) // 2} of {len(payload)} payload bytes"], dest)
+
+
+def test_another_models_payload_is_refused(eng, payload, tmp_path):
+    # A receiver serving another model: refused on the manifest, before the payload moves.
+    r = receiver(eng, fingerprint=bytes(range(32)))
+    land = Landing(r, tmp_path / "s.dsv4")
+    land.start()
+    with pytest.raises(DS4KError, match="different model") as e:
+        send_payload(payload, "127.0.0.1", r.port, fingerprint=eng.model.fingerprint, timeout=T_OUT)
+    assert e.value.status == ds4k.REFUSED
+    assert_rejected(land, ds4k.REFUSED, ["different model", eng.model.fingerprint.hex()[:16]], tmp_path)
+    # A manifest without a fingerprint is refused by a receiver that has one.
+    r = receiver(eng)
+    land = Landing(r, tmp_path / "s.dsv4")
+    land.start()
+    with pytest.raises(DS4KError, match="no model fingerprint"):
+        send_payload(payload, "127.0.0.1", r.port, timeout=T_OUT)
+    assert_rejected(land, ds4k.REFUSED, ["no model fingerprint"], tmp_path)
+    # Same fingerprint claimed, but the payload's layout is another model's (the tiny preset).
+    r = receiver(eng, fingerprint=None, config=preset_config("tiny"))
+    land = Landing(r, tmp_path / "s.dsv4")
+    land.start()
+    with pytest.raises(DS4KError, match="different DS4 layout"):
+        send_payload(payload, "127.0.0.1", r.port, fingerprint=eng.model.fingerprint, timeout=T_OUT)
+    assert_rejected(land, ds4k.CORRUPT, ["was written for a different DS4 layout"], tmp_path)
+
+
+def test_an_over_limit_payload_is_refused_before_it_is_sent(eng, payload, tmp_path):
+    r = receiver(eng, max_bytes=len(payload) - 1)
+    land = Landing(r, tmp_path / "s.dsv4")
+    land.start()
+    with pytest.raises(DS4KError, match="over the receiver's limit") as e:
+        send_payload(payload, "127.0.0.1", r.port, fingerprint=eng.model.fingerprint, timeout=T_OUT)
+    assert e.value.status == ds4k.REFUSED
+    assert_rejected(land, ds4k.REFUSED, [f"{len(payload)} bytes is over", str(len(payload) - 1)], tmp_path)
+
+
+def _raw_client(port: int, record: bytes) -> tuple[int, str]:
+    with socket.create_connection(("127.0.0.1", port), timeout=T_OUT) as c:
+        hello = ds4k._recv_exact(c, ds4k.HELLO.size, "hello")
+        assert struct.unpack_from("<I", hello)[0] == ds4k.MAGIC
+        c.sendall(record)
+        return ds4k._read_reply(c, "reply")
+
+
+@pytest.mark.parametrize("record, status, words", [
+    (struct.pack("<4I", 0xDEADBEEF, 1, 0, 2) + b"{}", ds4k.BAD_RECORD, ["record magic"]),
+    (struct.pack("<4I", ds4k.MAGIC, 9, 0, 2) + b"{}", ds4k.BAD_RECORD, ["record version"]),
+    (struct.pack("<4I", ds4k.MAGIC, 1, 0, 1 << 20), ds4k.BAD_RECORD, ["manifest_bytes", "limit"]),
+    (struct.pack("<4I", ds4k.MAGIC, 1, 0, 3) + b"{x]", ds4k.BAD_RECORD, ["JSON"]),
+    (struct.pack("<4I", ds4k.MAGIC, 1, 0, 2) + b"{}", ds4k.BAD_RECORD, ["payload_bytes"]),
+])
+def test_malformed_records_are_rejected(eng, tmp_path, record, status, words):
+    r = receiver(eng)
+    land = Landing(r, tmp_path / "s.dsv4")
+    land.start()
+    got, reason = _raw_client(r.port, record)
+    assert got == status and all(w in reason for w in words), reason
+    assert_rejected(land, status, words, tmp_path)
+
+
+def test_a_stalled_sender_times_out(eng, payload, tmp_path):
+    r = receiver(eng, timeout=0.5)
+    land = Landing(r, tmp_path / "s.dsv4")
+    land.start()
+    m = ds4k.make_manifest(payload, eng.model.fingerprint)
+    with ds4k.open_transfer("127.0.0.1", r.port, m, timeout=T_OUT) as sock:
+        sock.sendall(payload[:1000])
+        assert_rejected(land, ds4k.INCOMPLETE, ["timed out", "1000 of"], tmp_path)
+
+
+def test_sender_errors(eng, payload):
+    with socket.create_server(("127.0.0.1", 0)) as s:  # a port nobody serves after close
+        port = s.getsockname()[1]
+    with pytest.raises(DS4KError, match="cannot connect"):
+        send_payload(payload, "127.0.0.1", port, timeout=1.0, connect_timeout=0.3)
+    with pytest.raises(ValueError, match="unsupported session payload version"):
+        send_payload(b"not a payload at all, but long enough to have a header......", "127.0.0.1", port)
+    assert ds4k.parse_hostport("[::1]:7000") == ("::1", 7000)
+    assert ds4k.parse_hostport(":7000") == ("127.0.0.1", 7000)
+    for bad in ("host", "host:0", "host:70000", "host:x"):
+        with pytest.raises(ValueError, match="HOST:PORT"):
+            ds4k.parse_hostport(bad)
+
+
+# ---- CLI ----------------------------------------------------------------------------------------
+
+CLI = "import typer; from cli.kv import register; app = typer.Typer(); register(app); app()"
+
+
+@pytest.fixture(scope="module")
+def cli():
+    from cli.kv import register
+
+    app = typer.Typer()
+    register(app)
+    runner = CliRunner()
+    return lambda *args, **kw: runner.invoke(app, [str(a) for a in args], **kw)
+
+
+def spawn(tmp_path, *args, env=None):
+    """Start the CLI in a subprocess and wait for its `listening on HOST:PORT` line."""
+    p = subprocess.Popen([sys.executable, "-c", CLI, *map(str, args)], cwd=ROOT, text=True,
+                         stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                         env={**os.environ, "PYTHONPATH": str(ROOT), "COLUMNS": "200",
+                              "DS4_CACHE": str(tmp_path / "cache"), **(env or {})})
+    deadline, seen = time.monotonic() + 60, ""
+    while time.monotonic() < deadline:
+        ready, _, _ = select.select([p.stderr], [], [], 1.0)
+        if ready:
+            line = p.stderr.readline()
+            seen += line
+            if line.startswith("listening on "):
+                return p, int(line.rsplit(":", 1)[1])
+            if not line and p.poll() is not None:
+                break
+    p.kill()
+    raise AssertionError(f"the receiver did not start: {seen}")
+
+
+def finish(p):
+    try:
+        out, err = p.communicate(timeout=60)
+    finally:
+        p.kill()
+    return p.returncode, out, err
+
+
+def test_cli_prefill_send_kv_to_decode_recv_kv(cli, eng, model_path, tmp_path):
+    prompt = "Hello there"
+    ids = encode_prompt(eng.tokenizer, prompt)
+    s = eng.session(ctx=4096)
+    s.sync(ids)
+    want = []
+    while len(want) < 8 and int(np.argmax(s.logits)) != eng.tokenizer.eos_id:
+        want.append(int(np.argmax(s.logits)))
+        s.eval(want[-1])
+    p, port = spawn(tmp_path, "decode", "-m", model_path, "--recv-kv", 0, "-n", 8, "--temp", 0,
+                    "--io-timeout", 30)
+    r = cli("prefill", "-m", model_path, "-p", prompt, "--send-kv", f"127.0.0.1:{port}")
+    rc, out, err = finish(p)
+    assert r.exit_code == 0, r.output
+    assert "sent" in r.stdout
+    assert rc == 0, err
+    assert out == eng.tokenizer.decode(want) + "\n"
+    assert f"loaded: {len(ids)} tokens" in err
+
+
+def test_cli_kv_send_and_kv_recv(cli, eng, model_path, payload, tmp_path):
+    src = tmp_path / "s.dsv4"
+    src.write_bytes(payload)
+    dest = tmp_path / "in"
+    dest.mkdir()
+    p, port = spawn(tmp_path, "kv-recv", 0, "--out", dest / "r.dsv4", "-m", model_path,
+                    env={"DS4_WIRE_TOKEN": "tok"})
+    r = cli("kv-send", src, f"127.0.0.1:{port}", "-m", model_path, "--auth-token", "tok")
+    rc, out, err = finish(p)
+    assert r.exit_code == 0 and rc == 0, r.output + err
+    assert "sent" in r.stdout and "received" in out
+    assert (dest / "r.dsv4").read_bytes() == payload and os.listdir(dest) == ["r.dsv4"]
+
+    # A refused transfer: both ends exit 1 with the reason, and nothing lands.
+    os.unlink(dest / "r.dsv4")
+    p, port = spawn(tmp_path, "kv-recv", 0, "--out", dest / "r.dsv4", "-m", model_path,
+                    "--max-kv-bytes", "1K")
+    r = cli("kv-send", src, f"127.0.0.1:{port}", "-m", model_path)
+    rc, out, err = finish(p)
+    assert r.exit_code == 1 and rc == 1
+    assert "over the receiver's limit" in r.stderr and "over the receiver's limit" in err
+    assert "Traceback" not in r.output + err
+    assert os.listdir(dest) == []
+
+
+def test_cli_kv_send_checks_the_file_first(cli, model_path, payload, tmp_path):
+    bad = tmp_path / "bad.dsv4"
+    bad.write_bytes(payload[:-4])
+    r = cli("kv-send", bad, "127.0.0.1:9", "-m", model_path)
+    assert r.exit_code == 1 and "missing payload bytes" in r.stderr
+    r = cli("kv-send", tmp_path / "none.dsv4", "127.0.0.1:9", "-m", model_path)
+    assert r.exit_code == 1 and "not found" in r.stderr
+    r = cli("kv-recv", 0, "--out", tmp_path / "no" / "dir" / "x.dsv4")
+    assert r.exit_code == 1 and "does not exist" in r.stderr
