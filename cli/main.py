@@ -24,6 +24,8 @@ from rich.text import Text
 from ds4.core.chat import DEFAULT_SYSTEM
 from ds4.core.tiny import EXPERT_MIXES, PRESETS
 
+from . import kv, pipe
+from .pipe import AuthTokenOption, LayersOption, SplitNextOption, open_split_engine
 from .common import (CLIError, err, human_bytes, library_errors, open_engine, out, print_error,
                      print_field, progress_callback, resolve_model)
 from .options import (MAX_SEED, BackendOption, CtxOption, MinPOption, ModelArgument, ModelOption,
@@ -230,10 +232,16 @@ def generate(
     ctx: CtxOption = 4096,
     backend: BackendOption = "reference",
     numerics: NumericsOption = "ds4",
+    split_next: SplitNextOption = None,
+    layers: LayersOption = None,
+    auth_token: AuthTokenOption = None,
 ) -> None:
-    """Generate a reply to one prompt, streaming the text to stdout (stats go to stderr)."""
-    from ds4.core.chat import encode_prompt
-    from ds4.core.sampling import Rng, SamplingParams, sample
+    """Generate a reply to one prompt, streaming the text to stdout (stats go to stderr).
+
+    With --split-next HOST:PORT --layers 0:A this process runs layers [0, A) and the
+    `ds4 pipe-worker` chain at HOST:PORT runs the rest (token-identical to an unsplit run).
+    """
+    from ds4.core.sampling import Rng, SamplingParams
 
     if prompt == "-":
         prompt = sys.stdin.read()
@@ -244,7 +252,26 @@ def generate(
     params = SamplingParams(temperature=temp, top_k=top_k, top_p=top_p, min_p=min_p)
     rng = Rng(seed)
 
-    eng = open_engine(model, backend, numerics)
+    if split_next:
+        eng = open_split_engine(model, backend, numerics, split_next, layers, ctx=ctx,
+                                sampling=params, auth_token=auth_token)
+    elif layers:
+        with library_errors():
+            raise CLIError("--layers is only used with --split-next")
+    else:
+        eng = open_engine(model, backend, numerics)
+    try:
+        _generate(eng, prompt, n, params, rng, seed, nothink, system, ctx)
+    finally:
+        close = getattr(eng, "close", None)
+        if close:
+            close()
+
+
+def _generate(eng, prompt, n, params, rng, seed, nothink, system, ctx) -> None:
+    from ds4.core.chat import encode_prompt
+    from ds4.pipeline import next_token
+
     tok = eng.tokenizer
     with library_errors():
         if ctx > eng.config.context_length:
@@ -269,7 +296,7 @@ def generate(
                 if len(ids) + generated >= ctx:
                     stop = f"the context is full (--ctx {ctx})"
                     break
-                token = sample(session.logits, params, rng)
+                token = next_token(session, params, rng)
                 if token == tok.eos_id:
                     break
                 _write(stream.push(token))
@@ -284,7 +311,7 @@ def generate(
         err.print(Text(f"stopped: {stop}", style="yellow"))
     stats = (f"prompt: {len(ids)} tokens, {_rate(len(ids), t_prefill)} · "
              f"generated: {generated} tokens, {_rate(generated, t_gen)}")
-    if temp > 0:
+    if params.temperature > 0:
         stats += f" · seed {seed}"
     err.print(Text(stats, style="dim"), soft_wrap=True)
     if stop == "interrupted":
@@ -302,9 +329,8 @@ def _rate(count: int, seconds: float) -> str:
 
 
 # Commands that live in their own modules (KV handoff, pipeline, bench).
-from . import kv  # noqa: E402
-
 kv.register(app)
+pipe.register(app)
 
 
 def main() -> None:

@@ -168,3 +168,18 @@ def test_snapshot_restore_continues_identically(engine):
     assert np.array_equal(s.logits, ref.logits)
     with pytest.raises(ValueError, match="snapshot: expected a session layout"):
         engine.session(ctx=64).restore(snap)
+
+
+def test_output_argmax_is_the_argmax_of_each_rows_logits(engine, monkeypatch):
+    """The batched greedy head (a pipeline's last stage) equals the per-row head's argmax,
+    also when the head is decoded in several row blocks."""
+    import ds4.backends.reference.backend as ref
+
+    monkeypatch.setattr(ref, "HEAD_BLOCK_ROWS", 100)
+    be, w = engine.backend, engine.weights
+    X = np.random.default_rng(0).standard_normal((5, engine.config.n_hc, engine.config.n_embd))
+    X = X.astype(np.float32)
+    want = [int(np.argmax(be.output_logits(X[i:i + 1], w.output_hc, w.output_norm, w.output)))
+            for i in range(5)]
+    got = be.output_argmax(X, w.output_hc, w.output_norm, w.output)
+    assert list(got) == want

@@ -59,6 +59,10 @@ class Backend(ABC):
     @abstractmethod
     def to_numpy(self, x: Array) -> np.ndarray: ...
 
+    def from_numpy(self, x: np.ndarray) -> Array:
+        """A host float32 array as this backend's array (a pipeline stage's incoming rows)."""
+        raise NotImplementedError(f"backend {self.name} has no from_numpy")
+
     # ---- ops ------------------------------------------------------------------------------------
 
     @abstractmethod
@@ -132,3 +136,13 @@ class Backend(ABC):
     @abstractmethod
     def output_logits(self, X: Array, hc: HyperConnection, norm, out) -> Array:
         """Output head (§3.8) of the last row of X [n, HC, E] -> float32 logits [vocab]."""
+
+    def output_argmax(self, X: Array, hc: HyperConnection, norm, out) -> np.ndarray:
+        """Greedy id after every row of X (first index of the maximum), [n] int64.
+
+        The last pipeline stage answers a prefill frame with one id per position. This default
+        runs the head row by row; a backend overrides it to read the head's weights once."""
+        ids = np.empty(X.shape[0], dtype=np.int64)
+        for i in range(X.shape[0]):
+            ids[i] = int(np.argmax(self.to_numpy(self.output_logits(X[i:i + 1], hc, norm, out))))
+        return ids

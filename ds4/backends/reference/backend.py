@@ -107,6 +107,9 @@ class ReferenceBackend(Backend):
     def to_numpy(self, x):
         return np.asarray(x)
 
+    def from_numpy(self, x):
+        return np.ascontiguousarray(x, dtype=np.float32)
+
     # ---- ops ------------------------------------------------------------------------------------
 
     def embed(self, token_embd: Tensor, tokens):
@@ -279,19 +282,38 @@ class ReferenceBackend(Backend):
     def add(self, a, b):
         return a + b
 
-    def output_logits(self, X, hc, norm, out):
+    def _head_input(self, X, hc, norm):
+        """§3.8 up to the LM head: mHC collapse with the head's weights, then the final norm."""
         cfg = self.cfg
-        x = X[-1:]  # [1, HC, E]
-        flat = _rms(x.reshape(1, -1), cfg.rms_eps)
+        flat = _rms(X.reshape(X.shape[0], -1), cfg.rms_eps)
         mix = _matvecs(flat, self._matrix(hc.fn))
         pre = _sigmoid(mix * self._vector(hc.scale)[0] + self._vector(hc.base)) + np.float32(cfg.hc_eps)
-        h = self.rms_norm((pre[:, :, None] * x).sum(axis=1).astype(np.float32), norm)[0]
-        logits = np.empty(out.dims[1], dtype=np.float32)
+        return self.rms_norm((pre[:, :, None] * X).sum(axis=1).astype(np.float32), norm)
+
+    def _head_blocks(self, out):
+        """The LM head decoded in bounded row blocks (it is the largest matrix of the model)."""
         rows = out.rows()
-        for r in range(0, rows.shape[0], HEAD_BLOCK_ROWS):  # bounded decode of the big head
-            blk = dequantize_rows(rows[r: r + HEAD_BLOCK_ROWS], out.type, out.dims[0])
+        for r in range(0, rows.shape[0], HEAD_BLOCK_ROWS):
+            yield r, dequantize_rows(rows[r: r + HEAD_BLOCK_ROWS], out.type, out.dims[0])
+
+    def output_logits(self, X, hc, norm, out):
+        h = self._head_input(X[-1:], hc, norm)[0]
+        logits = np.empty(out.dims[1], dtype=np.float32)
+        for r, blk in self._head_blocks(out):
             logits[r: r + blk.shape[0]] = blk @ h
         return logits
+
+    def output_argmax(self, X, hc, norm, out):
+        h = self._head_input(X, hc, norm)
+        best = np.full(X.shape[0], -np.inf, dtype=np.float32)
+        ids = np.zeros(X.shape[0], dtype=np.int64)
+        for r, blk in self._head_blocks(out):
+            scores = _matvecs(h, blk)  # row by row, as output_logits computes them
+            arg = np.argmax(scores, axis=1)
+            val = scores[np.arange(len(arg)), arg]
+            better = val > best  # strict: on a tie the earlier block (lower id) keeps it
+            best[better], ids[better] = val[better], r + arg[better]
+        return ids
 
 
 def sinkhorn(c: np.ndarray, iters: int, eps: float) -> np.ndarray:

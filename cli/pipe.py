@@ -1,0 +1,149 @@
+"""`ds4 pipe-worker` and the head side of `ds4 generate --split-next` (wire.md §1).
+
+    ds4 pipe-worker 9001 3:5 -m model.gguf                    # the last stage
+    ds4 pipe-worker 9000 1:3 -m model.gguf --next host:9001   # a middle stage
+    ds4 generate -m model.gguf --split-next host:9000 --layers 0:1 -p "..."
+
+cli/main.py registers the worker with `register(app)`; `generate` opens its engine with
+`open_split_engine(...)` when --split-next is given and draws every token with
+`ds4.pipeline.next_token(session, params, rng)` (works for split and unsplit sessions).
+`python -m cli.pipe pipe-worker ...` runs the same command without cli/main.py.
+"""
+
+from __future__ import annotations
+
+import logging
+import signal
+import sys
+from pathlib import Path
+from typing import Annotated, Optional
+
+import typer
+
+from .common import CLIError, library_errors, resolve_model
+from .options import BackendOption, CtxOption, ModelOption, NumericsOption, check_range
+
+# ---- options generate can reuse ------------------------------------------------------------------
+
+SplitNextOption = Annotated[Optional[str], typer.Option(
+    "--split-next", metavar="HOST:PORT", show_default=False,
+    help="Run only layers --layers 0:A here and the rest on the `ds4 pipe-worker` chain at "
+         "HOST:PORT.")]
+
+LayersOption = Annotated[Optional[str], typer.Option(
+    "--layers", metavar="0:A", show_default=False,
+    help="With --split-next: the layers this head runs (it owns the embedding, so 0:A).")]
+
+AuthTokenOption = Annotated[Optional[str], typer.Option(
+    "--auth-token", metavar="TOKEN", envvar="DS4_WIRE_TOKEN", show_default=False,
+    help="Shared secret proven in the qkp hello (HMAC over a nonce); also read from "
+         "DS4_WIRE_TOKEN.")]
+
+IoTimeoutOption = Annotated[float, typer.Option(
+    "--io-timeout", metavar="SECONDS", callback=check_range(0.0, lo_open=True),
+    help="Longest wait for any read from a peer (a frame's bytes, a reply).")]
+
+
+def open_split_engine(model: Path | None, backend: str, numerics: str, split_next: str,
+                      layers: str | None, *, ctx: int | None = None, slots: int = 1,
+                      snapshots: int = 0, sampling=None, auth_token: str | None = None,
+                      io_timeout: float = 120.0, connect: bool = True):
+    """The head of a pipeline split, for `generate --split-next HOST:PORT --layers 0:A`.
+
+    Returns a `ds4.pipeline.SplitEngine` (`.session(ctx)`, `.tokenizer`, `.config`, `.close()`);
+    its sessions have `sync`, `eval`, `tokens` and `next_token(params, rng)`. `sampling` (the
+    command's SamplingParams) decides how many candidates the last stage returns, so pass the
+    parameters `next_token` will be called with. `connect` checks the chain now, so a refused
+    hello is an error before the prompt is prefilled. Failures end the command with one
+    `error:` line (exit code 1), like every other library error.
+    """
+    from ds4.pipeline import SplitEngine
+
+    with library_errors():
+        if not layers:
+            raise CLIError("--split-next needs --layers 0:A (the layers this head runs)")
+        path = resolve_model(model)
+        eng = SplitEngine.open(path, split_next, layers, backend=backend, numerics=numerics,
+                               slots=slots, snapshots=snapshots, sampling=sampling,
+                               auth_token=auth_token, ctx=ctx, io_timeout=io_timeout)
+        if connect:
+            eng.connect()
+        return eng
+
+
+def register(app: typer.Typer) -> None:
+    app.command("pipe-worker")(pipe_worker)
+
+
+def pipe_worker(
+    port: Annotated[int, typer.Argument(
+        metavar="PORT", callback=check_range(0, 65535),
+        help="TCP port to listen on (0 picks a free one; the first stdout line says which).")],
+    layers: Annotated[str, typer.Argument(
+        metavar="A:B", help="The layers this stage serves, [A, B); B = the model's layer count "
+                            "makes it the last stage, which also runs the output head.")],
+    model: ModelOption = None,
+    backend: BackendOption = "reference",
+    numerics: NumericsOption = "ds4",
+    slots: Annotated[int, typer.Option(
+        "--slots", metavar="N", callback=check_range(1, 4096),
+        help="Sequences this stage holds at once (must cover the head's).")] = 1,
+    ctx: CtxOption = 4096,
+    snapshots: Annotated[int, typer.Option(
+        "--snapshots", metavar="N", callback=check_range(0, 1 << 16),
+        help="Snapshot entries for SAVE/LOAD (keep equal on every stage and the head).")] = 0,
+    max_rows: Annotated[int, typer.Option(
+        "--max-rows", metavar="N", callback=check_range(1),
+        help="Most token rows in one frame (prefill chunk); at most --ctx.")] = 512,
+    host: Annotated[str, typer.Option(
+        "--host", help="Address to bind; 0.0.0.0 serves other machines.")] = "127.0.0.1",
+    auth_token: AuthTokenOption = None,
+    next_stage: Annotated[Optional[str], typer.Option(
+        "--next", metavar="HOST:PORT", show_default=False,
+        help="The next stage (required unless B is the model's layer count).")] = None,
+    io_timeout: IoTimeoutOption = 120.0,
+    idle_timeout: Annotated[float, typer.Option(
+        "--idle-timeout", metavar="SECONDS", callback=check_range(0.0, lo_open=True),
+        help="Close a client connection that sends no frame for this long.")] = 3600.0,
+    verbose: Annotated[bool, typer.Option("--verbose", "-v", help="Log every connection.")] = False,
+) -> None:
+    """Serve layers A:B of a model as one pipeline stage (qkp4, wire.md §1)."""
+    from ds4.pipeline import serve
+
+    logging.basicConfig(stream=sys.stderr, level=logging.INFO if verbose else logging.WARNING,
+                        format="pipe-worker: %(message)s")
+    with library_errors():
+        path = resolve_model(model)
+        worker = serve(path, layers, port=port, backend=backend, numerics=numerics, slots=slots,
+                       ctx=ctx, snapshots=snapshots, max_rows=min(max_rows, ctx), host=host,
+                       auth_token=auth_token, next_addr=next_stage, io_timeout=io_timeout,
+                       idle_timeout=idle_timeout)
+    st = worker.stage
+    h = st.hello
+    role = "last stage" if st.last else f"next {next_stage}"
+    print(f"listening on {host}:{worker.port} (layers {h.layer_first}:{h.layer_end} of "
+          f"{h.n_layer}, {role}, {st.backend.name}, slots {h.n_slots}, ctx {h.n_ctx})", flush=True)
+
+    def _terminate(signum, frame):
+        raise KeyboardInterrupt
+
+    signal.signal(signal.SIGTERM, _terminate)
+    try:
+        worker.serve_forever()
+    except KeyboardInterrupt:
+        worker.stop()
+
+
+def _standalone() -> typer.Typer:
+    app = typer.Typer(add_completion=False, no_args_is_help=True)
+
+    @app.callback()
+    def _root() -> None:
+        """ds4 pipeline commands (the same as `ds4 pipe-worker`)."""
+
+    register(app)
+    return app
+
+
+if __name__ == "__main__":
+    _standalone()()

@@ -1,0 +1,397 @@
+"""qkp4: the pipeline-stage wire (shared/spec/wire.md §1).
+
+One model is served as contiguous layer ranges; the head sends the mHC state rows (n_hc × n_embd
+float32 per token) and the token ids of each chunk to the next stage, which runs its layers and
+either forwards the rows to its own next stage or, as the last stage, answers with greedy ids
+and the top-k candidates of the final position. Everything is little-endian and fixed-layout.
+
+Connection, client first:
+
+    client -> {u32 magic, u32 flags}
+    [flags & FLAG_AUTH]  worker -> 32-byte nonce;  client -> HMAC-SHA256(token, AUTH_CONTEXT + nonce)
+    worker -> Hello (48 bytes)
+
+then frames: a 20-byte `Header` {op, slot, n, base, topk} plus the op's payload (see `Header`).
+
+Choices this module makes where the spec leaves room (all ours, all local to qkp4):
+* The auth proof is HMAC-SHA256 keyed by the token over `AUTH_CONTEXT + nonce`. A worker that
+  has a token refuses a client without a proof or with a wrong one by closing the connection;
+  a worker without a token reads and ignores a proof.
+* flags bit1 (`FLAG_EXACT`) says the client runs "exact" numerics (clear: "ds4" numerics). Both
+  ends of a link must compute the same function, and the hello has no other room to say so; a
+  worker refuses a client whose numerics differ from its own.
+* A reply pads the top-k list with (NO_TOKEN, -inf) when fewer than `topk` logits are finite,
+  and a greedy id is NO_TOKEN when a position has no finite logit at all.
+* A chain vouches for itself: a middle stage answers a hello only after its own next stage's
+  hello passed the checks the head applies (`check_next_stage`), so the head, which sees only
+  the first worker, knows the chain reaches n_layer. A middle stage passes `topk` through to
+  the last stage (the `answers_topk` of `check_header`); a stage that neither is last nor
+  forwards refuses topk > 0.
+* SAVE/LOAD statuses: see STATUS_TEXT. A snapshot index outside the worker's `--snapshots`
+  is answered with a status, not a closed connection: it says nothing about framing.
+
+The limits every length is checked against come from the `Hello` of the receiving stage; a frame
+is fully validated against them (header first, then the token ids) before anything is allocated
+from its lengths or applied to a slot. `read_frame` takes a `recv_exact(n)` callable so the same
+code reads a socket and, in tests, a recording fake.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import hmac
+import os
+import select
+import socket
+import struct
+import time
+from dataclasses import dataclass
+from typing import Callable
+
+import numpy as np
+
+MAGIC = 0x716B7034  # "qkp4"
+FLAG_AUTH = 1 << 0
+FLAG_EXACT = 1 << 1
+KNOWN_FLAGS = FLAG_AUTH | FLAG_EXACT
+
+EVAL, BYE, SAVE, LOAD = 1, 2, 3, 4
+OPS = {EVAL: "EVAL", BYE: "BYE", SAVE: "SAVE", LOAD: "LOAD"}
+
+TOPK_MAX = 256
+NO_TOKEN = 0xFFFFFFFF
+NONCE_BYTES = 32
+PROOF_BYTES = 32
+AUTH_CONTEXT = b"ds4 qkp4 auth v1\0"
+
+# Sanity bounds on a peer's hello, so that even a hostile hello cannot make the client size
+# anything absurd (the client also requires every dimension to equal its own model's).
+MAX_ROW_FLOATS = 1 << 22
+MAX_FRAME_BYTES = 1 << 31
+SMALL_SEND = 1 << 17
+
+CLIENT_HELLO = struct.Struct("<II")
+HELLO = struct.Struct("<10IQ")
+HEADER = struct.Struct("<5I")
+STATUS = struct.Struct("<I")
+PAIR = np.dtype([("id", "<u4"), ("logit", "<f4")])
+
+STATUS_OK = 0
+STATUS_NO_SNAPSHOT = 1  # LOAD of an index nothing was saved to (or saved by another count)
+STATUS_BAD_INDEX = 2  # index >= the worker's --snapshots
+STATUS_COUNT_MISMATCH = 3  # the live token count is not what the slot holds
+STATUS_DOWNSTREAM = 4  # a later stage answered with a non-zero status
+STATUS_TEXT = {
+    STATUS_OK: "ok",
+    STATUS_NO_SNAPSHOT: "no such snapshot",
+    STATUS_BAD_INDEX: "snapshot index out of range",
+    STATUS_COUNT_MISMATCH: "live token count does not match the slot",
+    STATUS_DOWNSTREAM: "a later stage refused",
+}
+
+
+class QkpError(Exception):
+    """A protocol violation; `field` names the offending field (for the log line)."""
+
+    def __init__(self, field: str, message: str):
+        super().__init__(f"{field}: {message}")
+        self.field = field
+
+
+class QkpClosed(QkpError):
+    """The peer closed the connection (or it timed out) while a record was expected."""
+
+
+class HelloRefused(QkpError):
+    """The peer's hello does not fit this end (wrong model, range, sizes); says exactly why."""
+
+
+# ---- records --------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Hello:
+    """What a stage tells its client: its layers, the model's dimensions and its limits."""
+
+    layer_first: int
+    layer_end: int
+    n_layer: int
+    n_embd: int
+    n_hc: int
+    n_slots: int
+    n_ctx: int
+    n_vocab: int
+    max_rows: int
+    fingerprint: int  # first 8 bytes of the model fingerprint, little-endian
+
+    @property
+    def row_floats(self) -> int:
+        return self.n_hc * self.n_embd
+
+    @property
+    def last(self) -> bool:
+        return self.layer_end == self.n_layer
+
+    def pack(self) -> bytes:
+        return HELLO.pack(MAGIC, self.layer_first, self.layer_end, self.n_layer, self.n_embd,
+                          self.n_hc, self.n_slots, self.n_ctx, self.n_vocab, self.max_rows,
+                          self.fingerprint)
+
+    @classmethod
+    def unpack(cls, buf: bytes) -> "Hello":
+        magic, *rest = HELLO.unpack(buf)
+        if magic != MAGIC:
+            raise QkpError("magic", f"expected {MAGIC:#010x} (qkp4), got {magic:#010x}")
+        hello = cls(*rest)
+        hello.check()
+        return hello
+
+    def check(self) -> None:
+        """Internal consistency; raises QkpError naming the first bad field."""
+        if not 0 <= self.layer_first < self.layer_end <= self.n_layer:
+            raise QkpError("layer_first", f"expected 0 <= first < end <= n_layer, got "
+                           f"{self.layer_first}:{self.layer_end} of {self.n_layer}")
+        for name in ("n_embd", "n_hc", "n_slots", "n_ctx", "n_vocab", "max_rows"):
+            if getattr(self, name) < 1:
+                raise QkpError(name, f"expected at least 1, got {getattr(self, name)}")
+        if self.row_floats > MAX_ROW_FLOATS:
+            raise QkpError("n_embd", f"n_hc × n_embd = {self.row_floats} floats per row is over "
+                           f"the limit {MAX_ROW_FLOATS}")
+        if self.max_rows > self.n_ctx:
+            raise QkpError("max_rows", f"expected at most n_ctx={self.n_ctx}, got {self.max_rows}")
+        if self.max_rows * (4 + 4 * self.row_floats) > MAX_FRAME_BYTES:
+            raise QkpError("max_rows", f"a frame of {self.max_rows} rows would be over "
+                           f"{MAX_FRAME_BYTES} bytes")
+
+    def request_bytes(self, h: "Header") -> int:
+        """Payload bytes that follow a (validated) header."""
+        return h.n * (4 + 4 * self.row_floats) if h.op == EVAL else 0
+
+    def eval_reply_bytes(self, n: int, topk: int) -> int:
+        """Reply to an EVAL from a stage that answers with ids (the last stage, or a chain)."""
+        return 4 * n + PAIR.itemsize * topk
+
+
+@dataclass(frozen=True)
+class Header:
+    """Frame header. EVAL: `n` token ids then `n` rows for positions [base, base + n);
+    SAVE/LOAD: `n` = snapshot index, `topk` = live token count; BYE: nothing."""
+
+    op: int
+    slot: int
+    n: int
+    base: int
+    topk: int
+
+    def pack(self) -> bytes:
+        return HEADER.pack(self.op, self.slot, self.n, self.base, self.topk)
+
+    @classmethod
+    def unpack(cls, buf: bytes) -> "Header":
+        return cls(*HEADER.unpack(buf))
+
+
+def check_header(h: Header, limits: Hello, *, answers_topk: bool) -> None:
+    """Validate a header against the receiving stage's hello before reading its payload.
+
+    `answers_topk`: the stage can honour topk > 0 (it is the last stage, or it forwards to one).
+    """
+    if h.op not in OPS:
+        raise QkpError("op", f"expected one of {sorted(OPS)}, got {h.op}")
+    if h.op == BYE:
+        return
+    if h.slot >= limits.n_slots:
+        raise QkpError("slot", f"expected < {limits.n_slots}, got {h.slot}")
+    if h.op == EVAL:
+        if not 1 <= h.n <= limits.max_rows:
+            raise QkpError("n", f"expected 1..{limits.max_rows} rows, got {h.n}")
+        if h.base > limits.n_ctx - h.n:
+            raise QkpError("base", f"positions {h.base}+{h.n} run past n_ctx={limits.n_ctx}")
+        if h.topk > TOPK_MAX:
+            raise QkpError("topk", f"expected at most {TOPK_MAX}, got {h.topk}")
+        if h.topk and not answers_topk:
+            raise QkpError("topk", f"expected 0 on a stage that is not the last, got {h.topk}")
+    else:  # SAVE / LOAD: n is the snapshot index (answered by status), topk the token count
+        if h.topk > limits.n_ctx:
+            raise QkpError("topk", f"live token count {h.topk} is over n_ctx={limits.n_ctx}")
+
+
+@dataclass
+class Frame:
+    header: Header
+    tokens: np.ndarray | None = None  # uint32 [n]
+    rows: np.ndarray | None = None  # float32 [n, n_hc, n_embd]
+
+
+RecvExact = Callable[[int], bytes | bytearray | memoryview]
+
+
+def read_frame(recv_exact: RecvExact, limits: Hello, *, answers_topk: bool,
+               header: bytes | None = None) -> Frame:
+    """Read one frame: the header (unless given), its checks, then exactly the payload the
+    checks allowed, whose token ids are checked before the rows are read."""
+    h = Header.unpack(bytes(recv_exact(HEADER.size) if header is None else header))
+    check_header(h, limits, answers_topk=answers_topk)
+    if h.op != EVAL:
+        return Frame(h)
+    tokens = np.frombuffer(recv_exact(4 * h.n), dtype="<u4")
+    bad = np.flatnonzero(tokens >= limits.n_vocab)
+    if bad.size:
+        raise QkpError("tokens", f"token id {int(tokens[bad[0]])} at row {int(bad[0])} is not "
+                       f"below n_vocab={limits.n_vocab}")
+    rows = np.frombuffer(recv_exact(4 * h.n * limits.row_floats), dtype="<f4")
+    return Frame(h, tokens, rows.reshape(h.n, limits.n_hc, limits.n_embd))
+
+
+def pack_eval_reply(ids: np.ndarray, candidates: list[tuple[int, float]], topk: int) -> bytes:
+    pairs = np.empty(topk, dtype=PAIR)
+    pairs["id"] = NO_TOKEN
+    pairs["logit"] = -np.inf
+    for i, (tid, logit) in enumerate(candidates[:topk]):
+        pairs[i] = (tid, logit)
+    return np.asarray(ids, dtype="<u4").tobytes() + pairs.tobytes()
+
+
+def unpack_eval_reply(buf: bytes, n: int, topk: int) -> tuple[np.ndarray, np.ndarray]:
+    """-> (ids uint32 [n], pairs PAIR [topk]); `buf` is exactly eval_reply_bytes(n, topk)."""
+    ids = np.frombuffer(buf, dtype="<u4", count=n)
+    pairs = np.frombuffer(buf, dtype=PAIR, count=topk, offset=4 * n)
+    return ids, pairs
+
+
+# ---- hello and auth ---------------------------------------------------------------------------------
+
+
+def auth_proof(token: str | bytes, nonce: bytes) -> bytes:
+    key = token.encode() if isinstance(token, str) else token
+    return hmac.new(key, AUTH_CONTEXT + nonce, hashlib.sha256).digest()
+
+
+def client_handshake(conn: "Conn", token: str | None, exact: bool) -> Hello:
+    """Send the client hello (and the auth proof), return the stage's validated hello."""
+    flags = (FLAG_AUTH if token else 0) | (FLAG_EXACT if exact else 0)
+    conn.send(CLIENT_HELLO.pack(MAGIC, flags))
+    if token:
+        nonce = bytes(conn.recv_exact(NONCE_BYTES))
+        conn.send(auth_proof(token, nonce))
+    return Hello.unpack(bytes(conn.recv_exact(HELLO.size)))
+
+
+def read_client_hello(conn: "Conn", token: str | None, exact: bool) -> int:
+    """The stage's half of the hello up to (not including) its reply: read the client hello,
+    verify the auth proof and the numerics. Returns the client's flags; the caller then sends
+    its `Hello` (a middle stage first makes sure its own next stage is there)."""
+    magic, flags = CLIENT_HELLO.unpack(bytes(conn.recv_exact(CLIENT_HELLO.size)))
+    if magic != MAGIC:
+        raise QkpError("magic", f"expected {MAGIC:#010x} (qkp4), got {magic:#010x}")
+    if flags & ~KNOWN_FLAGS:
+        raise QkpError("flags", f"unknown bits {flags & ~KNOWN_FLAGS:#x}")
+    if bool(flags & FLAG_EXACT) != exact:
+        theirs, ours = ("exact", "ds4") if flags & FLAG_EXACT else ("ds4", "exact")
+        raise QkpError("flags", f"the client runs {theirs} numerics, this stage {ours}")
+    if flags & FLAG_AUTH:
+        nonce = os.urandom(NONCE_BYTES)
+        conn.send(nonce)
+        proof = bytes(conn.recv_exact(PROOF_BYTES))
+        if token and not hmac.compare_digest(proof, auth_proof(token, nonce)):
+            raise QkpError("auth", "wrong auth token")
+    elif token:
+        raise QkpError("auth", "this stage requires an auth token and the client sent no proof")
+    return flags
+
+
+def check_next_stage(peer: Hello, *, layer_end: int, n_layer: int, n_embd: int, n_hc: int,
+                     n_vocab: int, fingerprint: int, n_slots: int, n_ctx: int,
+                     max_rows: int = 1) -> None:
+    """The head's (and a middle stage's) rules for the stage after it; HelloRefused says why."""
+    def refuse(field: str, msg: str):
+        raise HelloRefused(field, msg)
+
+    if peer.fingerprint != fingerprint:
+        refuse("fingerprint", f"the next stage serves another model (fingerprint "
+               f"{peer.fingerprint:016x}, this one {fingerprint:016x})")
+    for name, ours in (("n_layer", n_layer), ("n_embd", n_embd), ("n_hc", n_hc), ("n_vocab", n_vocab)):
+        if getattr(peer, name) != ours:
+            refuse(name, f"the next stage has {name}={getattr(peer, name)}, this one {ours}")
+    if peer.layer_first != layer_end:
+        refuse("layer_first", f"the next stage runs layers {peer.layer_first}:{peer.layer_end}, "
+               f"but this stage ends at layer {layer_end}: the ranges must be contiguous")
+    if peer.n_slots < n_slots:
+        refuse("n_slots", f"the next stage has {peer.n_slots} slots, fewer than the {n_slots} needed")
+    if peer.n_ctx < n_ctx:
+        refuse("n_ctx", f"the next stage has ctx {peer.n_ctx}, less than the {n_ctx} needed")
+    if peer.max_rows < max_rows:
+        refuse("max_rows", f"the next stage takes {peer.max_rows} rows a frame, fewer than "
+               f"the {max_rows} needed")
+
+
+# ---- sockets ------------------------------------------------------------------------------------------
+
+
+class Conn:
+    """A TCP connection whose every read has a deadline (a dead peer is an error, not a hang).
+
+    The socket keeps one timeout (for sends); reads wait with poll() against their own deadline,
+    so a reader and a writer thread may share the connection.
+    """
+
+    def __init__(self, sock: socket.socket, timeout: float, peer: str = "?"):
+        self.sock = sock
+        self.timeout = timeout
+        self.peer = peer
+        if sock.family in (socket.AF_INET, socket.AF_INET6):
+            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        sock.settimeout(timeout)
+        self._poll = select.poll()
+        self._poll.register(sock, select.POLLIN)
+
+    @classmethod
+    def connect(cls, host: str, port: int, timeout: float, connect_timeout: float | None = None) -> "Conn":
+        sock = socket.create_connection((host, port), timeout=connect_timeout or timeout)
+        return cls(sock, timeout, f"{host}:{port}")
+
+    def recv_exact(self, n: int, timeout: float | None = None) -> bytearray:
+        """Exactly n bytes, all of them within `timeout` (default: the connection's)."""
+        buf = bytearray(n)
+        view = memoryview(buf)
+        deadline = time.monotonic() + (self.timeout if timeout is None else timeout)
+        got = 0
+        while got < n:
+            left = deadline - time.monotonic()
+            if left <= 0 or not self._poll.poll(max(1, int(left * 1000))):
+                if time.monotonic() < deadline:
+                    continue
+                raise QkpClosed("timeout", f"no data from {self.peer} within the timeout"
+                                + (f" ({got} of {n} bytes came)" if got else ""))
+            k = self.sock.recv_into(view[got:])
+            if k == 0:
+                raise QkpClosed("eof", f"{self.peer} closed the connection"
+                                + (f" after {got} of {n} bytes" if got else ""))
+            got += k
+        return buf
+
+    def send(self, *parts) -> None:
+        views = [memoryview(p).cast("B") for p in parts]
+        if len(views) > 1 and sum(v.nbytes for v in views) <= SMALL_SEND:
+            self.sock.sendall(b"".join(views))  # one segment for header + small payload
+        else:
+            for v in views:
+                self.sock.sendall(v)
+
+    def closed_by_peer(self) -> bool:
+        """True when the peer closed (or sent something unasked) while we expect nothing."""
+        try:
+            return bool(self._poll.poll(0))  # EOF, a reset, or bytes nobody asked for
+        except (OSError, ValueError):
+            return True
+
+    def shutdown(self) -> None:
+        """Wake any thread blocked on this connection; close() follows."""
+        try:
+            self.sock.shutdown(socket.SHUT_RDWR)
+        except OSError:
+            pass
+
+    def close(self) -> None:
+        self.shutdown()
+        self.sock.close()

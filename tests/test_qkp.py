@@ -1,0 +1,390 @@
+"""qkp4 records (wire.md §1): hello, frames, auth, limits; hostile input against a live worker.
+
+The property tests feed random headers and lengths to the frame reader through a recording fake
+(it must never ask for more bytes than the hello's limits allow, and nothing past the header of a
+bad one), and random frames to a worker on loopback (only that connection closes; a second,
+long-lived connection keeps getting correct answers).
+"""
+
+from __future__ import annotations
+
+import socket
+import struct
+import threading
+import time
+
+import numpy as np
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+import ds4
+from ds4.core.tiny import make_tiny
+from ds4.pipeline import Stage, Worker
+from ds4.wire import qkp
+
+LIMITS = qkp.Hello(layer_first=3, layer_end=5, n_layer=5, n_embd=256, n_hc=4, n_slots=2,
+                   n_ctx=64, n_vocab=512, max_rows=8, fingerprint=0x1234_5678_9ABC_DEF0)
+U32 = 0xFFFFFFFF
+
+
+# ---- records ---------------------------------------------------------------------------------------
+
+
+def test_hello_round_trip_and_layout():
+    buf = LIMITS.pack()
+    assert len(buf) == 48 and struct.unpack_from("<I", buf)[0] == 0x716B7034
+    assert qkp.Hello.unpack(buf) == LIMITS
+    assert LIMITS.row_floats == 1024 and LIMITS.last
+    assert qkp.HEADER.size == 20
+
+
+@pytest.mark.parametrize("field,value,name", [
+    ("layer_first", 5, "layer_first"), ("layer_end", 6, "layer_first"), ("n_embd", 0, "n_embd"),
+    ("n_slots", 0, "n_slots"), ("max_rows", 65, "max_rows"), ("n_embd", 1 << 21, "n_embd"),
+])
+def test_hello_consistency_names_the_field(field, value, name):
+    import dataclasses
+
+    bad = dataclasses.replace(LIMITS, **{field: value})
+    with pytest.raises(qkp.QkpError) as e:
+        qkp.Hello.unpack(bad.pack())
+    assert e.value.field == name
+
+
+def test_hello_bad_magic():
+    buf = bytearray(LIMITS.pack())
+    buf[0] ^= 1
+    with pytest.raises(qkp.QkpError, match="magic"):
+        qkp.Hello.unpack(bytes(buf))
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.binary(min_size=44, max_size=44))
+def test_any_hello_is_refused_or_consistent(rest):
+    buf = struct.pack("<I", qkp.MAGIC) + rest
+    try:
+        h = qkp.Hello.unpack(buf)
+    except qkp.QkpError:
+        return
+    assert 0 <= h.layer_first < h.layer_end <= h.n_layer
+    assert 1 <= h.max_rows <= h.n_ctx and h.row_floats <= qkp.MAX_ROW_FLOATS
+    assert h.max_rows * (4 + 4 * h.row_floats) <= qkp.MAX_FRAME_BYTES
+
+
+@pytest.mark.parametrize("hdr,field", [
+    ((0, 0, 1, 0, 0), "op"), ((5, 0, 1, 0, 0), "op"), ((1, 2, 1, 0, 0), "slot"),
+    ((1, 0, 0, 0, 0), "n"), ((1, 0, 9, 0, 0), "n"), ((1, 0, U32, 0, 0), "n"),
+    ((1, 0, 8, 57, 0), "base"), ((1, 0, 1, U32, 0), "base"), ((1, 0, 1, 0, 257), "topk"),
+    ((3, U32, 0, 0, 0), "slot"), ((4, 0, 0, 0, 65), "topk"),
+])
+def test_header_checks_name_the_field(hdr, field):
+    with pytest.raises(qkp.QkpError) as e:
+        qkp.check_header(qkp.Header(*hdr), LIMITS, answers_topk=True)
+    assert e.value.field == field
+
+
+def test_header_limits_accept_edges():
+    for hdr in [(1, 1, 8, 56, 256), (1, 0, 1, 63, 0), (2, U32, U32, U32, U32), (3, 1, U32, 0, 64)]:
+        qkp.check_header(qkp.Header(*hdr), LIMITS, answers_topk=True)
+    with pytest.raises(qkp.QkpError, match="topk"):  # topk only where it can be answered
+        qkp.check_header(qkp.Header(1, 0, 1, 0, 1), LIMITS, answers_topk=False)
+
+
+class Recorder:
+    """A recv_exact that serves `data` and records every size asked for."""
+
+    def __init__(self, data: bytes):
+        self.data, self.pos, self.asked = data, 0, []
+
+    def __call__(self, n: int) -> bytearray:
+        self.asked.append(n)
+        if self.pos + n > len(self.data):
+            raise qkp.QkpClosed("eof", "short")
+        out = bytearray(self.data[self.pos: self.pos + n])
+        self.pos += n
+        return out
+
+
+word = st.one_of(st.integers(0, U32), st.sampled_from([0, 1, 2, 3, 4, 5, 7, 8, 9, 56, 63, 64,
+                                                       256, 257, 1 << 31, U32]))
+
+
+@settings(max_examples=400, deadline=None)
+@given(st.tuples(word, word, word, word, word), st.binary(max_size=64), st.booleans())
+def test_reader_never_asks_past_the_limits(hdr, tail, full):
+    h = qkp.Header(*hdr)
+    payload = tail
+    if full and h.op == qkp.EVAL and 1 <= h.n <= LIMITS.max_rows:
+        rng = np.random.default_rng(len(tail))
+        payload = (rng.integers(0, 600, h.n).astype("<u4").tobytes()
+                   + rng.standard_normal(h.n * LIMITS.row_floats).astype("<f4").tobytes())
+    rec = Recorder(h.pack() + payload)
+    max_payload = LIMITS.max_rows * (4 + 4 * LIMITS.row_floats)
+    try:
+        qkp.check_header(h, LIMITS, answers_topk=True)
+        valid_header = True
+    except qkp.QkpError:
+        valid_header = False
+    try:
+        frame = qkp.read_frame(rec, LIMITS, answers_topk=True)
+    except qkp.QkpError:
+        frame = None
+    assert rec.asked[0] == qkp.HEADER.size
+    assert all(n <= max(qkp.HEADER.size, max_payload) for n in rec.asked)
+    if not valid_header:
+        assert rec.asked == [qkp.HEADER.size] and frame is None
+    elif frame is not None and h.op == qkp.EVAL:
+        assert sum(rec.asked) == qkp.HEADER.size + LIMITS.request_bytes(h)
+        assert frame.rows.shape == (h.n, 4, 256) and (frame.tokens < 512).all()
+
+
+def test_bad_token_id_is_refused_before_the_rows_are_read():
+    h = qkp.Header(qkp.EVAL, 0, 2, 0, 0)
+    rec = Recorder(h.pack() + np.array([3, 512], "<u4").tobytes() + bytes(8 * 4096))
+    with pytest.raises(qkp.QkpError) as e:
+        qkp.read_frame(rec, LIMITS, answers_topk=True)
+    assert e.value.field == "tokens" and rec.asked == [20, 8]
+
+
+def test_eval_reply_round_trip_pads_missing_candidates():
+    buf = qkp.pack_eval_reply(np.array([7, 9], "<u4"), [(5, 2.5), (1, -1.0)], topk=4)
+    assert len(buf) == LIMITS.eval_reply_bytes(2, 4) == 8 + 32
+    ids, pairs = qkp.unpack_eval_reply(buf, 2, 4)
+    assert ids.tolist() == [7, 9]
+    assert pairs["id"].tolist() == [5, 1, qkp.NO_TOKEN, qkp.NO_TOKEN]
+    assert pairs["logit"][:2].tolist() == [2.5, -1.0] and np.isneginf(pairs["logit"][2:]).all()
+
+
+# ---- handshake and sockets -------------------------------------------------------------------------
+
+
+def _pair(timeout=2.0):
+    a, b = socket.socketpair()
+    return qkp.Conn(a, timeout, "client"), qkp.Conn(b, timeout, "server")
+
+
+def _handshake(server_token, client_token, server_exact=False, client_exact=False):
+    client, server = _pair()
+    result = {}
+
+    def serve():
+        try:
+            result["flags"] = qkp.read_client_hello(server, server_token, server_exact)
+            server.send(LIMITS.pack())
+        except qkp.QkpError as e:
+            result["error"] = e
+        finally:
+            server.close()
+
+    t = threading.Thread(target=serve)
+    t.start()
+    try:
+        hello = qkp.client_handshake(client, client_token, client_exact)
+    except qkp.QkpError as e:
+        hello = e
+    t.join(5)
+    client.close()
+    return hello, result
+
+
+def test_auth_and_numerics_in_the_hello():
+    hello, res = _handshake("s3cret", "s3cret")
+    assert hello == LIMITS and res["flags"] == qkp.FLAG_AUTH
+    hello, res = _handshake(None, None, True, True)
+    assert hello == LIMITS and res["flags"] == qkp.FLAG_EXACT
+    hello, res = _handshake(None, "unused")  # a stage without a token ignores a proof
+    assert hello == LIMITS
+    for server_token, client_token, why in [("s3cret", "wrong", "wrong auth token"),
+                                            ("s3cret", None, "sent no proof")]:
+        hello, res = _handshake(server_token, client_token)
+        assert isinstance(hello, qkp.QkpClosed)  # the stage just closes
+        assert res["error"].field == "auth" and why in str(res["error"])
+    hello, res = _handshake(None, None, server_exact=False, client_exact=True)
+    assert isinstance(hello, qkp.QkpClosed) and res["error"].field == "flags"
+
+
+def test_proof_is_bound_to_the_nonce():
+    assert qkp.auth_proof("t", b"a" * 32) != qkp.auth_proof("t", b"b" * 32)
+    assert len(qkp.auth_proof("t", b"a" * 32)) == qkp.PROOF_BYTES
+
+
+@pytest.mark.parametrize("field,kw", [
+    ("fingerprint", dict(fingerprint=1)), ("n_embd", dict(n_embd=128)),
+    ("layer_first", dict(layer_end=4)), ("n_slots", dict(n_slots=3)), ("n_ctx", dict(n_ctx=65)),
+    ("max_rows", dict(max_rows=9)),
+])
+def test_next_stage_rules(field, kw):
+    base = dict(layer_end=3, n_layer=5, n_embd=256, n_hc=4, n_vocab=512,
+                fingerprint=LIMITS.fingerprint, n_slots=2, n_ctx=64, max_rows=8)
+    qkp.check_next_stage(LIMITS, **base)
+    with pytest.raises(qkp.HelloRefused) as e:
+        qkp.check_next_stage(LIMITS, **{**base, **kw})
+    assert e.value.field == field
+
+
+def test_reads_time_out_and_see_eof():
+    client, server = _pair(timeout=0.2)
+    t0 = time.monotonic()
+    with pytest.raises(qkp.QkpClosed) as e:
+        client.recv_exact(4)
+    assert e.value.field == "timeout" and time.monotonic() - t0 < 2
+    server.send(b"ab")
+    server.close()
+    with pytest.raises(qkp.QkpClosed) as e:
+        client.recv_exact(4)
+    assert e.value.field == "eof" and "2 of 4" in str(e.value)
+    client.close()
+
+
+# ---- a live worker under hostile frames ------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def worker(tmp_path_factory):
+    path = make_tiny(tmp_path_factory.mktemp("qkp") / "test.gguf", preset="test", seed=1)
+    eng = ds4.Engine.open(path, layers=range(3, 5))
+    stage = Stage(eng, slots=2, ctx=64, snapshots=1, max_rows=8)
+    w = Worker(stage, io_timeout=0.5, idle_timeout=30.0).start()
+    yield w
+    w.stop()
+
+
+def _connect(w, token=None):
+    conn = qkp.Conn.connect("127.0.0.1", w.port, 5.0)
+    return conn, qkp.client_handshake(conn, token, exact=False)
+
+
+def _eval_frame(hello, slot, base, tokens, seed=0):
+    rows = np.random.default_rng(seed).standard_normal(
+        (len(tokens), hello.n_hc, hello.n_embd)).astype("<f4")
+    return qkp.Header(qkp.EVAL, slot, len(tokens), base, 3).pack() + \
+        np.asarray(tokens, "<u4").tobytes() + rows.tobytes()
+
+
+class Good:
+    """A long-lived connection that must keep getting the same correct answer."""
+
+    def __init__(self, w):
+        self.conn, self.hello = _connect(w)
+        self.frame = _eval_frame(self.hello, 1, 0, [1, 2, 3, 4, 5], seed=1)
+        self.expected = self.ask()
+
+    def ask(self) -> bytes:
+        self.conn.send(self.frame)
+        return bytes(self.conn.recv_exact(self.hello.eval_reply_bytes(5, 3)))
+
+
+def _drain(conn, limit=3.0) -> bytes:
+    """Everything the worker sends until it closes; fails if it neither answers nor closes."""
+    got = b""
+    deadline = time.monotonic() + limit
+    while time.monotonic() < deadline:
+        try:
+            chunk = bytes(conn.recv_exact(1, timeout=deadline - time.monotonic()))
+        except qkp.QkpClosed as e:
+            assert e.field == "eof", "the worker neither answered nor closed the connection"
+            return got
+        got += chunk
+    raise AssertionError("the worker kept the connection open")
+
+
+def test_stage_statuses_and_positions(worker):
+    conn, hello = _connect(worker)
+    assert hello.layer_first == 3 and hello.last and hello.n_slots == 2 and hello.max_rows == 8
+
+    def status(op, slot, index, count):
+        conn.send(qkp.Header(op, slot, index, 0, count).pack())
+        return qkp.STATUS.unpack(bytes(conn.recv_exact(4)))[0]
+
+    assert status(qkp.LOAD, 0, 0, 0) == qkp.STATUS_NO_SNAPSHOT
+    assert status(qkp.SAVE, 0, 1, 0) == qkp.STATUS_BAD_INDEX
+    conn.send(_eval_frame(hello, 0, 0, [9, 8, 7]))
+    ids, pairs = qkp.unpack_eval_reply(bytes(conn.recv_exact(hello.eval_reply_bytes(3, 3))), 3, 3)
+    assert (ids < 512).all() and (pairs["id"] < 512).all()
+    assert list(pairs["logit"]) == sorted(pairs["logit"], reverse=True)
+    assert status(qkp.SAVE, 0, 0, 2) == qkp.STATUS_COUNT_MISMATCH
+    assert status(qkp.SAVE, 0, 0, 3) == qkp.STATUS_OK
+    assert status(qkp.LOAD, 1, 0, 2) == qkp.STATUS_NO_SNAPSHOT
+    assert status(qkp.LOAD, 1, 0, 3) == qkp.STATUS_OK
+    conn.send(_eval_frame(hello, 1, 3, [1]))  # slot 1 continues from the loaded prefix
+    conn.recv_exact(hello.eval_reply_bytes(1, 3))
+    conn.send(_eval_frame(hello, 1, 7, [1]))  # a gap: position out of range closes
+    assert _drain(conn) == b""
+    conn.close()
+
+
+@pytest.fixture(scope="module")
+def good(worker):
+    return Good(worker)
+
+
+frame_words = st.tuples(
+    st.sampled_from([0, 1, 1, 1, 2, 3, 4, 5, U32]),
+    st.sampled_from([0, 1, 2, U32]) | st.integers(0, U32),
+    st.sampled_from([0, 1, 2, 8, 9, 1 << 20, U32]) | st.integers(0, U32),
+    st.sampled_from([0, 0, 5, 56, 63, 64, U32]) | st.integers(0, U32),
+    st.sampled_from([0, 0, 1, 256, 257, U32]) | st.integers(0, U32),
+)
+
+
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(frame_words, st.sampled_from(["none", "short", "exact", "bad_tokens", "random"]),
+       st.binary(max_size=48))
+def test_hostile_frames_close_only_their_connection(worker, good, hdr, shape, noise):
+    conn, hello = _connect(worker)
+    h = qkp.Header(*hdr)
+    if shape == "exact" and h.op == qkp.EVAL and 1 <= h.n <= hello.max_rows:
+        payload = _eval_frame(hello, 0, 0, [i % 512 for i in range(h.n)])[20:]
+    elif shape == "bad_tokens" and h.op == qkp.EVAL and 1 <= h.n <= hello.max_rows:
+        payload = np.full(h.n, 70000, "<u4").tobytes() + bytes(4 * h.n * hello.row_floats)
+    elif shape == "short":
+        payload = noise[:7]
+    elif shape == "random":
+        payload = noise
+    else:
+        payload = b""
+    try:
+        conn.send(h.pack() + payload)
+        conn.sock.shutdown(socket.SHUT_WR)  # the worker sees EOF instead of waiting
+    except OSError:
+        pass  # it may already have closed on the header
+    try:
+        qkp.check_header(h, hello, answers_topk=True)
+        ok_header = True
+    except qkp.QkpError:
+        ok_header = False
+    got = _drain(conn)
+    if not ok_header:
+        assert got == b""  # refused: nothing answered, nothing applied
+    conn.close()
+    assert good.ask() == good.expected
+
+
+hello_bytes = st.one_of(
+    st.binary(max_size=80),
+    st.builds(lambda flags, tail: struct.pack("<II", qkp.MAGIC, flags) + tail,
+              st.sampled_from([0, 1, 2, 3, 4, U32]) | st.integers(0, U32), st.binary(max_size=72)))
+
+
+@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(hello_bytes)
+def test_hostile_hellos_are_closed(worker, good, data):
+    sock = socket.create_connection(("127.0.0.1", worker.port), timeout=5)
+    conn = qkp.Conn(sock, 5.0, "fuzz")
+    try:
+        conn.send(data)
+        sock.shutdown(socket.SHUT_WR)
+    except OSError:
+        pass
+    got = _drain(conn)
+    magic, flags = struct.unpack("<II", data[:8]) if len(data) >= 8 else (None, None)
+    if magic != qkp.MAGIC or flags & ~qkp.FLAG_AUTH:  # bad magic, unknown bits, other numerics
+        assert got == b""
+    elif flags & qkp.FLAG_AUTH:
+        assert len(got) >= qkp.NONCE_BYTES  # the nonce; the hello only after a whole proof
+        assert len(got) == qkp.NONCE_BYTES or got[32:80] == worker.stage.hello.pack()
+    else:
+        assert got[:48] == worker.stage.hello.pack()
+    conn.close()
+    assert good.ask() == good.expected
