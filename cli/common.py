@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import contextlib
+import sys
+import time
 from pathlib import Path
 from typing import Callable, Iterator, NoReturn
 
@@ -118,3 +120,47 @@ def human_bytes(n: int) -> str:
             return f"{size:.0f} {unit}" if unit == "B" else f"{size:.1f} {unit}"
         size /= 1024
     raise AssertionError("unreachable")
+
+
+# ---- streaming a reply ----------------------------------------------------------------------------
+
+def write_text(text: str) -> None:
+    if text:
+        sys.stdout.write(text)
+        sys.stdout.flush()
+
+
+def rate(count: int, seconds: float) -> str:
+    return f"{count / seconds:.1f} tokens/s" if count and seconds > 0 else "- tokens/s"
+
+
+def stream_reply(session, tokenizer, n: int, params, rng) -> tuple[int, str | None, float]:
+    """Sample up to n tokens after the session's tokens, streaming their text to stdout.
+
+    Stops at end-of-sentence, when the context is full, or on Ctrl-C. Returns (generated,
+    why it stopped early or None, seconds). Works on a plain or a split (pipeline) session."""
+    from ds4.pipeline import next_token
+
+    stream = tokenizer.stream_decoder()
+    n_prompt = len(session.tokens)
+    generated, stop = 0, None
+    t0 = time.perf_counter()
+    try:
+        with library_errors():
+            while generated < n:
+                if n_prompt + generated >= session.ctx:
+                    stop = f"the context is full (ctx {session.ctx})"
+                    break
+                token = next_token(session, params, rng)
+                if token == tokenizer.eos_id:
+                    break
+                write_text(stream.push(token))
+                generated += 1
+                session.eval(token)
+    except KeyboardInterrupt:
+        stop = "interrupted"
+    seconds = time.perf_counter() - t0
+    write_text(stream.flush() + "\n")
+    if stop:
+        err.print(Text(f"stopped: {stop}", style="yellow"))
+    return generated, stop, seconds

@@ -19,7 +19,8 @@ from rich.text import Text
 
 from ds4.core.chat import DEFAULT_SYSTEM
 
-from .common import CLIError, err, human_bytes, library_errors, open_engine, out, resolve_model
+from .common import (CLIError, err, human_bytes, library_errors, open_engine, out, rate,
+                     resolve_model, stream_reply)
 from .options import (MAX_SEED, BackendOption, CtxOption, MinPOption, ModelOption, NoThinkOption,
                       NumericsOption, SeedOption, SystemOption, TempOption, TopKOption, TopPOption,
                       check_range)
@@ -149,7 +150,7 @@ def prefill(
             out.print(Text("sent ", style="green") + Text(send_kv, style="bold")
                       + Text(f" ({len(ids)} tokens, {human_bytes(size)}, {size:,} bytes, "
                              f"{_mbps(size, t_send)})"), soft_wrap=True)
-    err.print(Text(f"prompt: {len(ids)} tokens, {_rate(len(ids), t_prefill)} · payload: "
+    err.print(Text(f"prompt: {len(ids)} tokens, {rate(len(ids), t_prefill)} · payload: "
                    f"{size / len(ids):,.0f} bytes/token", style="dim"), soft_wrap=True)
 
 
@@ -185,7 +186,7 @@ def decode(
 ) -> None:
     """Continue a prefilled session (from a file or the network), streaming the text to stdout."""
     from ds4.core.payload import check_payload
-    from ds4.core.sampling import Rng, SamplingParams, sample
+    from ds4.core.sampling import Rng, SamplingParams
 
     if (load_kv is None) == (recv_kv is None):
         raise typer.BadParameter("give exactly one of --load-kv and --recv-kv",
@@ -220,30 +221,9 @@ def decode(
         size = path.stat().st_size
     n_prompt = len(session.tokens)
 
-    stream = tok.stream_decoder()
-    generated, stop = 0, None
-    t0 = time.perf_counter()
-    try:
-        with library_errors():
-            while generated < n:
-                if n_prompt + generated >= session.ctx:
-                    stop = f"the context is full (ctx {session.ctx})"
-                    break
-                token = sample(session.logits, params, rng)
-                if token == tok.eos_id:
-                    break
-                _write(stream.push(token))
-                generated += 1
-                session.eval(token)
-    except KeyboardInterrupt:
-        stop = "interrupted"
-    t_gen = time.perf_counter() - t0
-    _write(stream.flush() + "\n")
-
-    if stop:
-        err.print(Text(f"stopped: {stop}", style="yellow"))
+    generated, stop, t_gen = stream_reply(session, tok, n, params, rng)
     stats = (f"loaded: {n_prompt} tokens ({human_bytes(size)}) in {t_load:.2f} s · "
-             f"generated: {generated} tokens, {_rate(generated, t_gen)}")
+             f"generated: {generated} tokens, {rate(generated, t_gen)}")
     if temp > 0:
         stats += f" · seed {seed}"
     err.print(Text(stats, style="dim"), soft_wrap=True)
@@ -329,16 +309,6 @@ def _receive(port, path, host, fingerprint, config, limit, auth_token, io_timeou
 
 
 # ---- helpers ------------------------------------------------------------------------------------
-
-def _write(text: str) -> None:
-    if text:
-        sys.stdout.write(text)
-        sys.stdout.flush()
-
-
-def _rate(count: int, seconds: float) -> str:
-    return f"{count / seconds:.1f} tokens/s" if count and seconds > 0 else "- tokens/s"
-
 
 def _mbps(size: int, seconds: float) -> str:
     return f"{size / seconds / 1e6:.1f} MB/s" if seconds > 0 else "- MB/s"

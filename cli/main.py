@@ -26,7 +26,7 @@ from ds4.core.tiny import EXPERT_MIXES, PRESETS
 
 from . import kv, pipe
 from .pipe import AuthTokenOption, LayersOption, SplitNextOption, open_split_engine
-from .common import (CLIError, err, human_bytes, library_errors, open_engine, out, print_error,
+from .common import (CLIError, rate, stream_reply, err, human_bytes, library_errors, open_engine, out, print_error,
                      print_field, progress_callback, resolve_model)
 from .options import (MAX_SEED, BackendOption, CtxOption, MinPOption, ModelArgument, ModelOption,
                       NoThinkOption, NumericsOption, PromptOption, SeedOption, SystemOption,
@@ -287,45 +287,14 @@ def _generate(eng, prompt, n, params, rng, seed, nothink, system, ctx) -> None:
             session.sync(ids)
             t_prefill = time.perf_counter() - t0
 
-    stream = tok.stream_decoder()
-    generated, stop = 0, None
-    t0 = time.perf_counter()
-    try:
-        with library_errors():
-            while generated < n:
-                if len(ids) + generated >= ctx:
-                    stop = f"the context is full (--ctx {ctx})"
-                    break
-                token = next_token(session, params, rng)
-                if token == tok.eos_id:
-                    break
-                _write(stream.push(token))
-                generated += 1
-                session.eval(token)
-    except KeyboardInterrupt:
-        stop = "interrupted"
-    t_gen = time.perf_counter() - t0
-    _write(stream.flush() + "\n")
-
-    if stop:
-        err.print(Text(f"stopped: {stop}", style="yellow"))
-    stats = (f"prompt: {len(ids)} tokens, {_rate(len(ids), t_prefill)} · "
-             f"generated: {generated} tokens, {_rate(generated, t_gen)}")
+    generated, stop, t_gen = stream_reply(session, tok, n, params, rng)
+    stats = (f"prompt: {len(ids)} tokens, {rate(len(ids), t_prefill)} · "
+             f"generated: {generated} tokens, {rate(generated, t_gen)}")
     if params.temperature > 0:
         stats += f" · seed {seed}"
     err.print(Text(stats, style="dim"), soft_wrap=True)
     if stop == "interrupted":
         raise typer.Exit(130)
-
-
-def _write(text: str) -> None:
-    if text:
-        sys.stdout.write(text)
-        sys.stdout.flush()
-
-
-def _rate(count: int, seconds: float) -> str:
-    return f"{count / seconds:.1f} tokens/s" if count and seconds > 0 else "- tokens/s"
 
 
 # Commands that live in their own modules (KV handoff, pipeline, bench).
