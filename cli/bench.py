@@ -21,10 +21,7 @@ from .options import BackendName, ModelOption, NumericsOption, check_range
 
 HELP = """Measure prefill and generation tokens/s as the context grows.
 
-Walks one fixed token sequence (BOS + a built-in English text, repeated) to the context frontiers
---ctx-start, then +--step-incr or ×--step-mul up to --ctx-max. Each row prefills only the tokens
-added since the previous frontier, then times a greedy probe of --gen-tokens decode steps from a
-snapshot of the session, and restores it before going on.
+Walks one fixed token sequence (BOS + a built-in English text, repeated) to the context frontiers --ctx-start, then +--step-incr or ×--step-mul up to --ctx-max. Each row prefills only the tokens added since the previous frontier, then times a greedy probe of --gen-tokens decode steps from a snapshot of the session, and restores it before going on.
 
 Plot existing results without running: ds4 bench --plot OUT.png --from a.csv --from b.csv
 """
@@ -38,7 +35,8 @@ def bench(
     model: ModelOption = None,
     backend: Annotated[Optional[BackendName], typer.Option(
         "--backend", "-b", show_default="reference",
-        help="Compute backend: reference (numpy), triton (CUDA), mlx (Metal / CPU).")] = None,
+        help="Compute backend: reference (numpy), triton (CUDA), mlx (Metal / CPU), or auto "
+             "where the registry offers it.")] = None,
     numerics: NumericsOption = "ds4",
     ctx_start: Annotated[int, typer.Option(
         "--ctx-start", metavar="TOKENS", callback=check_range(1),
@@ -115,6 +113,7 @@ def bench(
                 lib.check_backends(names)
             except (ValueError, RuntimeError) as e:
                 raise CLIError(f"--compare {compare}: {e}") from None
+            names = [_resolve(n) for n in names]
         else:
             names = [backend or "reference"]
 
@@ -163,6 +162,14 @@ def bench(
         with library_errors():
             plot_bench(runs, plot)
         err.print(Text("wrote ", style="green") + Text(str(plot), style="bold"), soft_wrap=True)
+
+
+def _resolve(name: str) -> str:
+    """A concrete backend name ("auto" is resolved where the registry knows how)."""
+    import ds4.backends
+
+    resolve = getattr(ds4.backends, "resolve_backend", None)
+    return resolve(name) if resolve is not None else name
 
 
 class _Stdout:
