@@ -65,6 +65,10 @@ class Backend(ABC):
 
     # ---- ops ------------------------------------------------------------------------------------
 
+    def begin_chunk(self, states: dict, tokens: np.ndarray, p0: int, logits: bool) -> None:
+        """Called by forward_chunk before a chunk's first op. A backend that replays whole decode
+        steps (CUDA graphs) learns here which session (`states`) and position a step is for."""
+
     @abstractmethod
     def embed(self, token_embd, tokens: np.ndarray) -> Array:
         """[n] token ids -> mHC state [n, HC, E], each stream a copy of the embedding row."""

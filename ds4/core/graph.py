@@ -58,6 +58,7 @@ def run_layers(be, w: ModelWeights, states: dict, X, tokens: np.ndarray, p0: int
 
 def forward_chunk(be, w: ModelWeights, states: dict, tokens: np.ndarray, p0: int, logits: bool = True):
     """Embed, all layers, and (optionally) the logits of the chunk's last token."""
+    be.begin_chunk(states, tokens, p0, logits)
     X = be.embed(w.token_embd, tokens)
     X = run_layers(be, w, states, X, tokens, p0, range(w.cfg.n_layer))
     return be.output_logits(X, w.output_hc, w.output_norm, w.output) if logits else None

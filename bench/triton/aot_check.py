@@ -1,0 +1,165 @@
+"""Compile every Triton kernel configuration a model uses for a GPU target, without a GPU.
+
+Step 1 (interpreter process): run one prefill chunk and one decode step of the model's graph on
+the Triton backend with launches recorded instead of executed (heuristics as on the GPU) and
+weights replaced by empty stand-ins, so even the full-size `flash` shapes cost nothing.
+Step 2 (compiler process): `triton.compile` each distinct (kernel, signature, constexprs) for
+sm_90 and print registers, spills and shared memory. Catches compile errors before device time.
+
+    PYTHONPATH=. python bench/triton/aot_check.py --preset flash --prefill 2048
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import time
+
+
+def record(preset: str, prefill: int, out: str) -> None:
+    os.environ["TRITON_INTERPRET"] = "1"
+    import numpy as np
+    import torch
+
+    from ds4.backends.triton import backend as B
+    from ds4.core.graph import forward_chunk
+    from ds4.core.layout import expected_tensors
+    from ds4.core.state import FILL, SessionLayout, layer_state_shapes
+    from ds4.core.tiny import preset_config
+    from ds4.core.weights import ModelWeights, bind_weights
+
+    cfg = preset_config(preset)
+    be = B.TritonBackend(cfg)
+    be.interpret = False  # GPU heuristics (block sizes), interpreter imports
+    be.prec = os.environ.get("DS4_TRITON_DOT", "tf32x3")
+    seen = {}
+
+    def launch(self, kern, grid, *args, nbytes=0, **kw):
+        kw.pop("num_stages", None)
+        warps = kw.pop("num_warps", 4)
+        names = kern.arg_names
+        sig, const = {}, {}
+        for name, a in zip(names, args):
+            if isinstance(a, torch.Tensor):
+                sig[name] = {torch.float32: "*fp32", torch.uint8: "*u8", torch.int16: "*i16",
+                             torch.int32: "*i32", torch.int64: "*i64"}[a.dtype]
+            elif isinstance(a, bool):
+                sig[name] = "i1"
+            elif isinstance(a, int):
+                sig[name] = "i64" if abs(a) >= 2**31 else "i32"
+            else:
+                sig[name] = "fp32"
+        for name, v in kw.items():
+            sig[name] = "constexpr"
+            const[name] = v
+        key = json.dumps([kern.fn.__name__, sig, const, warps], sort_keys=True)
+        seen[key] = seen.get(key, 0) + 1
+
+    B.TritonBackend._launch = launch
+    orig_new = B.TritonBackend._new
+    B.TritonBackend._new = lambda self, shape, dtype=torch.float32: torch.zeros(
+        tuple(int(s) for s in shape), dtype=dtype)
+
+    class Stub:
+        def __init__(self, spec):
+            self.name, self.type, self.dims = spec.name, spec.shipped, spec.dims
+
+    specs = expected_tensors(cfg)
+
+    class FakeModel:
+        config = cfg
+
+        def tensor(self, name):
+            return Stub(specs[name])
+
+        def get(self, name):
+            return Stub(specs[name]) if name in specs else None
+
+    def upload(t):
+        n = 64
+        return B.QWeight(t.name, t.type, t.dims, torch.zeros(n, dtype=torch.uint8))
+
+    w: ModelWeights = bind_weights(FakeModel(), upload)
+    layout = SessionLayout.create(cfg, max(4096, prefill + 64))
+    states = {il: be.alloc_state(layer_state_shapes(cfg, layout, il), FILL) for il in range(cfg.n_layer)}
+    toks = np.arange(prefill) % cfg.n_vocab
+    forward_chunk(be, w, states, toks, 0)
+    forward_chunk(be, w, states, toks[:1], 4000)  # a decode step (eager path)
+    B.TritonBackend._new = orig_new
+    with open(out, "w") as f:
+        json.dump([json.loads(k) + [c] for k, c in seen.items()], f)
+    print(f"recorded {len(seen)} kernel configurations", file=sys.stderr)
+
+
+def compile_all(path: str, arch: int) -> int:
+    os.environ.pop("TRITON_INTERPRET", None)
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    from ds4.backends.triton import kernels as K
+
+    configs = json.load(open(path))
+    bad = 0
+    print(f"{'kernel':24s} {'warps':>5s} {'regs':>5s} {'spill':>6s} {'smem':>7s} {'s':>5s}  constexprs")
+    for name, sig, const, warps, count in sorted(configs, key=lambda c: c[0]):
+        fn = getattr(K, name)
+        t0 = time.time()
+        try:
+            src = ASTSource(fn=fn, signature=sig, constexprs=const)
+            k = triton.compile(src, target=GPUTarget("cuda", arch, 32), options={"num_warps": warps})
+            regs, spill = _resources(k.asm["cubin"])
+            print(f"{name:24s} {warps:5d} {str(regs):>5s} {str(spill):>6s} {k.metadata.shared:7d} "
+                  f"{time.time() - t0:5.1f}  {const}")
+        except Exception as e:  # noqa: BLE001
+            bad += 1
+            print(f"{name:24s} FAILED {const}\n{type(e).__name__}: {str(e)[:2000]}")
+    return bad
+
+
+def _resources(cubin: bytes) -> tuple[str, str]:
+    """(registers, spill bytes) from `cuobjdump --dump-resource-usage` (shipped with Triton)."""
+    import re
+    import tempfile
+
+    import triton
+
+    tool = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
+    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
+        f.write(cubin)
+        f.flush()
+        try:
+            txt = subprocess.run([tool, "--dump-resource-usage", f.name], capture_output=True, text=True).stdout
+        except OSError:
+            return "?", "?"
+    regs = re.search(r"REG:(\d+)", txt)
+    stack = re.search(r"STACK:(\d+)", txt)
+    return (regs.group(1) if regs else "?"), (stack.group(1) if stack else "?")
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--preset", default="flash")
+    ap.add_argument("--prefill", type=int, default=64)
+    ap.add_argument("--arch", type=int, default=90)
+    ap.add_argument("--configs", default="/tmp/ds4_triton_configs.json")
+    ap.add_argument("--step", choices=["all", "record", "compile"], default="all")
+    a = ap.parse_args()
+    if a.step == "record":
+        record(a.preset, a.prefill, a.configs)
+        return
+    if a.step == "compile":
+        sys.exit(1 if compile_all(a.configs, a.arch) else 0)
+    env = dict(os.environ)
+    base = [sys.executable, __file__, "--preset", a.preset, "--prefill", str(a.prefill), "--configs", a.configs,
+            "--arch", str(a.arch)]
+    subprocess.run(base + ["--step", "record"], check=True, env=env)
+    env.pop("TRITON_INTERPRET", None)
+    sys.exit(subprocess.run(base + ["--step", "compile"], env=env).returncode)
+
+
+if __name__ == "__main__":
+    main()

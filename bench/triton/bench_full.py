@@ -1,0 +1,308 @@
+"""Full-size synthetic DS4 Flash on one GPU with the Triton backend.
+
+The model is a GGUF whose data is a hole (`write_sparse_gguf`: the real header, ~87 GB virtual,
+no disk used) opened with `Engine.open(..., backend="triton", synthetic=True)`: every weight is
+generated on the GPU as random valid blocks of its real type (IQ2_XXS / Q2_K experts, Q8_0
+attention and shared experts, F16 compressors / indexer / mHC, F32 norms).
+
+Measures: device-to-device copy bandwidth (the roofline's denominator), batch-1 decode tokens/s
+at the given contexts (state filled with random rows, CUDA-graph replay, logits copied to the host
+every step as `Session.eval` does), prefill tokens/s, and a per-kernel table of one eager decode
+step (time from the profiler, bytes each launch must move, bandwidth against the copy rate).
+
+    PYTHONPATH=. python bench/triton/bench_full.py --out results/ [--preset flash]
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import dataclasses
+import json
+import os
+import sys
+import time
+from collections import defaultdict
+
+import numpy as np
+import torch
+
+import ds4
+from ds4.core.gguf_write import write_sparse_gguf
+from ds4.core.tiny import preset_config
+
+
+def log(*a):
+    print(*a, file=sys.stderr, flush=True)
+
+
+def copy_bandwidth(nbytes: int = 4 << 30) -> float:
+    a = torch.empty(nbytes, dtype=torch.uint8, device="cuda")
+    b = torch.empty_like(a)
+    a.random_(0, 255)
+    for _ in range(3):
+        b.copy_(a)
+    e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    times = []
+    for _ in range(10):
+        e0.record()
+        b.copy_(a)
+        e1.record()
+        torch.cuda.synchronize()
+        times.append(e0.elapsed_time(e1) / 1e3)
+    del a, b
+    torch.cuda.empty_cache()
+    return 2 * nbytes / float(np.median(times))
+
+
+def _qweights(obj):
+    from ds4.backends.triton.backend import QWeight
+
+    if isinstance(obj, QWeight):
+        yield obj
+    elif isinstance(obj, dict):
+        for v in obj.values():
+            yield from _qweights(v)
+    elif dataclasses.is_dataclass(obj) and not isinstance(obj, type):
+        for f in dataclasses.fields(obj):
+            if f.name != "cfg":
+                yield from _qweights(getattr(obj, f.name))
+
+
+def decode_weight_bytes(eng) -> int:
+    """Bytes of weights one decode token reads: all but the embedding table (one row of it), the
+    routed experts counted for the n_expert_used selected ones."""
+    cfg = eng.config
+    total = 0
+    for w in _qweights(eng.weights):
+        if w.name == "token_embd.weight":
+            total += w.RB
+        elif w.n_exp > 1:
+            total += w.nbytes * cfg.n_expert_used // w.n_exp
+        else:
+            total += w.nbytes
+    return total
+
+
+def fill_state(session, rng_seed: int = 0) -> None:
+    """Random rows in every state array (f16-exact cache rows, finite frontier scores)."""
+    g = torch.Generator(device="cuda").manual_seed(rng_seed)
+    for st in session.states.values():
+        for name, t in st.items():
+            x = torch.randn(t.shape, device="cuda", generator=g)
+            if name in ("raw", "comp", "index"):
+                x = x.half().float()
+            t.copy_(x)
+
+
+def bench_decode(eng, ctx: int, steps: int, seed: int) -> dict:
+    cfg = eng.config
+    rng = np.random.default_rng(seed)
+    s = eng.session(ctx=ctx + steps + 8)
+    fill_state(s, seed)
+    s._tokens = [int(x) for x in rng.integers(0, cfg.n_vocab, ctx)]  # the history the state stands for
+    toks = [int(x) for x in rng.integers(0, cfg.n_vocab, steps + 3)]
+    t0 = time.perf_counter()
+    s.eval(toks[0])  # eager: compiles, sizes the step's buffers
+    t_warm = time.perf_counter() - t0
+    t0 = time.perf_counter()
+    s.eval(toks[1])  # captured into a CUDA graph, then replayed
+    t_cap = time.perf_counter() - t0
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    for t in toks[2: 2 + steps]:
+        s.eval(t)
+    dt = time.perf_counter() - t0
+    be = eng.backend
+    entry = next((e for e in be._graphs.values() if e.states is s.states), None)
+    gpu = None
+    if entry is not None and entry.graph is not None:
+        e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        e0.record()
+        for _ in range(10):
+            entry.graph.replay()
+        e1.record()
+        torch.cuda.synchronize()
+        gpu = e0.elapsed_time(e1) / 10 / 1e3
+    assert np.isfinite(s.logits).all()
+    return dict(ctx=ctx, steps=steps, tokens_per_s=steps / dt, ms_per_token=1e3 * dt / steps,
+                gpu_ms_per_step=None if gpu is None else 1e3 * gpu, warm_s=t_warm, capture_s=t_cap,
+                n_graph_ops=None if entry is None else len(entry.names))
+
+
+def _profile(be, fn, copy_bw: float) -> list[dict]:
+    """Run fn under the profiler with the backend's launch ledger on; one row per kernel."""
+    from torch.profiler import ProfilerActivity, profile
+
+    torch.cuda.synchronize()
+    be.ledger = []
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        fn()
+        torch.cuda.synchronize()
+    ledger, be.ledger = be.ledger, None
+    kbytes, kcalls = defaultdict(int), defaultdict(int)
+    for name, nb in ledger:
+        kbytes[name] += nb
+        kcalls[name] += 1
+    ktime = defaultdict(float)
+    other = 0.0
+    for ev in prof.key_averages():
+        t = getattr(ev, "device_time_total", None)
+        if t is None:
+            t = getattr(ev, "cuda_time_total", 0.0)
+        hit = [name for name in kbytes if ev.key == name or ev.key.startswith(name)]
+        if hit:
+            ktime[hit[0]] += t  # microseconds
+        elif t:
+            other += t
+    rows = []
+    for name in sorted(kbytes, key=lambda k: -ktime[k]):
+        us = ktime[name]
+        bw = kbytes[name] / (us * 1e-6) if us else float("nan")
+        rows.append(dict(kernel=name, calls=kcalls[name], time_us=round(us, 1), bytes=kbytes[name],
+                         gb_per_s=round(bw / 1e9, 1), pct_of_copy_bw=round(100 * bw / copy_bw, 1)))
+    if other:
+        rows.append(dict(kernel="(torch glue)", calls=0, time_us=round(other, 1), bytes=0, gb_per_s=0,
+                         pct_of_copy_bw=0))
+    return rows
+
+
+def kernel_table(eng, ctx: int, seed: int, copy_bw: float) -> list[dict]:
+    """One eager decode step at context ctx, per kernel."""
+    cfg = eng.config
+    rng = np.random.default_rng(seed)
+    be = eng.backend
+    s = eng.session(ctx=ctx + 8)
+    fill_state(s, seed)
+    s._tokens = [int(x) for x in rng.integers(0, cfg.n_vocab, ctx)]
+    old = be.cuda_graphs
+    be.cuda_graphs = False
+    s.eval(1)  # warm
+    rows = _profile(be, lambda: s.eval(2), copy_bw)
+    be.cuda_graphs = old
+    return rows
+
+
+def prefill_table(eng, n: int, copy_bw: float) -> list[dict]:
+    """One n-token prefill chunk (kernels already compiled), per kernel."""
+    cfg = eng.config
+    s = eng.session(ctx=n + 64)
+    toks = [int(x) for x in np.random.default_rng(5).integers(0, cfg.n_vocab, n)]
+    return _profile(eng.backend, lambda: s.sync(toks), copy_bw)
+
+
+def _write_csv(path, rows):
+    with open(path, "w", newline="") as f:
+        wr = csv.DictWriter(f, fieldnames=list(rows[0]))
+        wr.writeheader()
+        wr.writerows(rows)
+
+
+def bench_prefill(eng, n: int, seed: int) -> dict:
+    cfg = eng.config
+    rng = np.random.default_rng(seed)
+    s = eng.session(ctx=n + 64)
+    toks = [int(x) for x in rng.integers(0, cfg.n_vocab, n)]
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    s.sync(toks)
+    dt = time.perf_counter() - t0
+    assert np.isfinite(s.logits).all()
+    return dict(prompt=n, seconds=dt, tokens_per_s=n / dt, prefill_cap=s.layout.prefill_cap)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--out", default="bench/triton/results")
+    ap.add_argument("--preset", default="flash")
+    ap.add_argument("--ctx", default="4096,32768")
+    ap.add_argument("--prefill", default="2048,8192")
+    ap.add_argument("--steps", type=int, default=32)
+    ap.add_argument("--budget", type=float, default=420.0, help="seconds; later parts are skipped past it")
+    ap.add_argument("--gguf", default="/tmp/ds4-flash-sparse.gguf")
+    a = ap.parse_args()
+    T0 = time.time()
+    os.makedirs(a.out, exist_ok=True)
+    res: dict = dict(device=torch.cuda.get_device_name(0), torch=torch.__version__,
+                     triton=__import__("triton").__version__, preset=a.preset,
+                     dot_precision=os.environ.get("DS4_TRITON_DOT", "tf32x3"))
+    res["copy_bw_GBps"] = copy_bandwidth() / 1e9
+    log(f"device {res['device']}, copy {res['copy_bw_GBps']:.0f} GB/s")
+
+    cfg = preset_config(a.preset)
+    tokens = [f"<t{i}>" for i in range(cfg.n_vocab)]
+    write_sparse_gguf(a.gguf, cfg, {}, tokens, [])
+    t0 = time.time()
+    eng = ds4.Engine.open(a.gguf, backend="triton", synthetic=True)
+    torch.cuda.synchronize()
+    res["load_s"] = time.time() - t0
+    res["gpu_mem_GB"] = torch.cuda.memory_allocated() / 1e9
+    wb = decode_weight_bytes(eng)
+    res["decode_weight_bytes"] = wb
+    res["weights_roofline_tok_s"] = res["copy_bw_GBps"] * 1e9 / wb
+    log(f"loaded in {res['load_s']:.1f}s, {res['gpu_mem_GB']:.1f} GB on the GPU; decode reads "
+        f"{wb / 1e9:.2f} GB of weights/token -> roofline {res['weights_roofline_tok_s']:.0f} tok/s")
+
+    res["decode"] = []
+    for ctx in [int(c) for c in a.ctx.split(",") if c]:
+        if time.time() - T0 > a.budget:
+            log(f"skip decode ctx {ctx}: over budget")
+            continue
+        r = bench_decode(eng, ctx, a.steps, seed=ctx)
+        res["decode"].append(r)
+        log(f"decode ctx {ctx}: {r['tokens_per_s']:.1f} tok/s ({r['ms_per_token']:.2f} ms/token, "
+            f"GPU replay {r['gpu_ms_per_step']} ms, {r['n_graph_ops']} ops/graph)")
+        json.dump(res, open(os.path.join(a.out, "results.json"), "w"), indent=1)
+
+    try:
+        if res["decode"] and time.time() - T0 < a.budget:
+            res["kernels"] = kernel_table(eng, 4096, 1, res["copy_bw_GBps"] * 1e9)
+            _write_csv(os.path.join(a.out, "decode_kernels.csv"), res["kernels"])
+    except Exception as e:  # noqa: BLE001
+        log(f"kernel table failed: {type(e).__name__}: {e}")
+    json.dump(res, open(os.path.join(a.out, "results.json"), "w"), indent=1)
+
+    res["prefill"] = []
+    for n in [int(c) for c in a.prefill.split(",") if c]:
+        if time.time() - T0 > a.budget:
+            log(f"skip prefill {n}: over budget")
+            continue
+        if not res["prefill"]:
+            w = bench_prefill(eng, min(n, 2048), seed=99)  # compile the prefill kernels
+            log(f"prefill warm-up {w['prompt']}: {w['seconds']:.1f}s")
+        r = bench_prefill(eng, n, seed=n)
+        res["prefill"].append(r)
+        log(f"prefill {n}: {r['tokens_per_s']:.0f} tok/s ({r['seconds']:.2f}s)")
+        json.dump(res, open(os.path.join(a.out, "results.json"), "w"), indent=1)
+
+    try:
+        if res["prefill"] and time.time() - T0 < a.budget:
+            res["prefill_kernels"] = prefill_table(eng, 2048, res["copy_bw_GBps"] * 1e9)
+            _write_csv(os.path.join(a.out, "prefill_kernels.csv"), res["prefill_kernels"])
+    except Exception as e:  # noqa: BLE001
+        log(f"prefill table failed: {type(e).__name__}: {e}")
+    json.dump(res, open(os.path.join(a.out, "results.json"), "w"), indent=1)
+    with open(os.path.join(a.out, "summary.csv"), "w", newline="") as f:
+        wr = csv.writer(f)
+        wr.writerow(["device", "metric", "value", "unit"])
+        wr.writerow([res["device"], "copy_bandwidth", f"{res['copy_bw_GBps']:.0f}", "GB/s"])
+        wr.writerow([res["device"], "weights_roofline_decode", f"{res['weights_roofline_tok_s']:.0f}", "tokens/s"])
+        for r in res["decode"]:
+            wr.writerow([res["device"], f"decode_ctx{r['ctx']}", f"{r['tokens_per_s']:.1f}", "tokens/s"])
+        for r in res["prefill"]:
+            wr.writerow([res["device"], f"prefill_{r['prompt']}", f"{r['tokens_per_s']:.0f}", "tokens/s"])
+    print("\n| metric | value |\n|---|---|")
+    print(f"| device | {res['device']} |\n| copy bandwidth | {res['copy_bw_GBps']:.0f} GB/s |")
+    print(f"| weights-only roofline | {res['weights_roofline_tok_s']:.0f} tok/s |")
+    for r in res["decode"]:
+        print(f"| decode ctx {r['ctx']} | {r['tokens_per_s']:.1f} tok/s (GPU {r['gpu_ms_per_step']} ms/step) |")
+    for r in res["prefill"]:
+        print(f"| prefill {r['prompt']} | {r['tokens_per_s']:.0f} tok/s |")
+    for title, key in (("decode step", "kernels"), ("prefill chunk 2048", "prefill_kernels")):
+        print(f"\n{title}:")
+        for k in res.get(key, [])[:12]:
+            print(f"| {k['kernel']} x{k['calls']} | {k['time_us']} us, {k['gb_per_s']} GB/s ({k['pct_of_copy_bw']}%) |")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,22 @@
+#!/bin/bash
+# One call on the GPU machine (the `run` tool): the Triton tests compiled on the GPU, then the
+# full-size synthetic benchmark. Carries .whl (gguf) and optionally .tcache (a Triton cache).
+export PYTHONUNBUFFERED=1
+python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
+  && export PYTHONPATH=/tmp/site:. || exit 1
+nvidia-smi --query-gpu=name,memory.total,clocks.sm,clocks.mem,driver_version --format=csv
+if [ -f .tcache/cache.tar.xz ]; then mkdir -p ~/.triton && tar xJf .tcache/cache.tar.xz -C ~/.triton; fi
+mkdir -p $OUT/results
+if [ "${RUN_TESTS:-1}" = 1 ]; then
+  timeout ${TEST_TIMEOUT:-240} python3 -m pytest -q -x -n ${XDIST:-8} tests/test_triton_kernels.py tests/test_triton_model.py \
+    -p no:cacheprovider 2>&1 | tail -${TEST_TAIL:-40} | tee $OUT/results/tests.log
+fi
+if [ "${RUN_TUNE:-0}" = 1 ]; then
+  timeout ${TUNE_TIMEOUT:-150} python3 bench/triton/tune_mv.py --out $OUT/results/tune.json 2>&1 | tail -${TUNE_TAIL:-60} | tee $OUT/results/tune.log
+fi
+if [ "${RUN_BENCH:-1}" = 1 ]; then
+  timeout ${BENCH_TIMEOUT:-330} python3 bench/triton/bench_full.py --out $OUT/results --budget ${BUDGET:-250} ${BENCH_ARGS:-} 2>&1 | tee $OUT/results/bench.log
+fi
+
+if [ -n "${EXTRA:-}" ]; then eval "$EXTRA"; fi
+tar cf - -C ~/.triton cache 2>/dev/null | xz -1 -T8 > $OUT/tcache.tar.xz; ls -la $OUT/tcache.tar.xz

@@ -1,0 +1,886 @@
+"""The Triton backend: every op of ds4/backends/base.py as Triton kernels (kernels.py); torch
+only allocates, holds CUDA graphs and does the little glue of the prefill MoE grouping.
+
+Weights stay GGUF blocks on the device (the kernels decode them in registers). Activations and
+the session state are float32 torch tensors laid out as ds4/core/state.py says, so
+state_to_numpy / state_from_numpy are exact copies and a session moves between backends.
+
+Three things are backend-internal and invisible to the graph:
+
+* Lazy ops. `rms_norm`, `head_norm`, `add` and a decode `attention` return small records instead
+  of launching a kernel; the consumer fuses them (a matrix-vector product normalises its input
+  itself, RoPE normalises the rows it rotates, mHC-expand adds the two FFN outputs, the inverse
+  RoPE merges the attention splits). Anything else materialises them once.
+* Positions live on the device. Kernels read the chunk's first position from a device scalar and
+  decide windows, visibility and ring rows themselves; no op returns data to the host.
+* CUDA graphs. A one-token chunk that `forward_chunk` runs with logits is a decode step: the first
+  one of a session runs eagerly (and sizes a private buffer arena), the second is captured into a
+  CUDA graph, later ones only replay it; the graph's ops then return the captured outputs without
+  launching anything. The session is recognised by its state dict, which `begin_chunk` names.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from collections import OrderedDict
+
+import numpy as np
+import torch
+
+from ...core.config import ModelConfig  # noqa: E402
+from ...core.gguf_model import Tensor  # noqa: E402
+from ...core.quants import IQ2XXS_GRID, IQ2XXS_KSIGNS, GGMLType, row_bytes  # noqa: E402
+from ...core.rope import layer_inv_freq  # noqa: E402
+from ..base import Backend  # noqa: E402
+from . import kernels as K  # noqa: E402
+
+MM_MIN = 16  # tokens from which linear layers use the matrix-matrix kernels (tl.dot needs 16)
+
+
+def _cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+def _pow2(x: int) -> int:
+    return 1 << max(0, int(x) - 1).bit_length()
+
+
+def _largest_pow2_divisor(k: int, cap: int) -> int:
+    b = 1
+    while b * 2 <= cap and k % (b * 2) == 0:
+        b *= 2
+    return b
+
+
+class QWeight:
+    """A tensor as it lives on the device: its GGUF bytes, unchanged, plus typed views."""
+
+    def __init__(self, name: str, ttype: GGMLType, dims: tuple[int, ...], u8: torch.Tensor):
+        self.name, self.type, self.dims = name, GGMLType(int(ttype)), tuple(dims)
+        self.K = dims[0]
+        self.N = dims[1] if len(dims) > 1 else 1
+        self.n_exp = dims[2] if len(dims) > 2 else 1
+        self.RB = row_bytes(self.type, dims[0])
+        self.u8 = u8
+        self.i16 = u8.view(torch.int16) if u8.numel() % 2 == 0 else u8
+        # the 32-bit view: float32 for F32, int32 words otherwise (Q2_K's quants are word-aligned)
+        self.f32 = (u8.view(torch.float32) if self.type == GGMLType.F32 else
+                    u8.view(torch.int32) if u8.numel() % 4 == 0 else self.i16)
+        self.i32 = u8.view(torch.int32) if self.type == GGMLType.I32 else None
+
+    @property
+    def vec(self) -> torch.Tensor:
+        if self.type != GGMLType.F32:
+            raise TypeError(f"{self.name}: expected an F32 vector, got {self.type.name}")
+        return self.f32
+
+    @property
+    def nbytes(self) -> int:
+        return self.u8.numel()
+
+    def __repr__(self):
+        return f"QWeight({self.name}, {self.type.name}, {list(self.dims)})"
+
+
+# ---- lazy results -------------------------------------------------------------------------------
+
+class _Lazy:
+    __slots__ = ("val",)
+
+
+class _Normed(_Lazy):
+    __slots__ = ("x", "w")
+
+    def __init__(self, x, w):
+        self.x, self.w, self.val = x, w, None
+
+    @property
+    def shape(self):
+        return tuple(self.x.shape)
+
+
+class _HeadNormed(_Lazy):
+    __slots__ = ("x", "H", "D")
+
+    def __init__(self, x, H, D):
+        self.x, self.H, self.D, self.val = x, H, D, None
+
+    @property
+    def shape(self):
+        return (self.x.shape[0], self.H, self.D)
+
+
+class _Sum(_Lazy):
+    __slots__ = ("a", "b")
+
+    def __init__(self, a, b):
+        self.a, self.b, self.val = a, b, None
+
+    @property
+    def shape(self):
+        return tuple(self.a.shape)
+
+
+class _AttnParts(_Lazy):
+    __slots__ = ("mo", "lo", "ao", "S", "sink", "il", "n", "H", "D")
+
+    def __init__(self, mo, lo, ao, S, sink, il, n, H, D):
+        self.mo, self.lo, self.ao, self.S, self.sink, self.il = mo, lo, ao, S, sink, il
+        self.n, self.H, self.D, self.val = n, H, D, None
+
+    @property
+    def shape(self):
+        return (self.n, self.H, self.D)
+
+
+class Selection:
+    """Indexer top-k of each query: the kept compressed rows in increasing order, and how many."""
+
+    def __init__(self, idx: torch.Tensor, count: torch.Tensor, top_k: int):
+        self.idx, self.count, self.top_k = idx, count, top_k
+
+    def mask(self, rows: int) -> np.ndarray:
+        idx, cnt = self.idx.cpu().numpy(), self.count.cpu().numpy()
+        out = np.zeros((idx.shape[0], rows), dtype=bool)
+        for i in range(idx.shape[0]):
+            out[i, idx[i, : cnt[i]]] = True
+        return out
+
+
+# ---- decode-step capture ------------------------------------------------------------------------
+
+class _GraphEntry:
+    def __init__(self, states):
+        self.states = states
+        self.arena: list[torch.Tensor] = []
+        self.graph = None
+        self.outputs: list = []
+        self.names: list[str] = []
+        self.failed = False
+
+
+class _Step:
+    def __init__(self, entry: _GraphEntry, phase: str):
+        self.entry, self.phase = entry, phase  # phase: warm | capture | replay
+        self.i = 0  # op index (replay) / arena index (capture)
+
+
+def _op(fn):
+    """Route an op through the decode-step machinery (record, capture or replay)."""
+    name = fn.__name__
+
+    def wrapper(self, *args, **kw):
+        if name == "embed":
+            self._maybe_begin_step(args[1])
+            self._chunk = None
+        st = self._step
+        if st is None:
+            return fn(self, *args, **kw)
+        if st.phase == "replay":
+            e = st.entry
+            if st.i >= len(e.names) or e.names[st.i] is not name:
+                self._step = None
+                raise RuntimeError(f"decode step: op {name} does not match the captured graph")
+            out = e.outputs[st.i]
+            st.i += 1
+            if name == "output_logits":
+                self._step = None
+            return out
+        try:
+            out = fn(self, *args, **kw)
+        except BaseException:
+            self._abort_step()
+            raise
+        if st.phase == "capture":
+            st.entry.outputs.append(out)
+            st.entry.names.append(name)
+        if name == "output_logits":
+            self._end_step()
+        return out
+
+    wrapper.__name__ = name
+    wrapper.__doc__ = fn.__doc__
+    return wrapper
+
+
+class TritonBackend(Backend):
+    name = "triton"
+
+    @staticmethod
+    def runs_here() -> bool:
+        return torch.cuda.is_available()
+
+    def __init__(self, cfg: ModelConfig, numerics: str = "ds4", device: str | None = None,
+                 cuda_graphs: bool | None = None, synthetic: bool = False, seed: int = 0,
+                 dot_precision: str | None = None, max_graphs: int = 4):
+        super().__init__(cfg, numerics)
+        if device is None:  # the CPU interpreter is for tests, and only when asked for by name
+            if not self.runs_here() or K.INTERPRET:
+                raise RuntimeError("the triton backend needs an NVIDIA GPU (CUDA); its kernels also "
+                                   "run on the CPU under TRITON_INTERPRET=1 with device='cpu', for tests")
+            device = "cuda"
+        self.dev = torch.device(device)
+        self.interpret = K.INTERPRET
+        if self.dev.type == "cuda" and self.interpret:
+            raise RuntimeError("TRITON_INTERPRET=1 runs kernels on CPU tensors; use device='cpu'")
+        if self.dev.type == "cpu" and not self.interpret:
+            raise RuntimeError("device='cpu' needs TRITON_INTERPRET=1 set before Triton is imported")
+        self.cuda_graphs = (self.dev.type == "cuda") if cuda_graphs is None else bool(cuda_graphs)
+        self.synthetic = synthetic
+        self.seed = seed
+        self.prec = dot_precision or os.environ.get("DS4_TRITON_DOT") or ("ieee" if self.interpret else "tf32x3")
+        d = self.dev
+        self._gridp = torch.tensor(_grid_codes(), dtype=torch.int32, device=d)
+        self._ksigns = torch.tensor(IQ2XXS_KSIGNS.astype(np.int32), dtype=torch.int32, device=d)
+        self._freq = torch.tensor(np.stack([layer_inv_freq(cfg, il) for il in range(cfg.n_layer)]),
+                                  dtype=torch.float32, device=d)
+        self._pos = torch.zeros(1, dtype=torch.int32, device=d)
+        self._pos_host = 0
+        self._chunk = None  # (states, p0, logits) of the chunk forward_chunk is running
+        self._tok1 = torch.zeros(1, dtype=torch.int32, device=d)
+        self._tok_np = None
+        self._tok_t = None
+        self._dummy_f = torch.zeros(16, dtype=torch.float32, device=d)
+        self._dummy_i = torch.zeros(16, dtype=torch.int32, device=d)
+        self._step: _Step | None = None
+        self._graphs: OrderedDict[int, _GraphEntry] = OrderedDict()
+        self.max_graphs = max_graphs
+        self._cap_ctx = None
+        self._cap_stream = None
+        self.ledger: list | None = None  # (kernel name, bytes) per launch when profiling
+        # matrix-matrix tile (prefill linears): rows of x, rows of W, warps
+        self.mm_tile = tuple(int(v) for v in os.environ.get("DS4_TRITON_MM", "64,64,8").split(","))
+        self.topk_reg_max = 16384  # indexer rows that top-k keeps in registers
+        # decoded type per GGUF type in matrix-vector kernels: Q8_0 as 16-bit pairs, IQ2_XXS and
+        # Q2_K with the values of a unit unrolled (per-unit fields decoded once per thread)
+        self.mv_types = {int(K.Q8_0): 108, int(K.IQ2_XXS): 116, int(K.Q2_K): 110}
+        if os.environ.get("DS4_TRITON_MV_PLAIN") == "1":
+            self.mv_types = {}
+        # matrix-vector tiling per decoded type: (K-step values, rows per program, warps), from
+        # bench/triton/tune_mv.py and the decode benchmark on an H200
+        self.mv_tune = {"default": (256, 8, 4), 108: (256, 16, 4), 116: (512, 4, 4), 110: (1024, 16, 4),
+                        int(K.F16): (512, 4, 4)}
+        self.mv_tune.update({int(k): tuple(v) for k, v in
+                             json.loads(os.environ.get("DS4_TRITON_MV_TUNE", "{}")).items()})
+        self._synth = None
+
+    @property
+    def device(self) -> str:
+        return str(self.dev)
+
+    # ---- memory ---------------------------------------------------------------------------------
+
+    def upload(self, tensor: Tensor) -> QWeight:
+        if self.synthetic:
+            from .synthetic import synthetic_bytes
+
+            if self._synth is None:
+                self._synth = torch.Generator(device=self.dev).manual_seed(self.seed)
+            u8 = synthetic_bytes(tensor.name, tensor.type, tensor.dims, self.cfg, self.dev, self._synth)
+        else:
+            host = torch.from_numpy(np.array(tensor.raw, dtype=np.uint8, copy=True).reshape(-1))
+            u8 = host.to(self.dev) if self.dev.type != "cpu" else host
+        return QWeight(tensor.name, tensor.type, tensor.dims, u8)
+
+    def alloc_state(self, shapes, fill):
+        return {k: torch.full(s, float(fill[k]), dtype=torch.float32, device=self.dev)
+                for k, s in shapes.items()}
+
+    def state_to_numpy(self, st, name):
+        return st[name].detach().cpu().numpy().copy()
+
+    def state_from_numpy(self, st, name, value):
+        value = np.asarray(value)
+        if tuple(value.shape) != tuple(st[name].shape):
+            raise ValueError(f"state {name}: expected shape {tuple(st[name].shape)}, got {value.shape}")
+        st[name].copy_(torch.from_numpy(np.ascontiguousarray(value, dtype=np.float32)))
+
+    def to_numpy(self, x):
+        if isinstance(x, Selection):
+            return x.mask(int(x.idx.max().item()) + 1 if x.idx.numel() else 0)
+        if isinstance(x, (tuple, list)):
+            return type(x)(self.to_numpy(v) for v in x)
+        return self._val(x).detach().cpu().numpy()
+
+    # ---- plumbing -------------------------------------------------------------------------------
+
+    def _new(self, shape, dtype=torch.float32) -> torch.Tensor:
+        shape = tuple(int(s) for s in shape)
+        st = self._step
+        if st is None:
+            return torch.empty(shape, dtype=dtype, device=self.dev)
+        e = st.entry
+        if st.phase == "warm":
+            t = torch.empty(shape, dtype=dtype, device=self.dev)
+            e.arena.append(t)
+            return t
+        t = e.arena[st.i]
+        st.i += 1
+        if tuple(t.shape) != shape or t.dtype != dtype:
+            raise RuntimeError(f"decode step: buffer {st.i - 1} is {tuple(t.shape)}, expected {shape}")
+        return t
+
+    def _launch(self, kern, grid, *args, nbytes: int = 0, **kw):
+        if self.interpret:
+            kw.pop("num_warps", None)
+            kw.pop("num_stages", None)
+        kern[grid](*args, **kw)
+        if self.ledger is not None:
+            self.ledger.append((kern.fn.__name__ if hasattr(kern, "fn") else str(kern), int(nbytes)))
+
+    def _set_pos(self, p0: int) -> torch.Tensor:
+        p0 = int(p0)
+        if p0 != self._pos_host:
+            if self._step is not None and self._step.phase == "capture":
+                raise RuntimeError("decode step: position changed inside a captured step")
+            self._pos.fill_(p0)
+            self._pos_host = p0
+        return self._pos
+
+    def _tokens_dev(self, tokens) -> torch.Tensor:
+        if self._step is not None:
+            return self._tok1
+        if tokens is self._tok_np and self._tok_t is not None:
+            return self._tok_t
+        t = torch.from_numpy(np.ascontiguousarray(np.asarray(tokens, dtype=np.int32)))
+        self._tok_t = t.to(self.dev) if self.dev.type != "cpu" else t
+        self._tok_np = tokens
+        return self._tok_t
+
+    def _val(self, x):
+        """Materialise a lazy result (once)."""
+        if not isinstance(x, _Lazy):
+            return x
+        if x.val is not None:
+            return x.val
+        if isinstance(x, _Normed):
+            src = self._val(x.x)
+            n, D = src.shape
+            out = self._new((n, D))
+            w = self._dummy_f if x.w is None else x.w.vec
+            self._launch(K.rms_kernel, (n,), src, w, out, D, self.cfg.rms_eps, BD=_pow2(D),
+                         WEIGHTED=x.w is not None, num_warps=4, nbytes=8 * src.numel())
+        elif isinstance(x, _HeadNormed):
+            src = self._val(x.x)
+            n = src.shape[0]
+            out = self._new((n, x.H, x.D))
+            self._launch(K.rms_kernel, (n * x.H,), src, self._dummy_f, out, x.D, self.cfg.rms_eps,
+                         BD=_pow2(x.D), WEIGHTED=False, num_warps=4, nbytes=8 * src.numel())
+        elif isinstance(x, _Sum):
+            a, b = self._val(x.a), self._val(x.b)
+            out = self._new(a.shape)
+            N = a.numel()
+            self._launch(K.add_kernel, (_cdiv(N, 1024),), a, b, out, N, BLOCK=1024, nbytes=12 * N)
+        elif isinstance(x, _AttnParts):
+            out = self._combine(x, rope_inverse=False)
+        else:
+            raise TypeError(type(x))
+        x.val = out
+        return out
+
+    def _blocks(self, ttype: int, K_: int, cap: int) -> tuple[int, int]:
+        """(NB, VB): units per K-step and values per unit, NB·VB dividing K."""
+        VB = K.UNIT[int(ttype)]
+        if ttype in (K.F32, K.F16, K.BF16):
+            VB = _largest_pow2_divisor(K_, VB)
+        if K_ % VB:
+            raise ValueError(f"K={K_} is not a multiple of the {VB}-value unit of type {ttype}")
+        NB = _largest_pow2_divisor(K_ // VB, max(1, cap // VB))
+        return NB, VB
+
+    def _mv_cfg(self, ttype: int, N: int, K_: int, slots: int = 1) -> dict:
+        """Launch parameters of a matrix-vector kernel: decoded type (108 = Q8_0 as 16-bit pairs),
+        rows per program, units per K-step, values per unit, accumulator width, warps."""
+        ttype = int(ttype)
+        t = self.mv_types.get(ttype, ttype)
+        cap, BN, warps = self.mv_tune.get(t, self.mv_tune["default"])
+        if self.interpret:
+            cap, BN = 1024, min(64, _pow2(N))
+        else:
+            while BN > 1 and _cdiv(N, BN) * slots < 264:  # keep at least two programs per SM
+                BN //= 2
+        if t in (116, 110):  # unrolled units: 8 (IQ2_XXS) or 64 (Q2_K) values per tile element
+            VB = 8 if t == 116 else 64
+            NB = _largest_pow2_divisor(K_ // VB, max(1, cap // VB))
+            return dict(TYPE=t, BN=BN, NB=NB, VB=VB, VA=1, num_warps=warps)
+        NB, VB = self._blocks(ttype, K_, cap)
+        return dict(TYPE=t, BN=BN, NB=NB, VB=VB, VA=VB // 2 if t == 108 else VB, num_warps=warps)
+
+    # ---- linear layers --------------------------------------------------------------------------
+
+    def _linear(self, x, w: QWeight, group_rows: int = 0, group_stride: int = 0):
+        """x [n, K(·groups)] -> [n, N]. Rows of group g read x columns [g·stride, +K)."""
+        N, Kd = w.N, w.K
+        gr = group_rows or (1 << 30)
+        norm = 0
+        nw = self._dummy_f
+        if isinstance(x, _Normed) and x.val is None and x.shape[0] < MM_MIN and not group_rows:
+            src = self._val(x.x)
+            norm = 2 if x.w is None else 1
+            nw = self._dummy_f if x.w is None else x.w.vec
+        else:
+            src = self._val(x)
+        n = src.shape[0]
+        sx_t = src.stride(0)
+        out = self._new((n, N))
+        if n < MM_MIN:
+            c = self._mv_cfg(w.type, N, Kd, n)
+            if group_rows:
+                c["BN"] = min(c["BN"], _largest_pow2_divisor(group_rows, c["BN"]))
+            self._launch(K.matvec_kernel, (_cdiv(N, c["BN"]), n), src, sx_t, group_stride, nw,
+                         w.u8, w.i16, w.f32, self._gridp, self._ksigns, out, N,
+                         N, Kd, w.RB, gr, self.cfg.rms_eps, NORM=norm, **c,
+                         nbytes=w.RB * N + 4 * n * (Kd + N))
+        else:
+            BM, BN, warps = self.mm_tile
+            NB, VB = self._blocks(w.type, Kd, 64 if not self.interpret else 128)
+            if group_rows:
+                BN = min(BN, _largest_pow2_divisor(group_rows, BN))
+            self._launch(K.matmul_kernel, (_cdiv(n, BM), _cdiv(N, BN)), src, sx_t, group_stride,
+                         w.u8, w.i16, w.f32, self._gridp, self._ksigns, out, N,
+                         n, N, Kd, w.RB, gr,
+                         TYPE=int(w.type), BM=BM, BN=BN, NB=NB, VB=VB, PREC=self.prec,
+                         num_warps=warps, num_stages=2, nbytes=w.RB * N + 4 * n * (Kd + N))
+        return out
+
+    # ---- decode-step machinery ------------------------------------------------------------------
+
+    def begin_chunk(self, states, tokens, p0, logits) -> None:
+        self._chunk = (states, int(p0), bool(logits))
+
+    def _maybe_begin_step(self, tokens) -> None:
+        if self._step is not None:
+            self._abort_step()
+        chunk = self._chunk
+        if not self.cuda_graphs or len(tokens) != 1 or chunk is None:
+            return
+        states, p0, logits = chunk
+        if not logits:
+            return
+        key = id(states)
+        e = self._graphs.get(key)
+        if e is not None and e.states is not states:
+            e = None
+        if e is not None and e.failed:
+            return
+        self._tok1.fill_(int(np.asarray(tokens).reshape(-1)[0]))
+        self._set_pos(p0)
+        if e is None:
+            e = _GraphEntry(states)
+            self._graphs[key] = e
+            while len(self._graphs) > self.max_graphs:
+                self._graphs.popitem(last=False)
+            self._step = _Step(e, "warm")
+            return
+        self._graphs.move_to_end(key)
+        if e.graph is None:
+            self._step = _Step(e, "capture")
+            e.outputs, e.names = [], []
+            torch.cuda.synchronize(self.dev)
+            e.graph = torch.cuda.CUDAGraph()
+            self._cap_stream = torch.cuda.Stream(self.dev)
+            self._cap_stream.wait_stream(torch.cuda.current_stream(self.dev))
+            self._cap_ctx = torch.cuda.stream(self._cap_stream)
+            self._cap_ctx.__enter__()
+            e.graph.capture_begin()
+            return
+        self._step = _Step(e, "replay")
+        e.graph.replay()
+
+    def _end_step(self) -> None:
+        st = self._step
+        self._step = None
+        if st.phase == "capture":
+            st.entry.graph.capture_end()
+            self._cap_ctx.__exit__(None, None, None)
+            torch.cuda.current_stream(self.dev).wait_stream(self._cap_stream)
+            self._cap_ctx = None
+            st.entry.graph.replay()
+
+    def _abort_step(self) -> None:
+        st = self._step
+        self._step = None
+        if st is None:
+            return
+        if st.phase == "capture" and self._cap_ctx is not None:
+            try:
+                st.entry.graph.capture_end()
+            except Exception:
+                pass
+            self._cap_ctx.__exit__(None, None, None)
+            self._cap_ctx = None
+            st.entry.graph = None
+            st.entry.failed = True
+        elif st.phase == "warm":
+            self._graphs.pop(id(st.entry.states), None)
+
+    # ---- ops ------------------------------------------------------------------------------------
+
+    @_op
+    def embed(self, token_embd: QWeight, tokens):
+        cfg = self.cfg
+        n, E, HC = len(tokens), cfg.n_embd, cfg.n_hc
+        tok = self._tokens_dev(tokens)
+        X = self._new((n, HC, E))
+        NB, VB = self._blocks(token_embd.type, E, 1024)
+        self._launch(K.embed_kernel, (n, E // (NB * VB)), tok, token_embd.u8, token_embd.i16, token_embd.f32,
+                     self._gridp, self._ksigns, X, E, token_embd.RB, HC=HC, TYPE=int(token_embd.type),
+                     NB=NB, VB=VB, nbytes=n * (token_embd.RB + 4 * HC * E))
+        return X
+
+    def _hc_collapse(self, X, hc, head: bool):
+        cfg = self.cfg
+        n, HC, E = X.shape
+        Kd = HC * E
+        fn = hc.fn
+        NR = fn.N
+        NM = _pow2(NR)
+        NB, VB = self._blocks(fn.type, Kd, 128 if not self.interpret else 1024)
+        BK = NB * VB
+        split = 1 if self.interpret else max(1, min(64, 128 // max(1, n)))
+        split = min(split, Kd // BK)
+        split = _largest_pow2_divisor(Kd // BK, split)
+        part = self._new((n, split, NM))
+        ss = self._new((n, split))
+        self._launch(K.hc_mix_kernel, (n, split), X, fn.u8, fn.i16, fn.f32, self._gridp, self._ksigns,
+                     part, ss, NR, Kd, fn.RB, Kd // split, NM=NM, TYPE=int(fn.type), NB=NB, VB=VB,
+                     num_warps=4, nbytes=fn.RB * NR + 4 * X.numel())
+        x_in = self._new((n, E))
+        post = self._dummy_f if head else self._new((n, HC))
+        comb = self._dummy_f if head else self._new((n, HC, HC))
+        BT = min(_pow2(n), 32) if self.interpret else 1
+        BE = min(1024 // BT if self.interpret else 1024, _pow2(E))
+        self._launch(K.hc_finalize_kernel, (_cdiv(n, BT), _cdiv(E, BE)), X, part, ss, hc.scale.vec, hc.base.vec,
+                     x_in, post, comb, n, E, cfg.rms_eps, cfg.hc_eps, cfg.hc_sinkhorn_iter,
+                     SPLIT=split, HC=HC, NM=NM, BE=BE, BT=BT, HEAD=head, num_warps=4,
+                     nbytes=4 * (X.numel() + n * E))
+        return x_in, post, comb
+
+    @_op
+    def hc_pre(self, X, hc):
+        return self._hc_collapse(self._val(X), hc, head=False)
+
+    @_op
+    def hc_post(self, y, X, post, comb):
+        y2 = None
+        if isinstance(y, _Sum) and y.val is None:
+            y, y2 = self._val(y.a), self._val(y.b)
+        else:
+            y = self._val(y)
+        X = self._val(X)
+        n, HC, E = X.shape
+        out = self._new((n, HC, E))
+        BE = min(1024, _pow2(E))
+        self._launch(K.hc_post_kernel, (n, _cdiv(E, BE)), y, y2 if y2 is not None else y, X, post, comb,
+                     out, E, HC=HC, BE=BE, HAS_Y2=y2 is not None, num_warps=4,
+                     nbytes=4 * (2 * X.numel() + 2 * n * E))
+        return out
+
+    @_op
+    def rms_norm(self, x, weight=None):
+        return _Normed(x, weight)
+
+    @_op
+    def linear(self, x, w):
+        return self._linear(x, w)
+
+    @_op
+    def head_norm(self, q):
+        return _HeadNormed(q, self.cfg.n_head, self.cfg.head_dim)
+
+    def _rope(self, x, il: int, inverse: bool, qat: bool = False, rows_dim: tuple | None = None):
+        norm, nw = 0, self._dummy_f
+        if isinstance(x, _HeadNormed) and x.val is None:
+            src = self._val(x.x)
+            n, ROWS, D = src.shape[0], x.H, x.D
+            norm = 2
+            shape = (n, ROWS, D)
+        elif isinstance(x, _Normed) and x.val is None:
+            src = self._val(x.x)
+            n, D = src.shape
+            ROWS = 1
+            norm = 2 if x.w is None else 1
+            nw = self._dummy_f if x.w is None else x.w.vec
+            shape = (n, D)
+        else:
+            src = self._val(x)
+            shape = tuple(src.shape)
+            n = shape[0]
+            if rows_dim is not None:
+                ROWS, D = rows_dim
+                shape = (n, ROWS, D)
+            else:
+                D = shape[-1]
+                ROWS = int(np.prod(shape[1:-1], dtype=np.int64)) if len(shape) > 2 else 1
+        out = self._new(shape)
+        BR = min(_pow2(ROWS), 16 if not self.interpret else 64)
+        self._launch(K.rope_kernel, (n, _cdiv(ROWS, BR)), src, out, nw, self._freq[il], self._pos, ROWS,
+                     self.cfg.rms_eps, D=D, NROT=self.cfg.n_rot, BR=BR, NORM=norm, INVERSE=inverse,
+                     QAT=qat, QS=float(np.float32(1.0 / np.sqrt(D))), LOGD=max(0, D.bit_length() - 1),
+                     num_warps=4, nbytes=8 * n * ROWS * D)
+        return out
+
+    @_op
+    def rope(self, x, p0, il, inverse=False):
+        self._set_pos(p0)
+        if inverse and isinstance(x, _AttnParts) and x.val is None:
+            return self._combine(x, rope_inverse=True)
+        return self._rope(x, il, inverse)
+
+    @_op
+    def kv_store(self, st, kv, p0):
+        self._set_pos(p0)
+        kv = self._val(kv)
+        n, D = kv.shape
+        raw = st["raw"]
+        self._launch(K.kv_store_kernel, (n,), kv, raw, self._pos, raw.shape[0], D=D, NN=self.cfg.n_nope,
+                     DS4=self.ds4_numerics, num_warps=4, nbytes=8 * n * D)
+
+    @_op
+    def compressor(self, st, a, w, p0, il, indexer):
+        cfg = self.cfg
+        self._set_pos(p0)
+        m = cfg.ratio(il)
+        if m & (m - 1):
+            raise ValueError(f"the triton backend needs power-of-two compress ratios, got {m}")
+        d = cfg.indexer_head_dim if indexer else cfg.head_dim
+        csa = m == 4
+        C = (2 if csa else 1) * d
+        prefix = "index" if indexer else "comp"
+        skv, ssc, rows = st[prefix + "_kv"], st[prefix + "_score"], st[prefix]
+        kv_all = self._linear(a, w.kv)
+        sc_all = self._linear(a, w.gate)
+        n = kv_all.shape[0]
+        nwin = 1 if self._step is not None else (p0 + n) // m - p0 // m
+        mode = (2 if indexer else 1) if self.ds4_numerics else 0
+        ncand = 8 if csa else m
+        if nwin > 0:
+            self._launch(K.comp_pool_kernel, (nwin,), kv_all, sc_all, w.ape.i16, skv, ssc, w.norm.vec,
+                         self._freq[il], self._pos, rows, n, cfg.rms_eps,
+                         M=m, D=d, C=C, NROT=cfg.n_rot, CSA=csa, NCAND=ncand, RB=min(ncand, 8),
+                         MODE=mode, QS=float(np.float32(1.0 / np.sqrt(d))), LOGD=max(0, d.bit_length() - 1), num_warps=4,
+                         nbytes=4 * nwin * 2 * ncand * d * 2)
+        BC = min(_pow2(C), (64 if ncand <= 8 else 16) if not self.interpret else 1024)
+        self._launch(K.comp_update_kernel, (_cdiv(C, BC),), kv_all, sc_all, w.ape.i16, skv, ssc, self._pos, n,
+                     M=m, C=C, CSA=csa, NR=ncand, BC=BC, num_warps=4, nbytes=4 * 4 * ncand * C)
+
+    @_op
+    def indexer_select(self, st, qr, a, w, p0, il):
+        cfg = self.cfg
+        self._set_pos(p0)
+        m = cfg.ratio(il)
+        n = qr.shape[0]
+        top_k = cfg.indexer_top_k
+        if self._step is None:
+            cs = (p0 + n) // m
+            if cs <= top_k:
+                return None
+        else:
+            cs = st["index"].shape[0]
+        IH, ID = cfg.indexer_heads, cfg.indexer_head_dim
+        iq = self._rope(self._linear(qr, w.q_b), il, inverse=False, qat=self.ds4_numerics, rows_dim=(IH, ID))
+        hw = self._linear(a, w.proj)
+        scores = self._new((n, cs))
+        BC = 64 if not self.interpret else 128
+        self._launch(K.idx_score_kernel, (n, _cdiv(cs, BC)), iq, hw, st["index"], scores, self._pos, m, IH, cs,
+                     float(np.float32(np.sqrt(ID * IH))), IHP=max(16, _pow2(IH)), ID=ID, BC=BC, EXACT=self.ds4_numerics,
+                     num_warps=4, nbytes=4 * n * (cs * ID + IH * ID + cs))
+        idx = self._new((n, top_k), torch.int32)
+        cnt = self._new((n,), torch.int32)
+        cmax = _pow2(cs) if cs <= self.topk_reg_max else 0
+        self._launch(K.topk_kernel, (n,), scores, idx, cnt, self._pos, m, cs, top_k,
+                     BC=256 if not self.interpret else 1024, CMAX=cmax,
+                     num_warps=8 if cmax > 4096 else 4, nbytes=4 * n * cs)
+        return Selection(idx, cnt, top_k)
+
+    @_op
+    def attention(self, q, st, sinks, p0, il, selected):
+        cfg = self.cfg
+        self._set_pos(p0)
+        q = self._val(q)
+        n, H, D = q.shape
+        raw = st["raw"]
+        W = min(cfg.sliding_window, raw.shape[0])
+        m = cfg.ratio(il)
+        comp = m != 0
+        sel = selected is not None
+        HB = 16
+        common = (q, raw, st["comp"] if comp else raw,
+                  selected.idx if sel else self._dummy_i, selected.count if sel else self._dummy_i,
+                  self._pos, sinks.vec)
+        qscale = float(np.float32(np.sqrt(D)))
+        if n > 1:
+            out = self._new((n, H, D))
+            self._launch(K.attn_kernel, (n, _cdiv(H, HB), 1), *common, self._dummy_f, self._dummy_f, out,
+                         H, W, raw.shape[0], max(m, 1), cfg.indexer_top_k, 1 << 30, qscale,
+                         D=D, HB=HB, BR=16, COMP=comp, SEL=sel, SINGLE=True, KEXACT=self.ds4_numerics,
+                         num_warps=8, nbytes=4 * n * (2 * H * D + (W + cfg.indexer_top_k) * D))
+            return out
+        if self._step is not None:
+            ncomp = (cfg.indexer_top_k if sel else st["comp"].shape[0]) if comp else 0
+        else:
+            vis = (p0 + n) // m if comp else 0
+            ncomp = min(vis, cfg.indexer_top_k) if sel else vis
+        RS = 32
+        S = max(1, _cdiv(W + ncomp, RS))
+        mo = self._new((n, S, H))
+        lo = self._new((n, S, H))
+        ao = self._new((n, S, H, D))
+        self._launch(K.attn_kernel, (n, _cdiv(H, HB), S), *common, mo, lo, ao,
+                     H, W, raw.shape[0], max(m, 1), cfg.indexer_top_k, RS, qscale,
+                     D=D, HB=HB, BR=16, COMP=comp, SEL=sel, SINGLE=False, KEXACT=self.ds4_numerics,
+                     num_warps=8, nbytes=4 * ((W + ncomp) * D * _cdiv(H, HB) + 2 * S * H * D))
+        return _AttnParts(mo, lo, ao, S, sinks, il, n, H, D)
+
+    def _combine(self, x: _AttnParts, rope_inverse: bool):
+        out = self._new((x.n, x.H, x.D))
+        self._launch(K.attn_combine_kernel, (x.n, x.H), x.mo, x.lo, x.ao, x.sink.vec, self._freq[x.il], self._pos,
+                     out, x.H, S=x.S, SP=_pow2(x.S), D=x.D, NROT=self.cfg.n_rot, ROPE_INV=rope_inverse,
+                     num_warps=4, nbytes=4 * x.ao.numel() + 4 * out.numel())
+        return out
+
+    @_op
+    def grouped_output(self, o, w_a, w_b):
+        cfg = self.cfg
+        o = self._val(o)
+        n = o.shape[0]
+        x = o.reshape(n, -1)
+        low = self._linear(x, w_a, group_rows=cfg.o_lora_rank, group_stride=x.shape[1] // cfg.o_groups)
+        return self._linear(low, w_b)
+
+    @_op
+    def router(self, f, gate_inp, bias, tid2eid, tokens, il):
+        cfg = self.cfg
+        logits = self._linear(f, gate_inp)
+        n, NE = logits.shape
+        k = cfg.n_expert_used
+        ids = self._new((n, k), torch.int32)
+        wts = self._new((n, k))
+        tok = self._tokens_dev(tokens)
+        self._launch(K.router_kernel, (n,), logits, NE, bias.vec if bias is not None else self._dummy_f,
+                     tid2eid.i32 if tid2eid is not None else self._dummy_i, tok, ids, wts,
+                     float(cfg.expert_weights_scale), KSEL=k, KP=_pow2(k), BE=_pow2(NE),
+                     HAS_BIAS=bias is not None, HASH=tid2eid is not None, num_warps=4, nbytes=8 * n * NE)
+        return ids, wts
+
+    def _gateup_mv(self, x, gate: QWeight, up: QWeight, ids, wts, slots: int, kslots: int, clamp: float):
+        E, F = gate.K, gate.N
+        c = self._mv_cfg(gate.type, F, E, slots)
+        h = self._new((slots, F))
+        routed = ids is not None
+        self._launch(K.moe_gateup_mv_kernel, (_cdiv(F, c["BN"]), slots), x, x.stride(0),
+                     ids if routed else self._dummy_i, wts if routed else self._dummy_f,
+                     gate.u8, gate.i16, gate.f32, up.u8, up.i16, up.f32, self._gridp, self._ksigns, h,
+                     F, E, gate.RB, F * gate.RB, kslots, float(clamp), ROUTED=routed, **c,
+                     nbytes=slots * (2 * F * gate.RB + 4 * (E + F)))
+        return h
+
+    def _tiles(self, n_assign: int, counts: torch.Tensor, BM: int):
+        """Tile schedule of the expert-sorted assignments: expert, first row, segment end."""
+        NE = counts.shape[0]
+        T = _cdiv(n_assign, BM) + NE
+        tiles = (counts + BM - 1) // BM
+        tend = torch.cumsum(tiles, 0)
+        tstart = tend - tiles
+        send = torch.cumsum(counts, 0)
+        sstart = send - counts
+        t = torch.arange(T, device=self.dev)
+        e = torch.searchsorted(tend, t, right=True)
+        ec = e.clamp(max=NE - 1)
+        tile_e = torch.where(e < NE, ec, -1).to(torch.int32)
+        tile_r0 = (sstart[ec] + (t - tstart[ec]) * BM).to(torch.int32)
+        tile_end = send[ec].to(torch.int32)
+        return T, tile_e, tile_r0, tile_end
+
+    @_op
+    def moe(self, f, ids, weights, gate, up, down, il):
+        cfg = self.cfg
+        x = self._val(f)
+        n, E = x.shape
+        k = ids.shape[1]
+        F = gate.N
+        clamp = cfg.swiglu_clamp[il]
+        if n < MM_MIN:
+            h = self._gateup_mv(x, gate, up, ids, weights, n * k, k, clamp)
+            out = self._new((n, E))
+            c = self._mv_cfg(down.type, E, F, n)
+            self._launch(K.moe_down_mv_kernel, (_cdiv(E, c["BN"]), n), h, ids, down.u8, down.i16, down.f32,
+                         self._gridp, self._ksigns, out, E, F, down.RB, E * down.RB, KSLOTS=k, **c,
+                         nbytes=n * k * (E * down.RB + 4 * F) + 4 * n * E)
+            return out
+        # prefill: group the (token, slot) assignments by expert
+        NE = gate.n_exp
+        flat = ids.reshape(-1).to(torch.int64)
+        order = torch.sort(flat, stable=True).indices
+        counts = torch.bincount(flat, minlength=NE)
+        BM = 64
+        T, tile_e, tile_r0, tile_end = self._tiles(n * k, counts, BM)
+        tok_sorted = (order // k).to(torch.int32)
+        w_sorted = weights.reshape(-1)[order].contiguous()
+        inv = torch.empty_like(order)
+        inv[order] = torch.arange(n * k, device=self.dev)
+        inv = inv.to(torch.int32)
+        h = torch.empty((n * k, F), dtype=torch.float32, device=self.dev)
+        NB, VB = self._blocks(gate.type, E, 64 if not self.interpret else 128)
+        BN = 32 if not self.interpret else 64  # two accumulators
+        self._launch(K.moe_gateup_mm_kernel, (T, _cdiv(F, BN)), x, x.stride(0), tok_sorted, w_sorted,
+                     tile_e, tile_r0, tile_end, gate.u8, gate.i16, gate.f32, up.u8, up.i16, up.f32,
+                     self._gridp, self._ksigns, h, F, E, gate.RB, F * gate.RB, float(clamp),
+                     TYPE=int(gate.type), BM=BM, BN=BN, NB=NB, VB=VB, ROUTED=True, PREC=self.prec,
+                     num_warps=8, num_stages=2, nbytes=2 * gate.nbytes + 4 * n * k * (E + F))
+        osort = torch.empty((n * k, E), dtype=torch.float32, device=self.dev)
+        NB, VB = self._blocks(down.type, F, 64 if not self.interpret else 128)
+        BN = 64
+        self._launch(K.moe_down_mm_kernel, (T, _cdiv(E, BN)), h, tile_e, tile_r0, tile_end,
+                     down.u8, down.i16, down.f32, self._gridp, self._ksigns, osort, E, F, down.RB, E * down.RB,
+                     TYPE=int(down.type), BM=BM, BN=BN, NB=NB, VB=VB, PREC=self.prec,
+                     num_warps=8, num_stages=2, nbytes=down.nbytes + 4 * n * k * (E + F))
+        out = self._new((n, E))
+        BE = min(1024, _pow2(E))
+        self._launch(K.moe_reduce_kernel, (n, _cdiv(E, BE)), osort, inv, out, E, KSLOTS=k, BE=BE,
+                     num_warps=4, nbytes=4 * n * E * (k + 1))
+        return out
+
+    @_op
+    def shared_expert(self, f, gate, up, down, il):
+        cfg = self.cfg
+        x = self._val(f)
+        n, E = x.shape
+        F = gate.N
+        clamp = cfg.swiglu_clamp[il]
+        if n < MM_MIN:
+            h = self._gateup_mv(x, gate, up, None, None, n, 1, clamp)
+        else:
+            BM, BN = 64, (32 if not self.interpret else 64)
+            T = _cdiv(n, BM)
+            tile_e = torch.zeros(T, dtype=torch.int32, device=self.dev)
+            tile_r0 = torch.arange(0, n, BM, dtype=torch.int32, device=self.dev)
+            tile_end = torch.full((T,), n, dtype=torch.int32, device=self.dev)
+            h = torch.empty((n, F), dtype=torch.float32, device=self.dev)
+            NB, VB = self._blocks(gate.type, E, 64 if not self.interpret else 128)
+            self._launch(K.moe_gateup_mm_kernel, (T, _cdiv(F, BN)), x, x.stride(0), self._dummy_i, self._dummy_f,
+                         tile_e, tile_r0, tile_end, gate.u8, gate.i16, gate.f32, up.u8, up.i16, up.f32,
+                         self._gridp, self._ksigns, h, F, E, gate.RB, 0, float(clamp),
+                         TYPE=int(gate.type), BM=BM, BN=BN, NB=NB, VB=VB, ROUTED=False, PREC=self.prec,
+                         num_warps=8, num_stages=2, nbytes=2 * gate.nbytes + 4 * n * (E + F))
+        return self._linear(h, down)
+
+    @_op
+    def add(self, a, b):
+        return _Sum(a, b)
+
+    @_op
+    def output_logits(self, X, hc, norm, out):
+        X = self._val(X)
+        x_in, _, _ = self._hc_collapse(X[-1:], hc, head=True)
+        logits = self._linear(_Normed(x_in, norm), out)
+        return logits[0]
+
+
+def _grid_codes() -> np.ndarray:
+    """IQ2_XXS grid entries as 8 two-bit level codes (levels 8, 25, 43 -> 0, 1, 2), low bits first."""
+    levels = np.array([8.0, 25.0, 43.0], dtype=np.float32)
+    codes = np.argmin(np.abs(IQ2XXS_GRID[..., None] - levels), axis=-1).astype(np.int64)  # [256, 8]
+    assert np.array_equal(levels[codes], IQ2XXS_GRID)
+    return (codes << (2 * np.arange(8))).sum(axis=1).astype(np.int32)

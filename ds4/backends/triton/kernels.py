@@ -1,0 +1,1150 @@
+"""The Triton kernels of the DS4 forward pass.
+
+Every kernel reads GGUF weight blocks as they are stored (no dequantized copy of any weight):
+`_wtile` decodes a [rows, units, values-per-unit] tile of F32/F16/BF16/Q8_0/Q2_K/Q4_K/IQ2_XXS
+rows in registers, where a "unit" is the group of values that shares one scale (a Q8_0 block, a
+Q2_K sub-block, one IQ2_XXS grid entry). Matrix-vector kernels (decode) multiply that tile by the
+activation with FMAs; matrix-matrix kernels (prefill) reshape it to [rows, K-block] for `tl.dot`.
+
+Positions never come from the host: kernels read the chunk's first position p0 from a device
+scalar, so a decode step can be captured once in a CUDA graph and replayed. Kernels that depend
+on the position (which compressor window closes, how many compressed rows a query sees) decide
+it themselves, and programs with nothing to do exit.
+
+A weight is passed as three views of one byte buffer: `wb` (uint8), `wh` (int16: f16 scales and
+16-bit words, which sit at even offsets in every DS4 block format) and `wf` (float32, F32 only).
+"""
+
+from __future__ import annotations
+
+import os
+
+import triton
+import triton.language as tl
+
+INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
+_INTERP = tl.constexpr(INTERPRET)
+
+if not INTERPRET:
+    from triton.language.extra import libdevice
+else:  # the interpreter gives scalars shape (1,), which numpy >= 2 refuses to int(); loop bounds
+    import numpy as _np  # loaded from memory need that, so teach the interpreter's tensors
+    import triton.runtime.interpreter as _ti
+
+    if not getattr(_ti, "_ds4_index_patch", False):
+        _orig_patch = _ti._patch_lang_tensor
+
+        def _patch_lang_tensor(tensor, scope):
+            _orig_patch(tensor, scope)
+            scope.set_attr(tensor, "__index__",
+                           lambda self: int(_np.asarray(self.handle.data).reshape(-1)[0]))
+
+        _ti._patch_lang_tensor = _patch_lang_tensor
+        _ti._ds4_index_patch = True
+        # Two speed-ups that keep the semantics of the compiled kernels: no int32 overflow
+        # checks (the GPU has none outside debug mode), and float32 dots through einsum
+        # (np.matmul with an explicit dtype takes numpy's slow generic loop, and BLAS threads
+        # thrash on a busy 2-core CI machine: 15 ms for a 64×128×64 product instead of 0.3).
+        import dataclasses as _dc
+
+        _ti.interpreter_builder.options = _dc.replace(_ti.interpreter_builder.options,
+                                                      sanitize_overflow=False)
+        _orig_dot = _ti.InterpreterBuilder.create_dot
+
+        def _create_dot(self, a, b, d, input_precision, max_num_imprecise_acc):
+            if a.data.dtype == b.data.dtype == d.data.dtype == _np.float32:
+                return _ti.TensorHandle(_np.einsum("...ij,...jk->...ik", a.data, b.data) + d.data, d.dtype.scalar)
+            return _orig_dot(self, a, b, d, input_precision, max_num_imprecise_acc)
+
+        _ti.InterpreterBuilder.create_dot = _create_dot
+
+# GGML type ids (ds4.core.quants.GGMLType)
+F32, F16, Q8_0, Q2_K, Q4_K, IQ2_XXS, BF16 = 0, 1, 8, 10, 12, 16, 30
+# values per unit (values sharing one scale) in the decoded tiles
+UNIT = {F32: 32, F16: 32, BF16: 32, Q8_0: 32, Q2_K: 16, Q4_K: 32, IQ2_XXS: 8}
+
+_NEG = tl.constexpr(-1.0e30)  # "minus infinity" for running maxima (exp(_NEG - m) == 0, never NaN)
+
+
+# ------------------------------------------------------------------------------------------------
+# small helpers
+
+
+@triton.jit
+def _cos(x):
+    if _INTERP:
+        return tl.cos(x)
+    else:  # accurate range reduction: θ = pos·freq reaches 10⁶ rad
+        return libdevice.cos(x)
+
+
+@triton.jit
+def _sin(x):
+    if _INTERP:
+        return tl.sin(x)
+    else:
+        return libdevice.sin(x)
+
+
+@triton.jit
+def _ld_f16(wh, byte_off, mask):
+    return tl.load(wh + byte_off // 2, mask=mask, other=0).to(tl.float16, bitcast=True).to(tl.float32)
+
+
+@triton.jit
+def _sigmoid(x):
+    return 1.0 / (1.0 + tl.exp(-x))
+
+
+@triton.jit
+def _rne(x):
+    """Round to nearest integer, ties to even, for |x| < 2^22 (the 1.5·2^23 trick)."""
+    return (x + 12582912.0) - 12582912.0
+
+
+@triton.jit
+def _pow2_ceil(v):
+    """2^ceil(log2 v) for normal v > 0, exactly, from the float's bits."""
+    b = v.to(tl.int32, bitcast=True)
+    e = (b >> 23) & 255
+    e = tl.where((b & 0x7FFFFF) == 0, e, e + 1)
+    e = tl.maximum(e, 1)  # subnormal inputs: 2^-126 (they only occur for all-zero blocks)
+    return (e << 23).to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def _e4m3(y):
+    """Round to the nearest E4M3FN value, ties to even; |y| <= 448."""
+    e = (tl.abs(y).to(tl.int32, bitcast=True) >> 23) & 255
+    step = (tl.maximum(e - 3, 118) << 23).to(tl.float32, bitcast=True)  # 2^max(e-130, -9)
+    return _rne(y / step) * step
+
+
+@triton.jit
+def _e2m1(y):
+    ay = tl.abs(y)
+    step = tl.where(ay < 2.0, 0.5, tl.where(ay < 4.0, 1.0, 2.0))
+    return _rne(y / step) * step
+
+
+@triton.jit
+def _fp8_rows(x, NN: tl.constexpr):
+    """FP8-E4M3 round trip of dims [0, NN) of rows x [R, D], in blocks of 64 (spec §3.4 step 5)."""
+    R: tl.constexpr = x.shape[0]
+    D: tl.constexpr = x.shape[1]
+    xb = tl.reshape(x, [R, D // 64, 64])
+    amax = tl.maximum(tl.max(tl.abs(xb), axis=2), 1.0e-4)
+    s = _pow2_ceil(amax / 448.0)[:, :, None]
+    q = _e4m3(tl.minimum(tl.maximum(xb / s, -448.0), 448.0)) * s
+    blk = tl.arange(0, D // 64)[None, :, None]
+    return tl.reshape(tl.where(blk < NN // 64, q, xb), [R, D])
+
+
+@triton.jit
+def _qat_rows(x, QS: tl.constexpr, LOGD: tl.constexpr):
+    """Walsh–Hadamard (butterflies, then ×1/sqrt(d)) + FP4-E2M1 round trip per 32 (spec §3.6)."""
+    R: tl.constexpr = x.shape[0]
+    D: tl.constexpr = x.shape[1]
+    i = tl.arange(0, D)[None, :]
+    for s in tl.static_range(LOGD):
+        partner = tl.gather(x, (i ^ (1 << s)) + tl.zeros([R, D], tl.int32), 1)
+        x = tl.where((i & (1 << s)) == 0, x + partner, partner - x)
+    x = x * QS  # float32(1/sqrt(D)), as the reference rounds it
+    xb = tl.reshape(x, [R, D // 32, 32])
+    amax = tl.maximum(tl.max(tl.abs(xb), axis=2), 7.05e-38)
+    s = _pow2_ceil(amax / 6.0)[:, :, None]
+    q = _e2m1(tl.minimum(tl.maximum(xb / s, -6.0), 6.0)) * s
+    return tl.reshape(q, [R, D])
+
+
+@triton.jit
+def _tf32_split(x):
+    """x = hi + lo with hi exact in tf32 (low 13 mantissa bits cleared) and lo exact in float32:
+    two tf32 tensor-core products give a float32-accurate product with a tf32-exact operand."""
+    hi = (x.to(tl.int32, bitcast=True) & -8192).to(tl.float32, bitcast=True)
+    return hi, x - hi
+
+
+@triton.jit
+def _dot_f32(a, b, acc, B_EXACT: tl.constexpr):
+    """acc + a·b to about float32 accuracy on tf32 tensor cores: 2 products when b is exact in
+    tf32 (f16-rounded cache rows), 3 otherwise."""
+    a_hi, a_lo = _tf32_split(a)
+    if B_EXACT:
+        acc = tl.dot(a_hi, b, acc, input_precision="tf32")
+        acc = tl.dot(a_lo, b, acc, input_precision="tf32")
+    else:
+        b_hi, b_lo = _tf32_split(b)
+        acc = tl.dot(a_hi, b_hi, acc, input_precision="tf32")
+        acc = tl.dot(a_lo, b_hi, acc, input_precision="tf32")
+        acc = tl.dot(a_hi, b_lo, acc, input_precision="tf32")
+    return acc
+
+
+@triton.jit
+def _f16_round(x):
+    return x.to(tl.float16).to(tl.float32)
+
+
+@triton.jit
+def _swiglu(g, u, clamp):
+    g = tl.minimum(g, clamp)
+    u = tl.minimum(tl.maximum(u, -clamp), clamp)
+    return g * _sigmoid(g) * u
+
+
+# ------------------------------------------------------------------------------------------------
+# the block decoder
+
+
+@triton.jit
+def _wtile(wb, wh, wf, gridp, ksigns, row_off, rmask, u0,
+           TYPE: tl.constexpr, NB: tl.constexpr, VB: tl.constexpr):
+    """Decode units [u0, u0+NB) of the rows at byte offsets row_off [BN] -> float32 [BN, NB, VB].
+    The arithmetic follows ggml's order (see ds4.core.quants)."""
+    ro = row_off[:, None, None]
+    m = rmask[:, None, None]
+    u = u0 + tl.arange(0, NB)[None, :, None]
+    iv = tl.arange(0, VB)[None, None, :]
+    if TYPE == 0:  # F32
+        w = tl.load(wf + ro // 4 + u * VB + iv, mask=m, other=0.0)
+    elif TYPE == 1:  # F16
+        w = tl.load(wh + ro // 2 + u * VB + iv, mask=m, other=0).to(tl.float16, bitcast=True).to(tl.float32)
+    elif TYPE == 30:  # BF16: the top half of a float32
+        b = tl.load(wh + ro // 2 + u * VB + iv, mask=m, other=0).to(tl.int32) & 0xFFFF
+        w = (b << 16).to(tl.float32, bitcast=True)
+    elif TYPE == 8:  # Q8_0: f16 d | int8 q[32]
+        base = ro + u * 34
+        d = _ld_f16(wh, base, m)
+        q = tl.load(wb + base + 2 + iv, mask=m, other=0).to(tl.int8, bitcast=True).to(tl.float32)
+        w = q * d
+    elif TYPE == 10:  # Q2_K: scales[16] | qs[64] | f16 d | f16 dmin; unit = 16-value sub-block
+        blk = u // 16
+        s = u % 16
+        base = ro + blk * 84
+        sc = tl.load(wb + base + s, mask=m, other=0).to(tl.int32)
+        d = _ld_f16(wh, base + 80, m)
+        dmin = _ld_f16(wh, base + 82, m)
+        # value v = 128h + 32·shift + l sits in byte 32h + l at bit 2·shift
+        h = s // 8
+        sh = (s % 8) // 2
+        qb = tl.load(wb + base + 16 + h * 32 + (s % 2) * 16 + iv, mask=m, other=0).to(tl.int32)
+        q = ((qb >> (sh * 2)) & 3).to(tl.float32)
+        dl = d * (sc & 15).to(tl.float32)
+        ml = dmin * (sc >> 4).to(tl.float32)
+        w = dl * q - ml
+    elif TYPE == 12:  # Q4_K: f16 d | f16 dmin | scales[12] | qs[128]; unit = 32-value sub-block
+        blk = u // 8
+        s = u % 8
+        base = ro + blk * 144
+        d = _ld_f16(wh, base, m)
+        dmin = _ld_f16(wh, base + 2, m)
+        s4 = s % 4
+        b_sc = tl.load(wb + base + 4 + s4, mask=m, other=0).to(tl.int32)
+        b_m = tl.load(wb + base + 8 + s4, mask=m, other=0).to(tl.int32)
+        b_n = tl.load(wb + base + 12 + s4, mask=m, other=0).to(tl.int32)
+        sc = tl.where(s < 4, b_sc & 63, (b_n & 15) | ((b_sc >> 6) << 4))
+        mn = tl.where(s < 4, b_m & 63, (b_n >> 4) | ((b_m >> 6) << 4))
+        qb = tl.load(wb + base + 16 + (s // 2) * 32 + iv, mask=m, other=0).to(tl.int32)
+        q = ((qb >> ((s % 2) * 4)) & 15).to(tl.float32)
+        w = (d * sc.to(tl.float32)) * q - dmin * mn.to(tl.float32)
+    else:  # IQ2_XXS: f16 d | 8 groups × (4 grid bytes, u32 signs+scale); unit = one grid entry
+        blk = u // 32
+        g = (u % 32) // 4
+        sub = u % 4
+        base = ro + blk * 66
+        gb = base + 2 + g * 8
+        d = _ld_f16(wh, base, m)
+        a_lo = tl.load(wh + (gb + 4) // 2, mask=m, other=0).to(tl.int32) & 0xFFFF
+        a_hi = tl.load(wh + (gb + 6) // 2, mask=m, other=0).to(tl.int32) & 0xFFFF
+        aux = a_lo | (a_hi << 16)
+        db = d * (0.5 + ((aux >> 28) & 15).to(tl.float32)) * 0.25
+        gi = tl.load(wb + gb + sub, mask=m, other=0).to(tl.int32)
+        gp = tl.load(gridp + gi)  # 8 two-bit level codes of grid entry gi
+        ks = tl.load(ksigns + ((aux >> (7 * sub)) & 127))
+        code = (gp >> (2 * iv)) & 3
+        lvl = (8 + 17 * code + (code >> 1)).to(tl.float32)  # codes 0,1,2 -> 8, 25, 43
+        mag = db * lvl
+        w = tl.where(((ks >> iv) & 1) == 1, -mag, mag)
+    return w
+
+
+# ------------------------------------------------------------------------------------------------
+# linear layers
+
+
+@triton.jit
+def _mv_step(xb, k0, wb, wh, wf, gridp, ksigns, row_off, rmask, rs, nw_ptr,
+             TYPE: tl.constexpr, NB: tl.constexpr, VB: tl.constexpr, NORM: tl.constexpr):
+    """One K-step of a matrix-vector product: W[rows, k0 : k0 + NB·VB] ⊙ x̂, as a tile whose sum
+    is the step's contribution. TYPE 108 is Q8_0 read as 16-bit pairs of quants (half the load
+    instructions of byte loads), x split into even / odd values; its tile is [BN, NB, VB/2]."""
+    if TYPE == 116:  # IQ2_XXS, one grid entry (8 values) per tile element, values unrolled
+        u = k0 // 8 + tl.arange(0, NB)[None, :]
+        m = rmask[:, None]
+        base = row_off[:, None] + (u // 32) * 66
+        gb = base + 2 + ((u % 32) // 4) * 8
+        sub = u % 4
+        d = _ld_f16(wh, base, m)
+        a_lo = tl.load(wh + (gb + 4) // 2, mask=m, other=0).to(tl.int32) & 0xFFFF
+        a_hi = tl.load(wh + (gb + 6) // 2, mask=m, other=0).to(tl.int32) & 0xFFFF
+        aux = a_lo | (a_hi << 16)
+        db = d * (0.5 + ((aux >> 28) & 15).to(tl.float32)) * 0.25
+        gp = tl.load(gridp + tl.load(wb + gb + sub, mask=m, other=0).to(tl.int32))
+        ks = tl.load(ksigns + ((aux >> (7 * sub)) & 127))
+        xu = xb + k0 + tl.arange(0, NB) * 8
+        part = tl.zeros(d.shape, tl.float32)
+        for j in tl.static_range(8):
+            c = (gp >> (2 * j)) & 3
+            lvl = (8 + 17 * c + (c >> 1)).to(tl.float32)
+            sv = tl.where(((ks >> j) & 1) == 1, -lvl, lvl)
+            part += sv * tl.load(xu + j)[None, :]
+        return (db * part)[:, :, None]
+    elif TYPE == 110:  # Q2_K: 16 bytes (4 words) × 4 shifts = 64 values per tile element
+        u = k0 // 64 + tl.arange(0, NB)[None, :]
+        m = rmask[:, None]
+        blk = u // 4
+        h = (u % 4) // 2
+        half = u % 2
+        base = row_off[:, None] + blk * 84
+        d = _ld_f16(wh, base + 80, m)
+        dmin = _ld_f16(wh, base + 82, m)
+        qw = (base + 16 + h * 32 + half * 16) // 4
+        w0 = tl.load(wf + qw, mask=m, other=0)
+        w1 = tl.load(wf + qw + 1, mask=m, other=0)
+        w2 = tl.load(wf + qw + 2, mask=m, other=0)
+        w3 = tl.load(wf + qw + 3, mask=m, other=0)
+        u1 = k0 // 64 + tl.arange(0, NB)
+        xk = xb + (u1 // 4) * 256 + ((u1 % 4) // 2) * 128 + (u1 % 2) * 16
+        part = tl.zeros(d.shape, tl.float32)
+        for sh in tl.static_range(4):
+            sc = tl.load(wb + base + 8 * h + 2 * sh + half, mask=m, other=0).to(tl.int32)
+            dl = d * (sc & 15).to(tl.float32)
+            ml = dmin * (sc >> 4).to(tl.float32)
+            acc_q = tl.zeros(d.shape, tl.float32)
+            xs = tl.zeros([1, NB], tl.float32)
+            for i in tl.static_range(16):
+                if i // 4 == 0:
+                    wd = w0
+                elif i // 4 == 1:
+                    wd = w1
+                elif i // 4 == 2:
+                    wd = w2
+                else:
+                    wd = w3
+                q = ((wd >> (8 * (i % 4) + 2 * sh)) & 3).to(tl.float32)
+                xv = tl.load(xk + 32 * sh + i)[None, :]
+                acc_q += q * xv
+                xs += xv
+            part += dl * acc_q - ml * xs
+        return part[:, :, None]
+    elif TYPE == 108:
+        j = tl.arange(0, VB // 2)[None, None, :]
+        kx = k0 + tl.arange(0, NB)[None, :, None] * VB + 2 * j
+        xe = tl.load(xb + kx)
+        xo = tl.load(xb + kx + 1)
+        if NORM != 0:
+            xe = xe / rs
+            xo = xo / rs
+            if NORM == 1:
+                xe = xe * tl.load(nw_ptr + kx)
+                xo = xo * tl.load(nw_ptr + kx + 1)
+        m = rmask[:, None, None]
+        base = row_off[:, None, None] + (k0 // VB + tl.arange(0, NB)[None, :, None]) * 34
+        d = _ld_f16(wh, base, m)
+        h = tl.load(wh + base // 2 + 1 + j, mask=m, other=0).to(tl.int32)
+        lo = ((h << 24) >> 24).to(tl.float32)
+        hi = (h >> 8).to(tl.float32)
+        return d * (lo * xe + hi * xo)
+    else:
+        kv = tl.arange(0, NB)[None, :, None] * VB + tl.arange(0, VB)[None, None, :]
+        xv = tl.load(xb + k0 + kv)
+        if NORM != 0:
+            xv = xv / rs
+            if NORM == 1:
+                xv = xv * tl.load(nw_ptr + k0 + kv)
+        return _wtile(wb, wh, wf, gridp, ksigns, row_off, rmask, k0 // VB, TYPE, NB, VB) * xv
+
+
+@triton.jit
+def matvec_kernel(x_ptr, sx_t, sx_g, nw_ptr, wb, wh, wf, gridp, ksigns, out_ptr, so_t,
+                  N, K, RB, GROUP_ROWS, eps,
+                  TYPE: tl.constexpr, BN: tl.constexpr, NB: tl.constexpr, VB: tl.constexpr,
+                  VA: tl.constexpr, NORM: tl.constexpr):
+    """out[t, r] = W[r] · x̂[t] for a few tokens t (grid axis 1). NORM 1/2 applies the weighted /
+    unweighted RMSNorm to x first (each program recomputes it: x is small, the weight is not).
+    Rows r of group g = r // GROUP_ROWS read x at column offset g·sx_g (grouped projections)."""
+    pid = tl.program_id(0)
+    t = tl.program_id(1)
+    rows = pid * BN + tl.arange(0, BN)
+    rmask = rows < N
+    row_off = rows.to(tl.int64) * RB
+    xb = x_ptr + t * sx_t + ((pid * BN) // GROUP_ROWS) * sx_g
+    BK: tl.constexpr = NB * VB
+    rs = 1.0
+    if NORM != 0:
+        kv = tl.arange(0, NB)[None, :, None] * VB + tl.arange(0, VB)[None, None, :]
+        ss = tl.zeros([1, NB, VB], tl.float32)
+        for k0 in range(0, K, BK):
+            xv = tl.load(xb + k0 + kv)
+            ss += xv * xv
+        rs = tl.sqrt_rn(tl.sum(ss) / K + eps)
+    acc = tl.zeros([BN, NB, VA], tl.float32)
+    for k0 in range(0, K, BK):
+        acc += _mv_step(xb, k0, wb, wh, wf, gridp, ksigns, row_off, rmask, rs, nw_ptr, TYPE, NB, VB, NORM)
+    y = tl.sum(tl.sum(acc, axis=2), axis=1)
+    tl.store(out_ptr + t * so_t + rows, y, mask=rmask)
+
+
+@triton.jit
+def matmul_kernel(x_ptr, sx_t, sx_g, wb, wh, wf, gridp, ksigns, out_ptr, so_t,
+                  M, N, K, RB, GROUP_ROWS,
+                  TYPE: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, NB: tl.constexpr,
+                  VB: tl.constexpr, PREC: tl.constexpr):
+    """out[M, N] = x[M, K] · W[N, K]ᵀ with W decoded tile by tile (prefill)."""
+    pm = tl.program_id(0)
+    pn = tl.program_id(1)
+    tm = pm * BM + tl.arange(0, BM)
+    mm = tm < M
+    rows = pn * BN + tl.arange(0, BN)
+    rmask = rows < N
+    row_off = rows.to(tl.int64) * RB
+    xb = x_ptr + ((pn * BN) // GROUP_ROWS) * sx_g
+    BK: tl.constexpr = NB * VB
+    kk = tl.arange(0, BK)
+    acc = tl.zeros([BM, BN], tl.float32)
+    for k0 in range(0, K, BK):
+        xt = tl.load(xb + tm[:, None].to(tl.int64) * sx_t + k0 + kk[None, :], mask=mm[:, None], other=0.0)
+        w = tl.reshape(_wtile(wb, wh, wf, gridp, ksigns, row_off, rmask, k0 // VB, TYPE, NB, VB), [BN, BK])
+        acc = tl.dot(xt, tl.trans(w), acc, input_precision=PREC)
+    tl.store(out_ptr + tm[:, None].to(tl.int64) * so_t + rows[None, :], acc,
+             mask=mm[:, None] & rmask[None, :])
+
+
+# ------------------------------------------------------------------------------------------------
+# routed and shared experts
+
+
+@triton.jit
+def moe_gateup_mv_kernel(x_ptr, sx_t, ids_ptr, wts_ptr,
+                         gb, gh, gf, ub, uh, uf, gridp, ksigns, h_ptr,
+                         F, K, RB, EXP_BYTES, KSLOTS, clamp,
+                         TYPE: tl.constexpr, BN: tl.constexpr, NB: tl.constexpr, VB: tl.constexpr,
+                         VA: tl.constexpr, ROUTED: tl.constexpr):
+    """h[s, r] = w_s · swiglu(gate_e[r]·x, up_e[r]·x) for slot s = t·KSLOTS + j of expert
+    e = ids[s] (ROUTED), or the shared expert (e = 0, no weight)."""
+    pid = tl.program_id(0)
+    s = tl.program_id(1)
+    t = s // KSLOTS
+    if ROUTED:
+        e = tl.load(ids_ptr + s).to(tl.int64)
+    else:
+        e = 0
+    rows = pid * BN + tl.arange(0, BN)
+    rmask = rows < F
+    row_off = e * EXP_BYTES + rows.to(tl.int64) * RB
+    BK: tl.constexpr = NB * VB
+    acc_g = tl.zeros([BN, NB, VA], tl.float32)
+    acc_u = tl.zeros([BN, NB, VA], tl.float32)
+    xb = x_ptr + t * sx_t
+    for k0 in range(0, K, BK):
+        acc_g += _mv_step(xb, k0, gb, gh, gf, gridp, ksigns, row_off, rmask, 1.0, xb, TYPE, NB, VB, 0)
+        acc_u += _mv_step(xb, k0, ub, uh, uf, gridp, ksigns, row_off, rmask, 1.0, xb, TYPE, NB, VB, 0)
+    g = tl.sum(tl.sum(acc_g, axis=2), axis=1)
+    u = tl.sum(tl.sum(acc_u, axis=2), axis=1)
+    h = _swiglu(g, u, clamp)
+    if ROUTED:
+        h = h * tl.load(wts_ptr + s)
+    tl.store(h_ptr + s * F + rows, h, mask=rmask)
+
+
+@triton.jit
+def moe_down_mv_kernel(h_ptr, ids_ptr, db, dh, df, gridp, ksigns, out_ptr,
+                       E, F, RB, EXP_BYTES,
+                       KSLOTS: tl.constexpr, TYPE: tl.constexpr, BN: tl.constexpr,
+                       NB: tl.constexpr, VB: tl.constexpr, VA: tl.constexpr):
+    """out[t, r] = Σ_j down_{ids[t,j]}[r] · h[t·KSLOTS + j], summed in slot order."""
+    pid = tl.program_id(0)
+    t = tl.program_id(1)
+    rows = pid * BN + tl.arange(0, BN)
+    rmask = rows < E
+    BK: tl.constexpr = NB * VB
+    out = tl.zeros([BN], tl.float32)
+    for j in tl.static_range(KSLOTS):
+        s = t * KSLOTS + j
+        e = tl.load(ids_ptr + s).to(tl.int64)
+        row_off = e * EXP_BYTES + rows.to(tl.int64) * RB
+        acc = tl.zeros([BN, NB, VA], tl.float32)
+        hb = h_ptr + s * F
+        for k0 in range(0, F, BK):
+            acc += _mv_step(hb, k0, db, dh, df, gridp, ksigns, row_off, rmask, 1.0, hb, TYPE, NB, VB, 0)
+        out += tl.sum(tl.sum(acc, axis=2), axis=1)
+    tl.store(out_ptr + t * E + rows, out, mask=rmask)
+
+
+@triton.jit
+def moe_gateup_mm_kernel(x_ptr, sx_t, tok_ptr, wts_ptr, tile_e_ptr, tile_r0_ptr, tile_end_ptr,
+                         gb, gh, gf, ub, uh, uf, gridp, ksigns, h_ptr,
+                         F, K, RB, EXP_BYTES, clamp,
+                         TYPE: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, NB: tl.constexpr,
+                         VB: tl.constexpr, ROUTED: tl.constexpr, PREC: tl.constexpr):
+    """Prefill: one tile of BM assignments (token, slot) of one expert, sorted by expert.
+    h[a, r] = w_a · swiglu(gate_e[r]·x[tok_a], up_e[r]·x[tok_a])."""
+    tile = tl.program_id(0)
+    pn = tl.program_id(1)
+    e = tl.load(tile_e_ptr + tile)
+    if e >= 0:
+        r0 = tl.load(tile_r0_ptr + tile)
+        rend = tl.load(tile_end_ptr + tile)
+        a = r0 + tl.arange(0, BM)
+        am = a < rend
+        if ROUTED:
+            tok = tl.load(tok_ptr + a, mask=am, other=0).to(tl.int64)
+        else:
+            tok = a.to(tl.int64)
+        rows = pn * BN + tl.arange(0, BN)
+        rmask = rows < F
+        row_off = e.to(tl.int64) * EXP_BYTES + rows.to(tl.int64) * RB
+        BK: tl.constexpr = NB * VB
+        kk = tl.arange(0, BK)
+        acc_g = tl.zeros([BM, BN], tl.float32)
+        acc_u = tl.zeros([BM, BN], tl.float32)
+        for k0 in range(0, K, BK):
+            xt = tl.load(x_ptr + tok[:, None] * sx_t + k0 + kk[None, :], mask=am[:, None], other=0.0)
+            wg = tl.reshape(_wtile(gb, gh, gf, gridp, ksigns, row_off, rmask, k0 // VB, TYPE, NB, VB), [BN, BK])
+            acc_g = tl.dot(xt, tl.trans(wg), acc_g, input_precision=PREC)
+            wu = tl.reshape(_wtile(ub, uh, uf, gridp, ksigns, row_off, rmask, k0 // VB, TYPE, NB, VB), [BN, BK])
+            acc_u = tl.dot(xt, tl.trans(wu), acc_u, input_precision=PREC)
+        h = _swiglu(acc_g, acc_u, clamp)
+        if ROUTED:
+            h = h * tl.load(wts_ptr + a, mask=am, other=0.0)[:, None]
+        tl.store(h_ptr + a[:, None].to(tl.int64) * F + rows[None, :], h, mask=am[:, None] & rmask[None, :])
+
+
+@triton.jit
+def moe_down_mm_kernel(h_ptr, tile_e_ptr, tile_r0_ptr, tile_end_ptr, db, dh, df, gridp, ksigns, out_ptr,
+                       E, F, RB, EXP_BYTES,
+                       TYPE: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, NB: tl.constexpr,
+                       VB: tl.constexpr, PREC: tl.constexpr):
+    """Prefill: out_sorted[a, r] = down_e[r] · h[a] for one tile of expert e's assignments."""
+    tile = tl.program_id(0)
+    pn = tl.program_id(1)
+    e = tl.load(tile_e_ptr + tile)
+    if e >= 0:
+        r0 = tl.load(tile_r0_ptr + tile)
+        rend = tl.load(tile_end_ptr + tile)
+        a = r0 + tl.arange(0, BM)
+        am = a < rend
+        rows = pn * BN + tl.arange(0, BN)
+        rmask = rows < E
+        row_off = e.to(tl.int64) * EXP_BYTES + rows.to(tl.int64) * RB
+        BK: tl.constexpr = NB * VB
+        kk = tl.arange(0, BK)
+        acc = tl.zeros([BM, BN], tl.float32)
+        for k0 in range(0, F, BK):
+            ht = tl.load(h_ptr + a[:, None].to(tl.int64) * F + k0 + kk[None, :], mask=am[:, None], other=0.0)
+            w = tl.reshape(_wtile(db, dh, df, gridp, ksigns, row_off, rmask, k0 // VB, TYPE, NB, VB), [BN, BK])
+            acc = tl.dot(ht, tl.trans(w), acc, input_precision=PREC)
+        tl.store(out_ptr + a[:, None].to(tl.int64) * E + rows[None, :], acc, mask=am[:, None] & rmask[None, :])
+
+
+@triton.jit
+def moe_reduce_kernel(src_ptr, inv_ptr, out_ptr, E, KSLOTS: tl.constexpr, BE: tl.constexpr):
+    """out[t] = Σ_j src[inv[t·KSLOTS + j]] in slot order (the reference's summation order)."""
+    t = tl.program_id(0)
+    eb = tl.program_id(1)
+    c = eb * BE + tl.arange(0, BE)
+    cm = c < E
+    acc = tl.zeros([BE], tl.float32)
+    for j in tl.static_range(KSLOTS):
+        r = tl.load(inv_ptr + t * KSLOTS + j).to(tl.int64)
+        acc += tl.load(src_ptr + r * E + c, mask=cm, other=0.0)
+    tl.store(out_ptr + t * E + c, acc, mask=cm)
+
+
+@triton.jit
+def router_kernel(logit_ptr, NE, bias_ptr, tid_ptr, tok_ptr, ids_ptr, w_ptr, scale,
+                  KSEL: tl.constexpr, KP: tl.constexpr, BE: tl.constexpr,
+                  HAS_BIAS: tl.constexpr, HASH: tl.constexpr):
+    """p = sqrt(softplus(logits)); ids = hash table row or top-k of p + bias (ties: lower id);
+    weights = p[ids] / max(Σ, 6.1035e-5) · scale (spec §3.7)."""
+    t = tl.program_id(0)
+    idx = tl.arange(0, BE)
+    em = idx < NE
+    x = tl.load(logit_ptr + t * NE + idx, mask=em, other=0.0)
+    ex = tl.exp(tl.minimum(x, 20.0))
+    one = 1.0 + ex
+    lp = tl.where(one == 1.0, ex, tl.log(one) * ex / (one - 1.0))  # accurate log1p
+    sp = tl.where(x > 20.0, x, tl.where(x < -20.0, tl.exp(tl.minimum(x, 0.0)), lp))
+    p = tl.sqrt_rn(sp)
+    kk = tl.arange(0, KP)
+    km = kk < KSEL
+    if HASH:
+        tok = tl.load(tok_ptr + t).to(tl.int64)
+        ids = tl.load(tid_ptr + tok * KSEL + kk, mask=km, other=0)
+        w = tl.sum(tl.where(idx[None, :] == ids[:, None], p[None, :], 0.0), axis=1)
+        w = tl.where(km, w, 0.0)
+    else:
+        sel = p
+        if HAS_BIAS:
+            sel = sel + tl.load(bias_ptr + idx, mask=em, other=0.0)
+        sel = tl.where(em, sel, float("-inf"))
+        ids = tl.zeros([KP], tl.int32)
+        w = tl.zeros([KP], tl.float32)
+        for j in tl.static_range(KSEL):
+            mx = tl.max(sel, axis=0)
+            i = tl.min(tl.where(sel == mx, idx, BE), axis=0)
+            ids = tl.where(kk == j, i, ids)
+            w = tl.where(kk == j, tl.sum(tl.where(idx == i, p, 0.0), axis=0), w)
+            sel = tl.where(idx == i, float("-inf"), sel)
+    tot = tl.sum(w, axis=0)
+    w = w / tl.maximum(tot, 6.1035e-5) * scale
+    tl.store(ids_ptr + t * KSEL + kk, ids, mask=km)
+    tl.store(w_ptr + t * KSEL + kk, w, mask=km)
+
+
+# ------------------------------------------------------------------------------------------------
+# element-wise, norms, mHC
+
+
+@triton.jit
+def embed_kernel(tok_ptr, wb, wh, wf, gridp, ksigns, x_ptr, E, RB,
+                 HC: tl.constexpr, TYPE: tl.constexpr, NB: tl.constexpr, VB: tl.constexpr):
+    t = tl.program_id(0)
+    eb = tl.program_id(1)
+    tok = tl.load(tok_ptr + t).to(tl.int64)
+    BE: tl.constexpr = NB * VB
+    row = _wtile(wb, wh, wf, gridp, ksigns, tok * RB + tl.zeros([1], tl.int64), tl.full([1], 1, tl.int1),
+                 eb * NB, TYPE, NB, VB)
+    row = tl.reshape(row, [BE])
+    c = eb * BE + tl.arange(0, BE)
+    for h in tl.static_range(HC):
+        tl.store(x_ptr + (t * HC + h) * E + c, row)
+
+
+@triton.jit
+def rms_kernel(x_ptr, w_ptr, out_ptr, D, eps, BD: tl.constexpr, WEIGHTED: tl.constexpr):
+    r = tl.program_id(0)
+    c = tl.arange(0, BD)
+    cm = c < D
+    x = tl.load(x_ptr + r.to(tl.int64) * D + c, mask=cm, other=0.0)
+    y = x / tl.sqrt_rn(tl.sum(x * x, axis=0) / D + eps)
+    if WEIGHTED:
+        y = y * tl.load(w_ptr + c, mask=cm, other=0.0)
+    tl.store(out_ptr + r.to(tl.int64) * D + c, y, mask=cm)
+
+
+@triton.jit
+def add_kernel(a_ptr, b_ptr, out_ptr, n, BLOCK: tl.constexpr):
+    i = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    m = i < n
+    tl.store(out_ptr + i, tl.load(a_ptr + i, mask=m) + tl.load(b_ptr + i, mask=m), mask=m)
+
+
+@triton.jit
+def hc_mix_kernel(x_ptr, wb, wh, wf, gridp, ksigns, part_ptr, ss_ptr, NR, K, RB, KCHUNK,
+                  NM: tl.constexpr, TYPE: tl.constexpr, NB: tl.constexpr, VB: tl.constexpr):
+    """Partial mHC mixing projections fn[NR, K] · X[t] over one K chunk, and the partial Σ X²."""
+    t = tl.program_id(0)
+    sp = tl.program_id(1)
+    nsp = tl.num_programs(1)
+    rows = tl.arange(0, NM)
+    rmask = rows < NR
+    row_off = rows.to(tl.int64) * RB
+    BK: tl.constexpr = NB * VB
+    kv = tl.arange(0, NB)[None, :, None] * VB + tl.arange(0, VB)[None, None, :]
+    acc = tl.zeros([NM, NB, VB], tl.float32)
+    ss = tl.zeros([1, NB, VB], tl.float32)
+    xb = x_ptr + t.to(tl.int64) * K
+    for k0 in range(sp * KCHUNK, sp * KCHUNK + KCHUNK, BK):
+        xv = tl.load(xb + k0 + kv)
+        ss += xv * xv
+        acc += _wtile(wb, wh, wf, gridp, ksigns, row_off, rmask, k0 // VB, TYPE, NB, VB) * xv
+    tl.store(part_ptr + (t * nsp + sp) * NM + rows, tl.sum(tl.sum(acc, axis=2), axis=1))
+    tl.store(ss_ptr + t * nsp + sp, tl.sum(ss))
+
+
+@triton.jit
+def hc_finalize_kernel(x_ptr, part_ptr, ss_ptr, scale_ptr, base_ptr, xin_ptr, post_ptr, comb_ptr,
+                       n, E, eps, hc_eps, ITERS,
+                       SPLIT: tl.constexpr, HC: tl.constexpr, NM: tl.constexpr, BE: tl.constexpr,
+                       BT: tl.constexpr, HEAD: tl.constexpr):
+    """mHC collapse (§3.2) of tokens [tb·BT, +BT): pre/post/comb from the mixing projections
+    (Sinkhorn on comb), and x_in[e-block] = Σ_i pre[i]·X[i]. HEAD: the output head (pre only)."""
+    tb = tl.program_id(0)
+    eb = tl.program_id(1)
+    t = tb * BT + tl.arange(0, BT)
+    tm = t < n
+    tc = tl.where(tm, t, 0)
+    sp = tl.arange(0, SPLIT)
+    ss = tl.sum(tl.load(ss_ptr + tc[:, None] * SPLIT + sp[None, :]), axis=1)  # [BT]
+    rs = tl.sqrt_rn(ss / (HC * E) + eps)
+    pbase = part_ptr + (tc[:, None] * SPLIT + sp[None, :]) * NM  # [BT, SPLIT]
+    i = tl.arange(0, HC)
+    pre = tl.sum(tl.load(pbase[:, :, None] + i[None, None, :]), axis=1) / rs[:, None]  # [BT, HC]
+    pre = _sigmoid(pre * tl.load(scale_ptr) + tl.load(base_ptr + i)[None, :]) + hc_eps
+    if not HEAD:
+        if eb == 0:
+            post = tl.sum(tl.load(pbase[:, :, None] + HC + i[None, None, :]), axis=1) / rs[:, None]
+            post = 2.0 * _sigmoid(post * tl.load(scale_ptr + 1) + tl.load(base_ptr + HC + i)[None, :])
+            tl.store(post_ptr + tc[:, None] * HC + i[None, :], post, mask=tm[:, None])
+            cidx = 2 * HC + i[:, None] * HC + i[None, :]  # [HC, HC]
+            c = tl.zeros([BT, HC, HC], tl.float32)
+            for s in range(SPLIT):
+                c += tl.load(part_ptr + (tc[:, None, None] * SPLIT + s) * NM + cidx[None, :, :])
+            c = c / rs[:, None, None]
+            c = c * tl.load(scale_ptr + 2) + tl.load(base_ptr + cidx)[None, :, :]
+            c = tl.exp(c - tl.max(c, axis=2)[:, :, None])
+            c = c / tl.sum(c, axis=2)[:, :, None] + hc_eps
+            c = c / (tl.sum(c, axis=1)[:, None, :] + hc_eps)
+            for _ in range(ITERS - 1):
+                c = c / (tl.sum(c, axis=2)[:, :, None] + hc_eps)
+                c = c / (tl.sum(c, axis=1)[:, None, :] + hc_eps)
+            tl.store(comb_ptr + tc[:, None, None] * HC * HC + (cidx - 2 * HC)[None, :, :], c, mask=tm[:, None, None])
+    e = eb * BE + tl.arange(0, BE)
+    em = e < E
+    X = tl.load(x_ptr + (tc[:, None, None] * HC + i[None, :, None]).to(tl.int64) * E + e[None, None, :],
+                mask=tm[:, None, None] & em[None, None, :], other=0.0)
+    tl.store(xin_ptr + tc[:, None].to(tl.int64) * E + e[None, :], tl.sum(pre[:, :, None] * X, axis=1),
+             mask=tm[:, None] & em[None, :])
+
+
+@triton.jit
+def hc_post_kernel(y_ptr, y2_ptr, x_ptr, post_ptr, comb_ptr, out_ptr, E,
+                   HC: tl.constexpr, BE: tl.constexpr, HAS_Y2: tl.constexpr):
+    """mHC expand (§3.3): X_new[j] = post[j]·y + Σ_i comb[i][j]·X[i] (y = y + y2 fused)."""
+    t = tl.program_id(0)
+    eb = tl.program_id(1)
+    e = eb * BE + tl.arange(0, BE)
+    em = e < E
+    y = tl.load(y_ptr + t.to(tl.int64) * E + e, mask=em, other=0.0)
+    if HAS_Y2:
+        y = y + tl.load(y2_ptr + t.to(tl.int64) * E + e, mask=em, other=0.0)
+    i = tl.arange(0, HC)
+    X = tl.load(x_ptr + (t * HC + i[:, None]).to(tl.int64) * E + e[None, :], mask=em[None, :], other=0.0)
+    post = tl.load(post_ptr + t * HC + i)
+    comb = tl.load(comb_ptr + t * HC * HC + i[:, None] * HC + i[None, :])  # [i, j]
+    mixed = tl.sum(comb[:, :, None] * X[:, None, :], axis=0)  # [j, e]
+    out = post[:, None] * y[None, :] + mixed
+    tl.store(out_ptr + (t * HC + i[:, None]).to(tl.int64) * E + e[None, :], out, mask=em[None, :])
+
+
+# ------------------------------------------------------------------------------------------------
+# RoPE, cache rows
+
+
+@triton.jit
+def rope_kernel(x_ptr, out_ptr, nw_ptr, freq_ptr, pos_ptr, ROWS, eps,
+                D: tl.constexpr, NROT: tl.constexpr, BR: tl.constexpr,
+                NORM: tl.constexpr, INVERSE: tl.constexpr, QAT: tl.constexpr, QS: tl.constexpr,
+                LOGD: tl.constexpr):
+    """Tail RoPE (adjacent pairs of the last NROT dims) of rows [n, ROWS, D] at positions p0 + t,
+    optionally after a per-row RMSNorm (NORM 1 weighted, 2 unweighted) and followed by the
+    indexer's Hadamard + FP4 simulation (QAT)."""
+    t = tl.program_id(0)
+    rb = tl.program_id(1)
+    HD: tl.constexpr = D // 2
+    r = rb * BR + tl.arange(0, BR)
+    rm = r < ROWS
+    base = (t * ROWS + r).to(tl.int64) * D
+    i = tl.arange(0, HD)
+    pe = base[:, None] + 2 * i[None, :]
+    xe = tl.load(x_ptr + pe, mask=rm[:, None], other=0.0)
+    xo = tl.load(x_ptr + pe + 1, mask=rm[:, None], other=0.0)
+    if NORM != 0:
+        rs = tl.sqrt_rn((tl.sum(xe * xe, axis=1) + tl.sum(xo * xo, axis=1)) / D + eps)[:, None]
+        xe = xe / rs
+        xo = xo / rs
+        if NORM == 1:
+            xe = xe * tl.load(nw_ptr + 2 * i)[None, :]
+            xo = xo * tl.load(nw_ptr + 2 * i + 1)[None, :]
+    k = i - (D - NROT) // 2
+    km = k >= 0
+    pos = tl.load(pos_ptr) + t
+    theta = pos.to(tl.float32) * tl.load(freq_ptr + k, mask=km, other=0.0)
+    c = _cos(theta)[None, :]
+    s = _sin(theta)[None, :]
+    if INVERSE:
+        s = -s
+    ne = tl.where(km[None, :], xe * c - xo * s, xe)
+    no = tl.where(km[None, :], xe * s + xo * c, xo)
+    if QAT:
+        y = _qat_rows(tl.reshape(tl.join(ne, no), [BR, D]), QS, LOGD)
+        tl.store(out_ptr + base[:, None] + tl.arange(0, D)[None, :], y, mask=rm[:, None])
+    else:
+        tl.store(out_ptr + pe, ne, mask=rm[:, None])
+        tl.store(out_ptr + pe + 1, no, mask=rm[:, None])
+
+
+@triton.jit
+def kv_store_kernel(kv_ptr, raw_ptr, pos_ptr, RAWCAP, D: tl.constexpr, NN: tl.constexpr, DS4: tl.constexpr):
+    """Push K=V rows into the raw ring at (p0 + t) % RAWCAP, FP8-simulated and f16-rounded (ds4)."""
+    t = tl.program_id(0)
+    c = tl.arange(0, D)
+    x = tl.load(kv_ptr + t.to(tl.int64) * D + c[None, :])
+    if DS4:
+        x = _f16_round(_fp8_rows(x, NN))
+    row = (tl.load(pos_ptr) + t) % RAWCAP
+    tl.store(raw_ptr + row.to(tl.int64) * D + c[None, :], x)
+
+
+# ------------------------------------------------------------------------------------------------
+# compressor (§3.5)
+
+
+@triton.jit
+def _comp_src(q, p0, M: tl.constexpr, CSA: tl.constexpr):
+    """State row holding position q < p0 (the frontier at the chunk's start)."""
+    if CSA:
+        return tl.where(q // 4 == p0 // 4, 4 + q % 4, q % 4)
+    else:
+        return q % M
+
+
+@triton.jit
+def _comp_cand(kv_ptr, sc_ptr, ape_ptr, skv_ptr, ssc_ptr, w, p0, r0, i,
+               M: tl.constexpr, D: tl.constexpr, C: tl.constexpr, CSA: tl.constexpr,
+               RB: tl.constexpr, KV: tl.constexpr):
+    """Scores (ape included) and values of candidates r0..r0+RB of window w, even / odd dims."""
+    r = r0 + tl.arange(0, RB)
+    if CSA:  # rows 0..3: previous window, lane 0..D-1; rows 4..7: this window, lane D..2D-1
+        q = 4 * w - 4 + r
+        coff = tl.where(r < 4, 0, D)
+    else:
+        q = w * M + r
+        coff = r * 0
+    inchunk = q >= p0
+    valid = q >= 0
+    srow = _comp_src(q, p0, M, CSA)
+    crow = tl.where(inchunk, q - p0, 0)
+    col_e = coff[:, None] + 2 * i[None, :]
+    ld_c = (inchunk & valid)[:, None]
+    ld_s = ((~inchunk) & valid)[:, None]
+    qm = tl.where(valid, q % M, 0)[:, None]
+    sc_e = tl.where(ld_c, tl.load(sc_ptr + crow[:, None] * C + col_e, mask=ld_c, other=0.0)
+                    + _ld_f16(ape_ptr, (qm * C + col_e) * 2, ld_c),
+                    tl.load(ssc_ptr + srow[:, None] * C + col_e, mask=ld_s, other=float("-inf")))
+    sc_o = tl.where(ld_c, tl.load(sc_ptr + crow[:, None] * C + col_e + 1, mask=ld_c, other=0.0)
+                    + _ld_f16(ape_ptr, (qm * C + col_e + 1) * 2, ld_c),
+                    tl.load(ssc_ptr + srow[:, None] * C + col_e + 1, mask=ld_s, other=float("-inf")))
+    if KV:
+        kv_e = tl.where(ld_c, tl.load(kv_ptr + crow[:, None] * C + col_e, mask=ld_c, other=0.0),
+                        tl.load(skv_ptr + srow[:, None] * C + col_e, mask=ld_s, other=0.0))
+        kv_o = tl.where(ld_c, tl.load(kv_ptr + crow[:, None] * C + col_e + 1, mask=ld_c, other=0.0),
+                        tl.load(skv_ptr + srow[:, None] * C + col_e + 1, mask=ld_s, other=0.0))
+    else:
+        kv_e = sc_e
+        kv_o = sc_o
+    return sc_e, sc_o, kv_e, kv_o
+
+
+@triton.jit
+def comp_pool_kernel(kv_ptr, sc_ptr, ape_ptr, skv_ptr, ssc_ptr, nw_ptr, freq_ptr, pos_ptr, rows_ptr,
+                     n, eps,
+                     M: tl.constexpr, D: tl.constexpr, C: tl.constexpr, NROT: tl.constexpr,
+                     CSA: tl.constexpr, NCAND: tl.constexpr, RB: tl.constexpr, MODE: tl.constexpr,
+                     QS: tl.constexpr, LOGD: tl.constexpr):
+    """One compressed row per program: the window w = p0 // M + program that closes inside the
+    chunk (others exit). Candidates are the window's M positions (CSA: the previous window's
+    first lane and this window's second lane, 8 rows), read from the chunk's projections or
+    from the frontier state; per-dimension softmax pooling, RMSNorm, RoPE at the window's first
+    position, then MODE 1: FP8 + f16, MODE 2: Hadamard + FP4 + f16, MODE 0: none."""
+    p0 = tl.load(pos_ptr)
+    w = p0 // M + tl.program_id(0)
+    if w * M + M - 1 < p0 + n:
+        HD: tl.constexpr = D // 2
+        i = tl.arange(0, HD)
+        mx_e = tl.full([HD], float("-inf"), tl.float32)
+        mx_o = tl.full([HD], float("-inf"), tl.float32)
+        for r0 in range(0, NCAND, RB):
+            sc_e, sc_o, _, _ = _comp_cand(kv_ptr, sc_ptr, ape_ptr, skv_ptr, ssc_ptr, w, p0, r0, i,
+                                          M, D, C, CSA, RB, False)
+            mx_e = tl.maximum(mx_e, tl.max(sc_e, axis=0))
+            mx_o = tl.maximum(mx_o, tl.max(sc_o, axis=0))
+        safe_e = tl.where(mx_e == float("-inf"), 0.0, mx_e)
+        safe_o = tl.where(mx_o == float("-inf"), 0.0, mx_o)
+        se = tl.zeros([HD], tl.float32)
+        so = tl.zeros([HD], tl.float32)
+        ae = tl.zeros([HD], tl.float32)
+        ao = tl.zeros([HD], tl.float32)
+        for r0 in range(0, NCAND, RB):
+            sc_e, sc_o, kv_e, kv_o = _comp_cand(kv_ptr, sc_ptr, ape_ptr, skv_ptr, ssc_ptr, w, p0, r0, i,
+                                                M, D, C, CSA, RB, True)
+            pe = tl.exp(sc_e - safe_e[None, :])
+            po = tl.exp(sc_o - safe_o[None, :])
+            se += tl.sum(pe, axis=0)
+            so += tl.sum(po, axis=0)
+            ae += tl.sum(pe * kv_e, axis=0)
+            ao += tl.sum(po * kv_o, axis=0)
+        xe = tl.where(se > 0, ae / tl.where(se > 0, se, 1.0), 0.0)[None, :]
+        xo = tl.where(so > 0, ao / tl.where(so > 0, so, 1.0), 0.0)[None, :]
+        rs = tl.sqrt_rn((tl.sum(xe * xe, axis=1) + tl.sum(xo * xo, axis=1)) / D + eps)[:, None]
+        xe = xe / rs * tl.load(nw_ptr + 2 * i)[None, :]
+        xo = xo / rs * tl.load(nw_ptr + 2 * i + 1)[None, :]
+        k = i - (D - NROT) // 2
+        km = (k >= 0)[None, :]
+        theta = (w * M).to(tl.float32) * tl.load(freq_ptr + k, mask=k >= 0, other=0.0)
+        c = _cos(theta)[None, :]
+        s = _sin(theta)[None, :]
+        ne = tl.where(km, xe * c - xo * s, xe)
+        no = tl.where(km, xe * s + xo * c, xo)
+        y = tl.reshape(tl.join(ne, no), [1, D])
+        if MODE == 1:
+            y = _f16_round(_fp8_rows(y, D - NROT))
+        elif MODE == 2:
+            y = _f16_round(_qat_rows(y, QS, LOGD))
+        tl.store(rows_ptr + w.to(tl.int64) * D + tl.arange(0, D)[None, :], y)
+
+
+@triton.jit
+def comp_update_kernel(kv_ptr, sc_ptr, ape_ptr, skv_ptr, ssc_ptr, pos_ptr, n,
+                       M: tl.constexpr, C: tl.constexpr, CSA: tl.constexpr, NR: tl.constexpr,
+                       BC: tl.constexpr):
+    """The frontier after the chunk, as the reference leaves it: row (CSA: 4 +) q % M holds the
+    last position q of the chunk with that residue (score includes ape); CSA rows 0..3 hold the
+    last window closed in the chunk."""
+    p0 = tl.load(pos_ptr)
+    cb = tl.program_id(0)
+    col = cb * BC + tl.arange(0, BC)
+    cm = col < C
+    r = tl.arange(0, NR)
+    last = p0 + n - 1
+    if CSA:
+        rr = r % 4
+        q_cur = last - (((last - rr) % 4) + 4) % 4
+        L = (p0 + n) // 4 - 1  # the last window closed in the chunk, if L >= p0 // 4
+        q_prev = 4 * L + rr
+        q = tl.where(r >= 4, q_cur, q_prev)
+        do = tl.where(r >= 4, q_cur >= p0, L >= p0 // 4)
+        old_row = tl.where(r >= 4, r, 4 + rr)  # where a pre-chunk position of that window sits
+    else:
+        q = last - (((last - r) % M) + M) % M
+        do = q >= p0
+        old_row = r
+    inchunk = do & (q >= p0)
+    fromold = do & (q < p0)
+    crow = tl.where(inchunk, q - p0, 0)
+    m_c = inchunk[:, None] & cm[None, :]
+    m_o = fromold[:, None] & cm[None, :]
+    colx = col[None, :]
+    kv_new = tl.load(kv_ptr + crow[:, None] * C + colx, mask=m_c, other=0.0)
+    sc_new = tl.load(sc_ptr + crow[:, None] * C + colx, mask=m_c, other=0.0) + \
+        _ld_f16(ape_ptr, ((q % M)[:, None] * C + colx) * 2, m_c)
+    kv_old = tl.load(skv_ptr + old_row[:, None] * C + colx, mask=m_o, other=0.0)
+    sc_old = tl.load(ssc_ptr + old_row[:, None] * C + colx, mask=m_o, other=0.0)
+    kv = tl.where(inchunk[:, None], kv_new, kv_old)
+    sc = tl.where(inchunk[:, None], sc_new, sc_old)
+    sm = do[:, None] & cm[None, :]
+    tl.store(skv_ptr + r[:, None] * C + colx, kv, mask=sm)
+    tl.store(ssc_ptr + r[:, None] * C + colx, sc, mask=sm)
+
+
+# ------------------------------------------------------------------------------------------------
+# indexer (§3.6)
+
+
+@triton.jit
+def idx_score_kernel(iq_ptr, hw_ptr, keys_ptr, out_ptr, pos_ptr, M, IH, CS, hscale,
+                     IHP: tl.constexpr, ID: tl.constexpr, BC: tl.constexpr, EXACT: tl.constexpr):
+    """score[t, c] = Σ_h hw[t,h]·relu(iq[t,h]·k_c) over the rows c < (p0+t+1)//M."""
+    t = tl.program_id(0)
+    cb = tl.program_id(1)
+    vis = (tl.load(pos_ptr) + t + 1) // M
+    if cb * BC < vis:
+        c = cb * BC + tl.arange(0, BC)
+        cm = c < vis
+        h = tl.arange(0, IHP)
+        hm = h < IH
+        d = tl.arange(0, ID)
+        q = tl.load(iq_ptr + (t * IH + h[:, None]).to(tl.int64) * ID + d[None, :], mask=hm[:, None], other=0.0)
+        k = tl.load(keys_ptr + c[:, None].to(tl.int64) * ID + d[None, :], mask=cm[:, None], other=0.0)
+        s = tl.maximum(_dot_f32(q, tl.trans(k), tl.zeros([IHP, BC], tl.float32), EXACT), 0.0)  # [IHP, BC]
+        hw = tl.load(hw_ptr + t * IH + h, mask=hm, other=0.0) / hscale
+        sc = tl.sum(hw[:, None] * s, axis=0) + 0.0  # + 0.0: -0.0 ties +0.0 as in the reference
+        tl.store(out_ptr + t.to(tl.int64) * CS + c, sc, mask=cm)
+
+
+@triton.jit
+def _key_to_float(U):
+    """Inverse of the order-preserving float -> uint32 key (as int64 scalars)."""
+    k = U - 2147483648
+    b = tl.where(k >= 0, k, k ^ 0x7FFFFFFF).to(tl.int32)
+    return b.to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def topk_kernel(score_ptr, idx_ptr, cnt_ptr, pos_ptr, M, CS, TOPK, BC: tl.constexpr, CMAX: tl.constexpr):
+    """The TOPK highest scores of a query's visible rows (ties: lower row first), as an
+    increasing row list; all visible rows when there are at most TOPK. CMAX > 0: the scores fit
+    in registers (one load, 32 bisection passes over registers); otherwise chunked passes."""
+    t = tl.program_id(0)
+    vis = (tl.load(pos_ptr) + t + 1) // M
+    out = idx_ptr + t.to(tl.int64) * TOPK
+    srow = score_ptr + t.to(tl.int64) * CS
+    if vis <= TOPK:
+        for c0 in range(0, vis, BC):
+            c = c0 + tl.arange(0, BC)
+            tl.store(out + c, c, mask=c < vis)
+        tl.store(cnt_ptr + t, vis)
+    elif CMAX > 0:
+        c = tl.arange(0, CMAX)
+        cv = c < vis
+        sc = tl.load(srow + c, mask=cv, other=float("-inf"))
+        U = tl.full([1], 0, tl.int64)
+        for bb in range(32):
+            cand = U | (tl.full([1], 1, tl.int64) << (31 - bb))
+            cnt = tl.sum((sc >= _key_to_float(cand)).to(tl.int32), axis=0)
+            U = tl.where(cnt >= TOPK, cand, U)
+        Tf = _key_to_float(U)
+        gt = tl.sum((sc > Tf).to(tl.int32), axis=0)
+        eq = (sc == Tf) & cv
+        eq_rank = tl.cumsum(eq.to(tl.int32), axis=0) - eq.to(tl.int32)
+        sel = (sc > Tf) | (eq & (eq_rank < TOPK - gt))
+        where = tl.cumsum(sel.to(tl.int32), axis=0) - 1
+        tl.store(out + where, c, mask=sel)
+        tl.store(cnt_ptr + t + tl.zeros([1], tl.int32), TOPK + tl.zeros([1], tl.int32))
+    else:
+        # the TOPK-th largest order-preserving key T, bit by bit from the top
+        T = tl.zeros([1], tl.int64)
+        for bb in range(32):
+            cand = T | (tl.full([1], 1, tl.int64) << (31 - bb))
+            cnt = tl.zeros([1], tl.int64)
+            for c0 in range(0, vis, BC):
+                c = c0 + tl.arange(0, BC)
+                bits = tl.load(srow + c, mask=c < vis, other=0.0).to(tl.int32, bitcast=True).to(tl.int64)
+                key = tl.where(bits >= 0, bits + 2147483648, -1 - bits)
+                cnt += tl.sum(((key >= cand) & (c < vis)).to(tl.int64), axis=0)
+            T = tl.where(cnt >= TOPK, cand, T)
+        gt = tl.zeros([1], tl.int64)
+        for c0 in range(0, vis, BC):
+            c = c0 + tl.arange(0, BC)
+            bits = tl.load(srow + c, mask=c < vis, other=0.0).to(tl.int32, bitcast=True).to(tl.int64)
+            key = tl.where(bits >= 0, bits + 2147483648, -1 - bits)
+            gt += tl.sum(((key > T) & (c < vis)).to(tl.int64), axis=0)
+        need = TOPK - gt
+        eq_seen = tl.zeros([1], tl.int64)
+        n_out = tl.zeros([1], tl.int64)
+        for c0 in range(0, vis, BC):
+            c = c0 + tl.arange(0, BC)
+            cv = c < vis
+            bits = tl.load(srow + c, mask=cv, other=0.0).to(tl.int32, bitcast=True).to(tl.int64)
+            key = tl.where(bits >= 0, bits + 2147483648, -1 - bits)
+            eq = (key == T) & cv
+            eq_rank = eq_seen + tl.cumsum(eq.to(tl.int64), axis=0) - eq.to(tl.int64)
+            sel = ((key > T) & cv) | (eq & (eq_rank < need))
+            where = n_out + tl.cumsum(sel.to(tl.int64), axis=0) - 1
+            tl.store(out + where, c, mask=sel)
+            eq_seen += tl.sum(eq.to(tl.int64), axis=0)
+            n_out += tl.sum(sel.to(tl.int64), axis=0)
+        tl.store(cnt_ptr + t + tl.zeros([1], tl.int32), TOPK + tl.zeros([1], tl.int32))
+
+
+# ------------------------------------------------------------------------------------------------
+# sink attention (§3.4 step 9)
+
+
+@triton.jit
+def attn_kernel(q_ptr, raw_ptr, comp_ptr, sel_ptr, cnt_ptr, pos_ptr, sink_ptr,
+                mo_ptr, lo_ptr, ao_ptr,
+                H, W, RAWCAP, M, TOPK, RS, qscale,
+                D: tl.constexpr, HB: tl.constexpr, BR: tl.constexpr,
+                COMP: tl.constexpr, SEL: tl.constexpr, SINGLE: tl.constexpr, KEXACT: tl.constexpr):
+    """Heads [hg·HB, +HB) of query t over its candidate rows [sp·RS, +RS): the raw window
+    (positions max(0, p−W+1)..p, ring rows) then the visible (COMP) or selected (SEL) compressed
+    rows. K = V. SINGLE: all rows in one program, sink included, normalised output; otherwise
+    the running max, sum and unnormalised output of this split for attn_combine_kernel."""
+    t = tl.program_id(0)
+    hg = tl.program_id(1)
+    sp = tl.program_id(2)
+    nsp = tl.num_programs(2)
+    pos = tl.load(pos_ptr) + t
+    lo = tl.maximum(pos - W + 1, 0)
+    nraw = pos - lo + 1
+    ncomp = 0
+    if COMP:
+        if SEL:
+            ncomp = tl.load(cnt_ptr + t)
+        else:
+            ncomp = (pos + 1) // M
+    R = nraw + ncomp
+    start = sp * RS
+    end = tl.minimum(R, start + RS)
+    h = hg * HB + tl.arange(0, HB)
+    hm = h < H
+    d = tl.arange(0, D)
+    q = tl.load(q_ptr + (t * H + h[:, None]).to(tl.int64) * D + d[None, :], mask=hm[:, None], other=0.0)
+    m_i = tl.full([HB], _NEG, tl.float32)
+    l_i = tl.zeros([HB], tl.float32)
+    acc = tl.zeros([HB, D], tl.float32)
+    for r0 in range(start, end, BR):
+        r = r0 + tl.arange(0, BR)
+        rm = r < end
+        is_raw = r < nraw
+        raw_row = ((lo + r) % RAWCAP).to(tl.int64)
+        ci = r - nraw
+        if SEL:
+            crow = tl.load(sel_ptr + t.to(tl.int64) * TOPK + ci, mask=rm & (~is_raw), other=0).to(tl.int64)
+        else:
+            crow = ci.to(tl.int64)
+        if COMP:
+            rowp = tl.where(is_raw, raw_ptr + raw_row * D, comp_ptr + crow * D)
+        else:
+            rowp = raw_ptr + raw_row * D
+        k = tl.load(rowp[:, None] + d[None, :], mask=rm[:, None], other=0.0)
+        s = _dot_f32(q, tl.trans(k), tl.zeros([HB, BR], tl.float32), KEXACT) / qscale
+        s = tl.where(rm[None, :], s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, axis=1))
+        alpha = tl.exp(m_i - m_new)
+        p = tl.exp(s - m_new[:, None])
+        l_i = l_i * alpha + tl.sum(p, axis=1)
+        acc = _dot_f32(p, k, acc * alpha[:, None], KEXACT)
+        m_i = m_new
+    if SINGLE:
+        sink = tl.load(sink_ptr + h, mask=hm, other=0.0)
+        mx = tl.maximum(m_i, sink)
+        f = tl.exp(m_i - mx)
+        den = l_i * f + tl.exp(sink - mx)
+        o = acc * (f / den)[:, None]
+        tl.store(ao_ptr + (t * H + h[:, None]).to(tl.int64) * D + d[None, :], o, mask=hm[:, None])
+    else:
+        pb = (t * nsp + sp) * H + h
+        tl.store(mo_ptr + pb, m_i, mask=hm)
+        tl.store(lo_ptr + pb, l_i, mask=hm)
+        tl.store(ao_ptr + pb[:, None].to(tl.int64) * D + d[None, :], acc, mask=hm[:, None])
+
+
+@triton.jit
+def attn_combine_kernel(mo_ptr, lo_ptr, ao_ptr, sink_ptr, freq_ptr, pos_ptr, out_ptr, H,
+                        S: tl.constexpr, SP: tl.constexpr, D: tl.constexpr, NROT: tl.constexpr,
+                        ROPE_INV: tl.constexpr):
+    """Merge the S splits of one (query, head) with the sink; optionally the inverse tail RoPE."""
+    t = tl.program_id(0)
+    h = tl.program_id(1)
+    sp = tl.arange(0, SP)
+    spm = sp < S
+    pb = (t * S + sp) * H + h
+    ms = tl.load(mo_ptr + pb, mask=spm, other=_NEG)
+    ls = tl.load(lo_ptr + pb, mask=spm, other=0.0)
+    sink = tl.load(sink_ptr + h)
+    mx = tl.maximum(tl.max(ms, axis=0), sink)
+    f = tl.exp(ms - mx)
+    den = tl.sum(ls * f, axis=0) + tl.exp(sink - mx)
+    HD: tl.constexpr = D // 2
+    i = tl.arange(0, HD)
+    ab = ao_ptr + pb[:, None].to(tl.int64) * D + 2 * i[None, :]
+    xe = tl.sum(tl.load(ab, mask=spm[:, None], other=0.0) * f[:, None], axis=0) / den
+    xo = tl.sum(tl.load(ab + 1, mask=spm[:, None], other=0.0) * f[:, None], axis=0) / den
+    if ROPE_INV:
+        k = i - (D - NROT) // 2
+        km = k >= 0
+        pos = tl.load(pos_ptr) + t
+        theta = pos.to(tl.float32) * tl.load(freq_ptr + k, mask=km, other=0.0)
+        c = _cos(theta)
+        s = -_sin(theta)
+        ne = tl.where(km, xe * c - xo * s, xe)
+        no = tl.where(km, xe * s + xo * c, xo)
+        xe = ne
+        xo = no
+    ob = out_ptr + (t * H + h).to(tl.int64) * D + 2 * i
+    tl.store(ob, xe)
+    tl.store(ob + 1, xo)

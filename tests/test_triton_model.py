@@ -1,0 +1,176 @@
+"""The whole tiny model on the Triton backend against the reference: logits, greedy tokens,
+session state, and handoff of a session between the two backends. Without a GPU the kernels run
+under TRITON_INTERPRET=1; the CUDA-graph tests need a GPU."""
+
+from __future__ import annotations
+
+import os
+
+import numpy as np
+import pytest
+
+torch = pytest.importorskip("torch")
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+pytest.importorskip("triton")
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"  # cpu: the interpreter (conftest.py)
+
+import ds4  # noqa: E402
+from ds4.core.tiny import make_tiny  # noqa: E402
+
+LOGITS_RTOL = 1e-3
+# ds4 numerics round K/V to FP8 and the indexer's queries/keys to FP4, and the indexer keeps a
+# discrete top-k: a last-bit difference upstream (summation order) can flip one rounding or one
+# selected row, which moves the logits by more than rounding. Exact numerics has none of these
+# steps and must match to LOGITS_RTOL; ds4 numerics to DS4_RTOL (measured on the H200 over random
+# test models: 2e-5 .. 4e-3).
+DS4_RTOL = 1e-2
+GPU = torch.cuda.is_available()
+needs_gpu = pytest.mark.skipif(not GPU, reason="needs CUDA")
+
+
+def _rel(a, b):
+    assert np.isfinite(a).all()
+    return float(np.abs(a - b).max() / np.abs(b).max())
+
+
+def _same_greedy(got: np.ndarray, want: np.ndarray) -> bool:
+    """Same argmax, or a certified near-tie: the reference's top-2 gap is within twice the
+    largest logit difference, so the difference alone can swap them."""
+    if int(np.argmax(got)) == int(np.argmax(want)):
+        return True
+    top2 = np.sort(want)[-2:]
+    return (top2[1] - top2[0]) <= 2 * np.abs(got - want).max()
+
+
+# Exact numerics run on a fresh random model and prompt every run. ds4 numerics run on a fixed
+# model and prompt: a free-running ds4 session of two float32 implementations drifts apart
+# wherever one FP8/FP4 rounding or indexer choice lands on the other side of a boundary (see
+# DS4_RTOL), so a random case would make CI flaky; the fixed case is deterministic under the
+# interpreter. Its seeds are not chosen for a small error: model seed 0, prompt seed 0.
+FRESH = np.random.default_rng()
+CASES = {"exact": (int(FRESH.integers(1 << 16)), FRESH), "ds4": (0, np.random.default_rng(0))}
+
+
+@pytest.fixture(scope="module")
+def cases(tmp_path_factory):
+    out = {}
+    for num, (seed, rng) in CASES.items():
+        p = tmp_path_factory.mktemp("tm") / f"test-{num}.gguf"
+        make_tiny(p, preset="test", seed=seed)
+        # 24 tokens: slide the 8-row window, close 6 ratio-4 and 3 ratio-8 windows, overflow the
+        # indexer's top-4
+        out[num] = (p, [int(x) for x in rng.integers(0, 512, 24)])
+    return out
+
+
+@pytest.fixture(scope="module")
+def path(cases):
+    return cases["exact"][0]
+
+
+@pytest.fixture(scope="module")
+def prompt(cases):
+    return cases["exact"][1]
+
+
+@pytest.fixture(scope="module")
+def engines(cases):
+    return {num: (ds4.Engine.open(p, backend="reference", numerics=num),
+                  ds4.Engine.open(p, backend="triton", numerics=num, device=DEVICE))
+            for num, (p, _) in cases.items()}
+
+
+@pytest.mark.parametrize("numerics", ["ds4", "exact"])
+def test_logits_and_greedy_tokens_match_reference(engines, cases, numerics):
+    ref, tri = engines[numerics]
+    prompt = cases[numerics][1]
+    rtol = LOGITS_RTOL if numerics == "exact" else DS4_RTOL
+    a, b = ref.session(ctx=64), tri.session(ctx=64)
+    a.sync(prompt)  # 24 tokens: the matrix-matrix (prefill) kernels
+    b.sync(prompt)
+    for _ in range(3):  # eager, captured and replayed decode steps on a GPU
+        assert _rel(b.logits, a.logits) <= rtol
+        assert _same_greedy(b.logits, a.logits)
+        t = int(np.argmax(a.logits))
+        a.eval(t)
+        b.eval(t)
+    assert _rel(b.logits, a.logits) <= rtol
+    # the per-layer state agrees too (FP8/FP4 rounding may flip single values in ds4 numerics)
+    for il in a.states:
+        for k, want in a.states[il].items():
+            got = tri.backend.state_to_numpy(b.states[il], k)
+            assert got.dtype == np.float32 and got.shape == want.shape
+            fin = np.isfinite(want)
+            assert np.array_equal(fin, np.isfinite(got))
+            close = np.abs(got[fin] - want[fin]) <= 1e-4 * max(1.0, np.abs(want[fin]).max())
+            assert close.mean() > 0.99, (il, k)
+
+
+def test_session_hands_off_between_backends(engines, cases):
+    """A session prefilled on one backend continues on the other with the same greedy tokens
+    (state_to_numpy / state_from_numpy are exact float32 copies)."""
+    ref, tri = engines["ds4"]
+    prompt = cases["ds4"][1]
+    s_tri = tri.session(ctx=64)
+    s_tri.sync(prompt[:20])
+    snap = s_tri.snapshot()
+    # the snapshot round-trips exactly
+    back = tri.session(ctx=64)
+    back.restore(snap)
+    for il in snap.arrays:
+        for k, v in snap.arrays[il].items():
+            assert np.array_equal(tri.backend.state_to_numpy(back.states[il], k), v)
+    # triton -> reference: the reference continues from the triton state
+    s_ref = ref.session(ctx=64)
+    s_ref.restore(snap)
+    ahead = tri.session(ctx=64)
+    ahead.restore(snap)
+    for _ in range(2):
+        t = int(np.argmax(s_ref.logits))
+        assert _same_greedy(ahead.logits, s_ref.logits)
+        s_ref.eval(t)
+        ahead.eval(t)
+        assert _rel(ahead.logits, s_ref.logits) <= DS4_RTOL
+    # reference -> triton
+    s_ref2 = ref.session(ctx=64)
+    s_ref2.sync(prompt[:21])
+    s_tri2 = tri.session(ctx=64)
+    s_tri2.restore(s_ref2.snapshot())
+    t = int(np.argmax(s_ref2.logits))
+    s_ref2.eval(t)
+    s_tri2.eval(t)
+    assert _rel(s_tri2.logits, s_ref2.logits) <= DS4_RTOL
+    assert _same_greedy(s_tri2.logits, s_ref2.logits)
+
+
+# ---- GPU only -----------------------------------------------------------------------------------
+
+@needs_gpu
+def test_cuda_graph_decode_matches_eager(path, prompt):
+    """Decode steps replayed from the captured CUDA graph equal eager steps; a second session
+    gets its own graph; a restored session replays correctly."""
+    g = ds4.Engine.open(path, backend="triton", device=DEVICE)
+    e = ds4.Engine.open(path, backend="triton", cuda_graphs=False, device=DEVICE)
+    sg, se = g.session(ctx=64), e.session(ctx=64)
+    sg.sync(prompt[:10])
+    se.sync(prompt[:10])
+    for t in prompt[10:20]:
+        sg.eval(t)
+        se.eval(t)
+        assert _rel(sg.logits, se.logits) <= 1e-5
+    assert any(en.graph is not None for en in g.backend._graphs.values())
+    other = g.session(ctx=64)
+    other.sync(prompt[:5])
+    for t in prompt[5:9]:
+        other.eval(t)
+    snap = sg.snapshot()
+    sg.eval(prompt[20])
+    se.eval(prompt[20])
+    assert _rel(sg.logits, se.logits) <= 1e-5
+    sg.restore(snap)
+    sg.eval(prompt[21])
+    se2 = e.session(ctx=64)
+    se2.restore(snap)
+    se2.eval(prompt[21])
+    assert _rel(sg.logits, se2.logits) <= 1e-5
