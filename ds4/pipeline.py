@@ -223,26 +223,8 @@ class Stage:
 
 
 def rows_to_backend(be, rows: np.ndarray):
-    """The mHC rows a stage receives, [n, n_hc, n_embd] float32, as the backend's array type.
-
-    The op interface has no op for this yet: until now every X began as `embed`'s output. A
-    backend that defines `from_numpy(x)` is asked; otherwise the known array types are built
-    here (MLX arrays, torch tensors on the backend's device), and numpy passes through.
-    """
-    convert = getattr(be, "from_numpy", None)
-    if convert is not None:
-        return convert(rows)
-    if be.name == "mlx":
-        import mlx.core as mx
-
-        return mx.array(rows)
-    if be.name == "triton":
-        import torch
-
-        t = torch.from_numpy(np.ascontiguousarray(rows, dtype=np.float32))
-        dev = getattr(be, "dev", None)
-        return t if dev is None or str(dev) == "cpu" else t.to(dev)
-    return rows
+    """The mHC rows a stage receives, [n, n_hc, n_embd] float32, as the backend's array type."""
+    return be.from_numpy(rows)
 
 
 def _greedy_or_none(logits: np.ndarray) -> int:

@@ -59,9 +59,9 @@ class Backend(ABC):
     @abstractmethod
     def to_numpy(self, x: Array) -> np.ndarray: ...
 
+    @abstractmethod
     def from_numpy(self, x: np.ndarray) -> Array:
         """A host float32 array as this backend's array (a pipeline stage's incoming rows)."""
-        raise NotImplementedError(f"backend {self.name} has no from_numpy")
 
     # ---- ops ------------------------------------------------------------------------------------
 

@@ -198,6 +198,9 @@ class MLXBackend(Backend):
         mx.eval(x, *self._pending_arrays())  # the step's one evaluation
         return np.array(x, copy=True)
 
+    def from_numpy(self, x):
+        return mx.array(np.ascontiguousarray(x, dtype=np.float32))
+
     # ---- helpers --------------------------------------------------------------------------------
 
     def _rms(self, x):

@@ -296,6 +296,9 @@ class TritonBackend(Backend):
             raise ValueError(f"state {name}: expected shape {tuple(st[name].shape)}, got {value.shape}")
         st[name].copy_(torch.from_numpy(np.ascontiguousarray(value, dtype=np.float32)))
 
+    def from_numpy(self, x):
+        return torch.from_numpy(np.ascontiguousarray(x, dtype=np.float32)).to(self.dev)
+
     def to_numpy(self, x):
         if isinstance(x, Selection):
             return x.mask(int(x.idx.max().item()) + 1 if x.idx.numel() else 0)
