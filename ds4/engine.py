@@ -68,6 +68,26 @@ class Engine:
         return Session(self, SessionLayout.create(self.config, ctx, prefill_cap))
 
 
+def check_tokens(tokens, n_vocab: int, ctx: int) -> list[int]:
+    """Token ids as ints, each checked against the vocabulary, all of them against the ctx."""
+    tokens = [int(t) for t in tokens]
+    for i, t in enumerate(tokens):
+        if not 0 <= t < n_vocab:
+            raise ValueError(f"tokens[{i}]: expected an id in [0, {n_vocab}), got {t}")
+    if len(tokens) > ctx:
+        raise ValueError(f"tokens: {len(tokens)} tokens do not fit the session's ctx={ctx}")
+    return tokens
+
+
+def common_prefix(a: list[int], b: list[int]) -> int:
+    n = 0
+    for x, y in zip(a, b):
+        if x != y:
+            break
+        n += 1
+    return n
+
+
 @dataclass
 class Snapshot:
     tokens: list[int]
@@ -109,14 +129,7 @@ class Session:
         return self._logits
 
     def _check_tokens(self, tokens) -> list[int]:
-        tokens = [int(t) for t in tokens]
-        n_vocab = self.engine.config.n_vocab
-        for i, t in enumerate(tokens):
-            if not 0 <= t < n_vocab:
-                raise ValueError(f"tokens[{i}]: expected an id in [0, {n_vocab}), got {t}")
-        if len(tokens) > self.ctx:
-            raise ValueError(f"tokens: {len(tokens)} tokens do not fit the session's ctx={self.ctx}")
-        return tokens
+        return check_tokens(tokens, self.engine.config.n_vocab, self.ctx)
 
     def _prefill(self, new: list[int]) -> None:
         """Evaluate `new` after the current tokens, in chunks aligned to prefill_cap."""
@@ -138,11 +151,7 @@ class Session:
         if not tokens:
             self._reset_state()
             return
-        common = 0
-        for x, y in zip(self._tokens, tokens):
-            if x != y:
-                break
-            common += 1
+        common = common_prefix(self._tokens, tokens)
         if common == len(tokens) == len(self._tokens):
             return
         if common < len(self._tokens) or common == len(tokens):

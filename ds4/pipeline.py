@@ -43,7 +43,7 @@ import numpy as np
 from .core.graph import chunk_bounds, run_layers
 from .core.sampling import SamplingParams, argmax, sample, top_candidates
 from .core.state import FILL, SessionLayout, layer_state_shapes
-from .engine import Engine, Session, Snapshot
+from .engine import Engine, Session, Snapshot, check_tokens, common_prefix
 from .wire import qkp
 
 log = logging.getLogger("ds4.pipeline")
@@ -724,14 +724,7 @@ class SplitSession:
     # ---- requests ----
 
     def _check_tokens(self, tokens) -> list[int]:
-        tokens = [int(t) for t in tokens]
-        n_vocab = self.split.config.n_vocab
-        for i, t in enumerate(tokens):
-            if not 0 <= t < n_vocab:
-                raise ValueError(f"tokens[{i}]: expected an id in [0, {n_vocab}), got {t}")
-        if len(tokens) > self.ctx:
-            raise ValueError(f"tokens: {len(tokens)} tokens do not fit the session's ctx={self.ctx}")
-        return tokens
+        return check_tokens(tokens, self.split.config.n_vocab, self.ctx)
 
     def _begin(self) -> qkp.Hello:
         if self._closed:
@@ -758,11 +751,7 @@ class SplitSession:
             if not tokens:
                 self._reset()
                 return
-            common = 0
-            for x, y in zip(self._tokens, tokens):
-                if x != y:
-                    break
-                common += 1
+            common = common_prefix(self._tokens, tokens)
             if common == len(tokens) == len(self._tokens) and self._topk >= self._want_topk():
                 return
             if common < len(self._tokens) or common == len(tokens):
