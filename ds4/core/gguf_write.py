@@ -13,6 +13,19 @@ from .config import ARCH, ModelConfig
 from .quants import GGMLType, row_bytes
 
 
+def _add_metadata(w: GGUFWriter, cfg: ModelConfig, tokens: list[str], merges: list[str]) -> None:
+    w.add_name(cfg.name or "ds4-synthetic")
+    for key, vtype, value in cfg.to_metadata():
+        if isinstance(value, list):
+            w.add_key_value(key, value, GGUFValueType.ARRAY, sub_type=vtype)
+        else:
+            w.add_key_value(key, value, vtype)
+    w.add_tokenizer_model("gpt2")
+    w.add_tokenizer_pre("joyai-llm")
+    w.add_token_list(tokens)
+    w.add_token_merges(merges)
+
+
 def write_gguf(path: str | os.PathLike, cfg: ModelConfig,
                tensors: dict[str, tuple[GGMLType, tuple[int, ...], np.ndarray]],
                tokens: list[str], merges: list[str]) -> Path:
@@ -23,16 +36,7 @@ def write_gguf(path: str | os.PathLike, cfg: ModelConfig,
     os.close(fd)
     try:
         w = GGUFWriter(tmp, ARCH)
-        w.add_name(cfg.name or "ds4-synthetic")
-        for key, vtype, value in cfg.to_metadata():
-            if isinstance(value, list):
-                w.add_key_value(key, value, GGUFValueType.ARRAY, sub_type=vtype)
-            else:
-                w.add_key_value(key, value, vtype)
-        w.add_tokenizer_model("gpt2")
-        w.add_tokenizer_pre("joyai-llm")
-        w.add_token_list(tokens)
-        w.add_token_merges(merges)
+        _add_metadata(w, cfg, tokens, merges)
         for name, (ttype, dims, data) in tensors.items():
             rb = row_bytes(ttype, dims[0])
             shaped = np.ascontiguousarray(data, dtype=np.uint8).reshape(*reversed(dims[1:]), rb)
@@ -63,14 +67,7 @@ def write_sparse_gguf(path: str | os.PathLike, cfg: ModelConfig, types: dict[str
 
     path = Path(path)
     w = GGUFWriter(path, ARCH)
-    w.add_name(cfg.name or "ds4-synthetic")
-    for key, vtype, value in cfg.to_metadata():
-        if isinstance(value, list):
-            w.add_key_value(key, value, GGUFValueType.ARRAY, sub_type=vtype)
-        else:
-            w.add_key_value(key, value, vtype)
-    w.add_token_list(tokens)
-    w.add_token_merges(merges)
+    _add_metadata(w, cfg, tokens, merges)
     for name, spec in expected_tensors(cfg).items():
         ttype = types.get(name, spec.shipped)
         nbytes = row_bytes(ttype, spec.dims[0]) * int(np.prod(spec.dims[1:], dtype=np.int64))
