@@ -22,8 +22,8 @@ from ds4.core.chat import DEFAULT_SYSTEM
 from .common import (CLIError, err, human_bytes, library_errors, open_engine, out, rate,
                      resolve_model, stream_reply)
 from .options import (MAX_SEED, BackendOption, CtxOption, MinPOption, ModelOption, NoThinkOption,
-                      NumericsOption, SeedOption, SystemOption, TempOption, TopKOption, TopPOption,
-                      check_range)
+                      NumericsOption, SeedOption, SystemOption, TempOption, TokensOption, TopKOption,
+                      TopPOption, check_range)
 
 DEFAULT_IO_TIMEOUT = 120.0
 
@@ -164,10 +164,7 @@ def decode(
         "--recv-kv", metavar="PORT", callback=check_range(0, 65535), show_default=False,
         help="Wait for a session on this TCP port (from `ds4 prefill --send-kv` or `ds4 kv-send`; "
              "0: any free port, printed on stderr), then continue it.")] = None,
-    n: Annotated[int, typer.Option(
-        "--tokens", "-n", metavar="N", min=0,
-        help="Generate at most N tokens (fewer if the model emits end-of-sentence or the "
-             "context fills).")] = 64,
+    n: TokensOption = 64,
     temp: TempOption = 1.0,
     top_k: TopKOption = 0,
     top_p: TopPOption = 1.0,

@@ -30,7 +30,7 @@ from .common import (CLIError, rate, stream_reply, err, human_bytes, library_err
                      print_field, progress_callback, resolve_model)
 from .options import (MAX_SEED, BackendOption, CtxOption, MinPOption, ModelArgument, ModelOption,
                       NoThinkOption, NumericsOption, PromptOption, SeedOption, SystemOption,
-                      TempOption, TopKOption, TopPOption, check_range)
+                      TempOption, TokensOption, TopKOption, TopPOption, check_range)
 
 try:  # typer >= 0.26 carries its own copy of click
     from typer._click.exceptions import ClickException
@@ -218,10 +218,7 @@ def _estimated_bytes(preset: str, experts: str) -> int:
 def generate(
     prompt: PromptOption,
     model: ModelOption = None,
-    n: Annotated[int, typer.Option(
-        "--tokens", "-n", metavar="N", min=0,
-        help="Generate at most N tokens (fewer if the model emits end-of-sentence or the "
-             "context fills).")] = 64,
+    n: TokensOption = 64,
     temp: TempOption = 1.0,
     top_k: TopKOption = 0,
     top_p: TopPOption = 1.0,

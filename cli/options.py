@@ -105,3 +105,9 @@ SeedOption = Annotated[Optional[int], typer.Option(
     "--seed", "-s", callback=check_range(0, MAX_SEED), show_default="time",
     help="Seed of ds4's xorshift64* sampler; the same seed, prompt and options give the same "
          "text. The seed used is printed with the stats.")]
+
+
+TokensOption = Annotated[int, typer.Option(
+    "--tokens", "-n", metavar="N", min=0,
+    help="Generate at most N tokens (fewer if the model emits end-of-sentence or the "
+         "context fills).")]
