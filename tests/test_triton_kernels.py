@@ -88,12 +88,18 @@ def test_linear_reads_every_block_format(ttype, rng):
     raw = random_blocks(ttype, N * K, rng, scale=0.05)
     w = tri.upload(Tensor("w", ttype, (K, N), raw))
     dense = dequantize_rows(raw.reshape(N, row_bytes(ttype, K)), ttype, K).astype(np.float64)
-    for n, plain in ((1, False), (1, True), (3, False), (19, False)):
-        tri.mv_types = {} if plain else TritonBackend(cfg, device=DEVICE).mv_types  # generic or specialised decode
+    specialised = TritonBackend(cfg, device=DEVICE).mv_types
+    # decode: the generic and the specialised block decoders; prefill: float32-decoded tiles, and
+    # (Q8_0, Q2_K, IQ2_XXS) integer units on bf16 tensor cores with x split in three bf16 terms
+    for n, plain, prec in ((1, False, None), (1, True, None), (3, False, None), (19, False, "ieee"),
+                           (19, False, "bf16x3")):
+        tri.mv_types = {} if plain else specialised
+        if prec:
+            tri.prec = prec
         x = rng.standard_normal((n, K)).astype(np.float32)
         y = tri.to_numpy(tri.linear(_t(tri, x), w))
         assert y.shape == (n, N)
-        assert _rel(y, x.astype(np.float64) @ dense.T) < 2e-6, (ttype.name, n, plain)
+        assert _rel(y, x.astype(np.float64) @ dense.T) < 2e-6, (ttype.name, n, plain, prec)
 
 
 def test_linear_fused_norm_and_groups(pair, rng):

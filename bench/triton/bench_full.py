@@ -225,7 +225,7 @@ def main() -> None:
     os.makedirs(a.out, exist_ok=True)
     res: dict = dict(device=torch.cuda.get_device_name(0), torch=torch.__version__,
                      triton=__import__("triton").__version__, preset=a.preset,
-                     dot_precision=os.environ.get("DS4_TRITON_DOT", "tf32x3"))
+                     dot_precision=os.environ.get("DS4_TRITON_DOT") or None)
     res["copy_bw_GBps"] = copy_bandwidth() / 1e9
     log(f"device {res['device']}, copy {res['copy_bw_GBps']:.0f} GB/s")
 

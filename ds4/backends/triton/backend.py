@@ -229,10 +229,18 @@ class TritonBackend(Backend):
         self.cuda_graphs = (self.dev.type == "cuda") if cuda_graphs is None else bool(cuda_graphs)
         self.synthetic = synthetic
         self.seed = seed
-        self.prec = dot_precision or os.environ.get("DS4_TRITON_DOT") or ("ieee" if self.interpret else "tf32x3")
+        # prefill products: "bf16x3" multiplies the exact integers of Q8_0 / IQ2_XXS / Q2_K units
+        # on bf16 tensor cores with x split exactly in three bf16 terms and applies the unit
+        # scales in float32; other weights, and every weight under "tf32x3" / "tf32" / "ieee",
+        # go through tl.dot at that precision on float32-decoded tiles
+        self.prec = dot_precision or os.environ.get("DS4_TRITON_DOT") or "bf16x3"
+        if self.prec not in ("bf16x3", "tf32x3", "tf32", "ieee"):
+            raise ValueError(f"DS4_TRITON_DOT: expected bf16x3, tf32x3, tf32 or ieee, got {self.prec!r}")
+        self.prec_f = ("ieee" if self.interpret else "tf32x3") if self.prec == "bf16x3" else self.prec
+        self.units_per_step = int(os.environ.get("DS4_TRITON_UNITS", "2"))
         d = self.dev
-        self._gridp = torch.tensor(_grid_codes(), dtype=torch.int32, device=d)
-        self._ksigns = torch.tensor(IQ2XXS_KSIGNS.astype(np.int32), dtype=torch.int32, device=d)
+        self._gridp = torch.tensor(_grid_table(), dtype=torch.int32, device=d)
+        self._ksigns = torch.tensor(_ksign_table(), dtype=torch.int32, device=d)
         self._freq = torch.tensor(np.stack([layer_inv_freq(cfg, il) for il in range(cfg.n_layer)]),
                                   dtype=torch.float32, device=d)
         self._pos = torch.zeros(1, dtype=torch.int32, device=d)
@@ -251,16 +259,22 @@ class TritonBackend(Backend):
         self.ledger: list | None = None  # (kernel name, bytes) per launch when profiling
         # matrix-matrix tile (prefill linears): rows of x, rows of W, warps
         self.mm_tile = tuple(int(v) for v in os.environ.get("DS4_TRITON_MM", "64,64,8").split(","))
+        # grouped-expert tiles (prefill MoE): rows of W per program and warps, BM = 64 assignments
+        self.moe_tile = {"gateup": (32, 8), "down": (64, 8)}
+        self.moe_tile.update({k: tuple(v) for k, v in json.loads(os.environ.get("DS4_TRITON_MOE", "{}")).items()})
+        if self.interpret:
+            self.moe_tile = {"gateup": (64, 4), "down": (64, 4)}
         self.topk_reg_max = 16384  # indexer rows that top-k keeps in registers
-        # decoded type per GGUF type in matrix-vector kernels: Q8_0 as 16-bit pairs, IQ2_XXS and
-        # Q2_K with the values of a unit unrolled (per-unit fields decoded once per thread)
-        self.mv_types = {int(K.Q8_0): 108, int(K.IQ2_XXS): 116, int(K.Q2_K): 110}
+        # decoded type per GGUF type in matrix-vector kernels: Q8_0 as raw 16-byte row segments,
+        # IQ2_XXS a 32-value group per tile element with levels and signs as packed bytes, Q2_K
+        # with the 64 values of a 16-byte run unrolled (per-unit fields decoded once per thread)
+        self.mv_types = {int(K.Q8_0): 208, int(K.IQ2_XXS): 216, int(K.Q2_K): 110}
         if os.environ.get("DS4_TRITON_MV_PLAIN") == "1":
             self.mv_types = {}
         # matrix-vector tiling per decoded type: (K-step values, rows per program, warps), from
         # bench/triton/tune_mv.py and the decode benchmark on an H200
         self.mv_tune = {"default": (256, 8, 4), 108: (256, 16, 4), 116: (512, 4, 4), 110: (1024, 16, 4),
-                        int(K.F16): (512, 4, 4)}
+                        208: (512, 16, 4), 216: (512, 4, 4), int(K.F16): (512, 4, 4)}
         self.mv_tune.update({int(k): tuple(v) for k, v in
                              json.loads(os.environ.get("DS4_TRITON_MV_TUNE", "{}")).items()})
         self._synth = None
@@ -392,6 +406,15 @@ class TritonBackend(Backend):
         NB = _largest_pow2_divisor(K_ // VB, max(1, cap // VB))
         return NB, VB
 
+    def _mm_cfg(self, ttype: int, K_: int) -> dict:
+        """K-step of a matrix-matrix kernel: integer units (U values, NB per step) or float tiles."""
+        U = {int(K.Q8_0): 32, int(K.IQ2_XXS): 32, int(K.Q2_K): 16}.get(int(ttype), 0) if self.prec == "bf16x3" else 0
+        if U:
+            NB = _largest_pow2_divisor(K_ // U, self.units_per_step)
+            return dict(NB=NB, VB=U, U=U, PREC=self.prec_f)
+        NB, VB = self._blocks(ttype, K_, 64 if not self.interpret else 128)
+        return dict(NB=NB, VB=VB, U=0, PREC=self.prec_f)
+
     def _mv_cfg(self, ttype: int, N: int, K_: int, slots: int = 1) -> dict:
         """Launch parameters of a matrix-vector kernel: decoded type (108 = Q8_0 as 16-bit pairs),
         rows per program, units per K-step, values per unit, accumulator width, warps."""
@@ -403,8 +426,10 @@ class TritonBackend(Backend):
         else:
             while BN > 1 and _cdiv(N, BN) * slots < 264:  # keep at least two programs per SM
                 BN //= 2
-        if t in (116, 110):  # unrolled units: 8 (IQ2_XXS) or 64 (Q2_K) values per tile element
-            VB = 8 if t == 116 else 64
+        if t == 208:  # K-step in row bytes: NB segments of 16
+            return dict(TYPE=t, BN=BN, NB=max(1, cap // 16), VB=16, VA=16, num_warps=warps)
+        if t in (116, 110, 216):  # unrolled units: 8 (IQ2_XXS), 32 (IQ2_XXS) or 64 (Q2_K) values
+            VB = {116: 8, 216: 32, 110: 64}[t]
             NB = _largest_pow2_divisor(K_ // VB, max(1, cap // VB))
             return dict(TYPE=t, BN=BN, NB=NB, VB=VB, VA=1, num_warps=warps)
         NB, VB = self._blocks(ttype, K_, cap)
@@ -437,13 +462,11 @@ class TritonBackend(Backend):
                          nbytes=w.RB * N + 4 * n * (Kd + N))
         else:
             BM, BN, warps = self.mm_tile
-            NB, VB = self._blocks(w.type, Kd, 64 if not self.interpret else 128)
             if group_rows:
                 BN = min(BN, _largest_pow2_divisor(group_rows, BN))
             self._launch(K.matmul_kernel, (_cdiv(n, BM), _cdiv(N, BN)), src, sx_t, group_stride,
                          w.u8, w.i16, w.f32, self._gridp, self._ksigns, out, N,
-                         n, N, Kd, w.RB, gr,
-                         TYPE=int(w.type), BM=BM, BN=BN, NB=NB, VB=VB, PREC=self.prec,
+                         n, N, Kd, w.RB, gr, TYPE=int(w.type), BM=BM, BN=BN, **self._mm_cfg(w.type, Kd),
                          num_warps=warps, num_stages=2, nbytes=w.RB * N + 4 * n * (Kd + N))
         return out
 
@@ -825,20 +848,18 @@ class TritonBackend(Backend):
         inv[order] = torch.arange(n * k, device=self.dev)
         inv = inv.to(torch.int32)
         h = torch.empty((n * k, F), dtype=torch.float32, device=self.dev)
-        NB, VB = self._blocks(gate.type, E, 64 if not self.interpret else 128)
-        BN = 32 if not self.interpret else 64  # two accumulators
+        BN, warps = self.moe_tile["gateup"]
         self._launch(K.moe_gateup_mm_kernel, (T, _cdiv(F, BN)), x, x.stride(0), tok_sorted, w_sorted,
                      tile_e, tile_r0, tile_end, gate.u8, gate.i16, gate.f32, up.u8, up.i16, up.f32,
                      self._gridp, self._ksigns, h, F, E, gate.RB, F * gate.RB, float(clamp),
-                     TYPE=int(gate.type), BM=BM, BN=BN, NB=NB, VB=VB, ROUTED=True, PREC=self.prec,
-                     num_warps=8, num_stages=2, nbytes=2 * gate.nbytes + 4 * n * k * (E + F))
+                     TYPE=int(gate.type), BM=BM, BN=BN, ROUTED=True, **self._mm_cfg(gate.type, E),
+                     num_warps=warps, num_stages=2, nbytes=2 * gate.nbytes + 4 * n * k * (E + F))
         osort = torch.empty((n * k, E), dtype=torch.float32, device=self.dev)
-        NB, VB = self._blocks(down.type, F, 64 if not self.interpret else 128)
-        BN = 64
+        BN, warps = self.moe_tile["down"]
         self._launch(K.moe_down_mm_kernel, (T, _cdiv(E, BN)), h, tile_e, tile_r0, tile_end,
                      down.u8, down.i16, down.f32, self._gridp, self._ksigns, osort, E, F, down.RB, E * down.RB,
-                     TYPE=int(down.type), BM=BM, BN=BN, NB=NB, VB=VB, PREC=self.prec,
-                     num_warps=8, num_stages=2, nbytes=down.nbytes + 4 * n * k * (E + F))
+                     TYPE=int(down.type), BM=BM, BN=BN, **self._mm_cfg(down.type, F),
+                     num_warps=warps, num_stages=2, nbytes=down.nbytes + 4 * n * k * (E + F))
         out = self._new((n, E))
         BE = min(1024, _pow2(E))
         self._launch(K.moe_reduce_kernel, (n, _cdiv(E, BE)), osort, inv, out, E, KSLOTS=k, BE=BE,
@@ -855,18 +876,18 @@ class TritonBackend(Backend):
         if n < MM_MIN:
             h = self._gateup_mv(x, gate, up, None, None, n, 1, clamp)
         else:
-            BM, BN = 64, (32 if not self.interpret else 64)
+            BM = 64
+            BN, warps = self.moe_tile["gateup"]
             T = _cdiv(n, BM)
             tile_e = torch.zeros(T, dtype=torch.int32, device=self.dev)
             tile_r0 = torch.arange(0, n, BM, dtype=torch.int32, device=self.dev)
             tile_end = torch.full((T,), n, dtype=torch.int32, device=self.dev)
             h = torch.empty((n, F), dtype=torch.float32, device=self.dev)
-            NB, VB = self._blocks(gate.type, E, 64 if not self.interpret else 128)
             self._launch(K.moe_gateup_mm_kernel, (T, _cdiv(F, BN)), x, x.stride(0), self._dummy_i, self._dummy_f,
                          tile_e, tile_r0, tile_end, gate.u8, gate.i16, gate.f32, up.u8, up.i16, up.f32,
                          self._gridp, self._ksigns, h, F, E, gate.RB, 0, float(clamp),
-                         TYPE=int(gate.type), BM=BM, BN=BN, NB=NB, VB=VB, ROUTED=False, PREC=self.prec,
-                         num_warps=8, num_stages=2, nbytes=2 * gate.nbytes + 4 * n * (E + F))
+                         TYPE=int(gate.type), BM=BM, BN=BN, ROUTED=False, **self._mm_cfg(gate.type, E),
+                         num_warps=warps, num_stages=2, nbytes=2 * gate.nbytes + 4 * n * (E + F))
         return self._linear(h, down)
 
     @_op
@@ -879,6 +900,22 @@ class TritonBackend(Backend):
         x_in, _, _ = self._hc_collapse(X[-1:], hc, head=True)
         logits = self._linear(_Normed(x_in, norm), out)
         return logits[0]
+
+
+def _grid_table() -> np.ndarray:
+    """The IQ2_XXS grid for the kernels: [0, 256) the entries as two-bit level codes (the block
+    decoder), then [256, 768) each entry's 8 levels as int8 bytes in two little-endian words."""
+    levels = IQ2XXS_GRID.astype(np.uint8).reshape(256, 2, 4)  # levels 8, 25, 43 fit a byte
+    words = (levels.astype(np.int64) << (8 * np.arange(4))).sum(axis=2).astype(np.uint32)
+    return np.concatenate([_grid_codes(), words.reshape(-1).view(np.int32)])
+
+
+def _ksign_table() -> np.ndarray:
+    """IQ2_XXS signs: [0, 128) the 8-bit sign masks, then [128, 384) each mask as 8 bytes that
+    are 0xFF where the value is negative, in two little-endian words."""
+    bits = (IQ2XXS_KSIGNS.astype(np.int64)[:, None] >> np.arange(8)) & 1  # [128, 8]
+    words = ((bits * 0xFF).reshape(128, 2, 4) << (8 * np.arange(4))).sum(axis=2).astype(np.uint32)
+    return np.concatenate([IQ2XXS_KSIGNS.astype(np.int32), words.reshape(-1).view(np.int32)])
 
 
 def _grid_codes() -> np.ndarray:

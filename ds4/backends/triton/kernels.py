@@ -269,6 +269,78 @@ def _wtile(wb, wh, wf, gridp, ksigns, row_off, rmask, u0,
     return w
 
 
+@triton.jit
+def _wint(wb, wh, gridp, ksigns, row_off, rmask, u, TYPE: tl.constexpr, U: tl.constexpr):
+    """Unit u of the rows at byte offsets row_off [BN] as exact small integers q [BN, U] and the
+    unit's scale and offset: W = sc·q - mn. A Q8_0 block (q = its int8 quants, mn = 0), an
+    IQ2_XXS 32-value group (q = ±8/25/43) or a Q2_K 16-value sub-block (q in 0..3)."""
+    ro = row_off[:, None]
+    m = rmask[:, None]
+    iv = tl.arange(0, U)[None, :]
+    mn = tl.zeros(row_off.shape, tl.float32)
+    if TYPE == 8:
+        base = row_off + u * 34
+        sc = _ld_f16(wh, base, rmask)
+        q = tl.load(wb + base[:, None] + 2 + iv, mask=m, other=0).to(tl.int8, bitcast=True).to(tl.float32)
+    elif TYPE == 10:
+        blk = u // 16
+        s = u % 16
+        base = row_off + blk * 84
+        scb = tl.load(wb + base + s, mask=rmask, other=0).to(tl.int32)
+        sc = _ld_f16(wh, base + 80, rmask) * (scb & 15).to(tl.float32)
+        mn = _ld_f16(wh, base + 82, rmask) * (scb >> 4).to(tl.float32)
+        qb = tl.load(wb + base[:, None] + 16 + (s // 8) * 32 + (s % 2) * 16 + iv, mask=m, other=0).to(tl.int32)
+        q = ((qb >> (((s % 8) // 2) * 2)) & 3).to(tl.float32)
+    else:  # IQ2_XXS
+        base = row_off + (u // 8) * 66
+        gb = base + 2 + (u % 8) * 8
+        d = _ld_f16(wh, base, rmask)
+        a_lo = tl.load(wh + (gb + 4) // 2, mask=rmask, other=0).to(tl.int32) & 0xFFFF
+        a_hi = tl.load(wh + (gb + 6) // 2, mask=rmask, other=0).to(tl.int32) & 0xFFFF
+        aux = (a_lo | (a_hi << 16))[:, None]
+        sc = d * (0.5 + ((a_hi >> 12) & 15).to(tl.float32)) * 0.25
+        sub = iv // 8
+        j = iv % 8
+        gi = tl.load(wb + gb[:, None] + sub, mask=m, other=0).to(tl.int32)
+        gp = tl.load(gridp + gi)
+        ks = tl.load(ksigns + ((aux >> (7 * sub)) & 127))
+        c = (gp >> (2 * j)) & 3
+        lvl = (8 + 17 * c + (c >> 1)).to(tl.float32)
+        q = tl.where(((ks >> j) & 1) == 1, -lvl, lvl)
+    return q, sc, mn
+
+
+@triton.jit
+def _dot_units(x_ptr, sx_t, tm, mm, k0, wb, wh, gridp, ksigns, row_off, rmask, acc,
+               TYPE: tl.constexpr, U: tl.constexpr, NU: tl.constexpr):
+    """acc[BM, BN] += x[tm, k0 : k0 + NU·U] · Wᵀ over NU scale units on bf16 tensor cores: the
+    unit's integers are exact in bf16 and x is split exactly into three bf16 terms (8 + 8 + 8
+    significant bits), so each unit's product has float32 accuracy before its scale is applied."""
+    ku = tl.arange(0, U)
+    for i in tl.static_range(NU):
+        kb = k0 + i * U
+        xt = tl.load(x_ptr + tm[:, None].to(tl.int64) * sx_t + kb + ku[None, :], mask=mm[:, None], other=0.0)
+        q, sc, mn = _wint(wb, wh, gridp, ksigns, row_off, rmask, kb // U, TYPE, U)
+        x1 = xt.to(tl.bfloat16)
+        r1 = xt - x1.to(tl.float32)
+        x2 = r1.to(tl.bfloat16)
+        x3 = (r1 - x2.to(tl.float32)).to(tl.bfloat16)
+        if _INTERP:  # the interpreter's bf16 products are wrong: the same terms in float32
+            qt = tl.trans(q)
+            p = tl.dot(x1.to(tl.float32), qt, input_precision="ieee")
+            p = tl.dot(x2.to(tl.float32), qt, p, input_precision="ieee")
+            p = tl.dot(x3.to(tl.float32), qt, p, input_precision="ieee")
+        else:
+            qt = tl.trans(q.to(tl.bfloat16))
+            p = tl.dot(x3, qt)  # smallest first
+            p = tl.dot(x2, qt, p)
+            p = tl.dot(x1, qt, p)
+        acc += p * sc[None, :]
+        if TYPE == 10:
+            acc -= tl.sum(xt, axis=1)[:, None] * mn[None, :]
+    return acc
+
+
 # ------------------------------------------------------------------------------------------------
 # linear layers
 
@@ -279,7 +351,41 @@ def _mv_step(xb, k0, wb, wh, wf, gridp, ksigns, row_off, rmask, rs, nw_ptr,
     """One K-step of a matrix-vector product: W[rows, k0 : k0 + NB·VB] ⊙ x̂, as a tile whose sum
     is the step's contribution. TYPE 108 is Q8_0 read as 16-bit pairs of quants (half the load
     instructions of byte loads), x split into even / odd values; its tile is [BN, NB, VB/2]."""
-    if TYPE == 116:  # IQ2_XXS, one grid entry (8 values) per tile element, values unrolled
+    if TYPE == 216:  # IQ2_XXS, one 32-value group per tile element, levels and signs as bytes
+        u = k0 // 32 + tl.arange(0, NB)[None, :]  # group index in the row
+        m = rmask[:, None]
+        base = row_off[:, None] + (u // 8) * 66
+        gb = base + 2 + (u % 8) * 8
+        d = _ld_f16(wh, base, m)
+        # 66-byte blocks keep every field 2-byte aligned: grid bytes and aux come in halfwords
+        g01 = tl.load(wh + gb // 2, mask=m, other=0).to(tl.int32) & 0xFFFF
+        g23 = tl.load(wh + gb // 2 + 1, mask=m, other=0).to(tl.int32) & 0xFFFF
+        a_lo = tl.load(wh + gb // 2 + 2, mask=m, other=0).to(tl.int32) & 0xFFFF
+        a_hi = tl.load(wh + gb // 2 + 3, mask=m, other=0).to(tl.int32) & 0xFFFF
+        aux = a_lo | (a_hi << 16)
+        db = d * (0.5 + ((aux >> 28) & 15).to(tl.float32)) * 0.25
+        xu = xb + k0 + tl.arange(0, NB) * 32
+        part = tl.zeros(d.shape, tl.float32)
+        for sub in tl.static_range(4):
+            if sub < 2:
+                gi = (g01 >> (8 * sub)) & 255
+            else:
+                gi = (g23 >> (8 * (sub - 2))) & 255
+            si = (aux >> (7 * sub)) & 127
+            for h in tl.static_range(2):
+                # 4 levels as int8 bytes, negated bytewise where the sign mask byte is 0xFF
+                # (levels are >= 8, so ~v + 1 never carries into the next byte)
+                lv = tl.load(gridp + 256 + 2 * gi + h)
+                mk = tl.load(ksigns + 128 + 2 * si + h)
+                sv = (lv ^ mk) + (mk & 0x01010101)
+                for j in tl.static_range(4):
+                    if j == 3:
+                        q = (sv >> 24).to(tl.float32)
+                    else:
+                        q = ((sv << (24 - 8 * j)) >> 24).to(tl.float32)
+                    part += q * tl.load(xu + 8 * sub + 4 * h + j)[None, :]
+        return (db * part)[:, :, None]
+    elif TYPE == 116:  # IQ2_XXS, one grid entry (8 values) per tile element, values unrolled
         u = k0 // 8 + tl.arange(0, NB)[None, :]
         m = rmask[:, None]
         base = row_off[:, None] + (u // 32) * 66
@@ -367,6 +473,51 @@ def _mv_step(xb, k0, wb, wh, wf, gridp, ksigns, row_off, rmask, rs, nw_ptr,
 
 
 @triton.jit
+def _q8_seg(xb, p0, wb, wh, row_off, rmask, RB, rs, nw_ptr, NB: tl.constexpr, NORM: tl.constexpr):
+    """One step of a Q8_0 matrix-vector product read as raw 16-byte row segments (TYPE 208): a
+    row is a stream of 34-byte blocks, so a segment holds bytes of at most two blocks. The weight
+    bytes come in 16-byte vector loads; which value of x a byte multiplies (none for the two scale
+    bytes) depends only on its offset, so that gather is shared by all the rows of a thread."""
+    s = tl.arange(0, NB)[None, :, None]
+    j = tl.arange(0, 16)[None, None, :]
+    P = p0 + s * 16 + j  # byte offset in the row
+    pm = P < RB
+    b = P // 34
+    r = P - b * 34
+    valid = pm & (r >= 2)
+    e = b * 32 + r - 2
+    xv = tl.load(xb + e, mask=valid, other=0.0)
+    if NORM != 0:
+        xv = xv / rs
+        if NORM == 1:
+            xv = xv * tl.load(nw_ptr + e, mask=valid, other=0.0)
+    ro = row_off[:, None, None]
+    m = rmask[:, None, None]
+    q = tl.load(wb + ro + P, mask=m & pm, other=0).to(tl.int8, bitcast=True).to(tl.float32)
+    ba = (p0 + s * 16) // 34  # first block of the segment
+    sa = _ld_f16(wh, ro + ba * 34, m & (ba * 34 < RB))  # past the row end: 0, never NaN
+    sb = _ld_f16(wh, ro + ba * 34 + 34, m & (ba * 34 + 34 < RB))
+    return q * xv * tl.where(b == ba, sa, sb)
+
+
+@triton.jit
+def _mv_rows(xb, wb, wh, wf, gridp, ksigns, row_off, rmask, K, RB, rs, nw_ptr,
+             BN: tl.constexpr, TYPE: tl.constexpr, NB: tl.constexpr, VB: tl.constexpr,
+             VA: tl.constexpr, NORM: tl.constexpr):
+    """W[rows] · x̂ for BN rows: the K loop of every matrix-vector kernel."""
+    if TYPE == 208:
+        acc = tl.zeros([BN, NB, 16], tl.float32)
+        for p0 in range(0, RB, NB * 16):
+            acc += _q8_seg(xb, p0, wb, wh, row_off, rmask, RB, rs, nw_ptr, NB, NORM)
+    else:
+        BK: tl.constexpr = NB * VB
+        acc = tl.zeros([BN, NB, VA], tl.float32)
+        for k0 in range(0, K, BK):
+            acc += _mv_step(xb, k0, wb, wh, wf, gridp, ksigns, row_off, rmask, rs, nw_ptr, TYPE, NB, VB, NORM)
+    return tl.sum(tl.sum(acc, axis=2), axis=1)
+
+
+@triton.jit
 def matvec_kernel(x_ptr, sx_t, sx_g, nw_ptr, wb, wh, wf, gridp, ksigns, out_ptr, so_t,
                   N, K, RB, GROUP_ROWS, eps,
                   TYPE: tl.constexpr, BN: tl.constexpr, NB: tl.constexpr, VB: tl.constexpr,
@@ -386,13 +537,10 @@ def matvec_kernel(x_ptr, sx_t, sx_g, nw_ptr, wb, wh, wf, gridp, ksigns, out_ptr,
         kv = tl.arange(0, NB)[None, :, None] * VB + tl.arange(0, VB)[None, None, :]
         ss = tl.zeros([1, NB, VB], tl.float32)
         for k0 in range(0, K, BK):
-            xv = tl.load(xb + k0 + kv)
+            xv = tl.load(xb + k0 + kv, mask=k0 + kv < K, other=0.0)  # 208's BK may exceed K
             ss += xv * xv
         rs = tl.sqrt_rn(tl.sum(ss) / K + eps)
-    acc = tl.zeros([BN, NB, VA], tl.float32)
-    for k0 in range(0, K, BK):
-        acc += _mv_step(xb, k0, wb, wh, wf, gridp, ksigns, row_off, rmask, rs, nw_ptr, TYPE, NB, VB, NORM)
-    y = tl.sum(tl.sum(acc, axis=2), axis=1)
+    y = _mv_rows(xb, wb, wh, wf, gridp, ksigns, row_off, rmask, K, RB, rs, nw_ptr, BN, TYPE, NB, VB, VA, NORM)
     tl.store(out_ptr + t * so_t + rows, y, mask=rmask)
 
 
@@ -400,8 +548,9 @@ def matvec_kernel(x_ptr, sx_t, sx_g, nw_ptr, wb, wh, wf, gridp, ksigns, out_ptr,
 def matmul_kernel(x_ptr, sx_t, sx_g, wb, wh, wf, gridp, ksigns, out_ptr, so_t,
                   M, N, K, RB, GROUP_ROWS,
                   TYPE: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, NB: tl.constexpr,
-                  VB: tl.constexpr, PREC: tl.constexpr):
-    """out[M, N] = x[M, K] · W[N, K]ᵀ with W decoded tile by tile (prefill)."""
+                  VB: tl.constexpr, PREC: tl.constexpr, U: tl.constexpr = 0):
+    """out[M, N] = x[M, K] · W[N, K]ᵀ with W decoded tile by tile (prefill). U > 0: integer
+    units of U values on bf16 tensor cores (_dot_units), NB units per K-step."""
     pm = tl.program_id(0)
     pn = tl.program_id(1)
     tm = pm * BM + tl.arange(0, BM)
@@ -413,10 +562,14 @@ def matmul_kernel(x_ptr, sx_t, sx_g, wb, wh, wf, gridp, ksigns, out_ptr, so_t,
     BK: tl.constexpr = NB * VB
     kk = tl.arange(0, BK)
     acc = tl.zeros([BM, BN], tl.float32)
-    for k0 in range(0, K, BK):
-        xt = tl.load(xb + tm[:, None].to(tl.int64) * sx_t + k0 + kk[None, :], mask=mm[:, None], other=0.0)
-        w = tl.reshape(_wtile(wb, wh, wf, gridp, ksigns, row_off, rmask, k0 // VB, TYPE, NB, VB), [BN, BK])
-        acc = tl.dot(xt, tl.trans(w), acc, input_precision=PREC)
+    if U > 0:
+        for k0 in range(0, K, NB * U):
+            acc = _dot_units(xb, sx_t, tm, mm, k0, wb, wh, gridp, ksigns, row_off, rmask, acc, TYPE, U, NB)
+    else:
+        for k0 in range(0, K, BK):
+            xt = tl.load(xb + tm[:, None].to(tl.int64) * sx_t + k0 + kk[None, :], mask=mm[:, None], other=0.0)
+            w = tl.reshape(_wtile(wb, wh, wf, gridp, ksigns, row_off, rmask, k0 // VB, TYPE, NB, VB), [BN, BK])
+            acc = tl.dot(xt, tl.trans(w), acc, input_precision=PREC)
     tl.store(out_ptr + tm[:, None].to(tl.int64) * so_t + rows[None, :], acc,
              mask=mm[:, None] & rmask[None, :])
 
@@ -443,15 +596,9 @@ def moe_gateup_mv_kernel(x_ptr, sx_t, ids_ptr, wts_ptr,
     rows = pid * BN + tl.arange(0, BN)
     rmask = rows < F
     row_off = e * EXP_BYTES + rows.to(tl.int64) * RB
-    BK: tl.constexpr = NB * VB
-    acc_g = tl.zeros([BN, NB, VA], tl.float32)
-    acc_u = tl.zeros([BN, NB, VA], tl.float32)
     xb = x_ptr + t * sx_t
-    for k0 in range(0, K, BK):
-        acc_g += _mv_step(xb, k0, gb, gh, gf, gridp, ksigns, row_off, rmask, 1.0, xb, TYPE, NB, VB, 0)
-        acc_u += _mv_step(xb, k0, ub, uh, uf, gridp, ksigns, row_off, rmask, 1.0, xb, TYPE, NB, VB, 0)
-    g = tl.sum(tl.sum(acc_g, axis=2), axis=1)
-    u = tl.sum(tl.sum(acc_u, axis=2), axis=1)
+    g = _mv_rows(xb, gb, gh, gf, gridp, ksigns, row_off, rmask, K, RB, 1.0, xb, BN, TYPE, NB, VB, VA, 0)
+    u = _mv_rows(xb, ub, uh, uf, gridp, ksigns, row_off, rmask, K, RB, 1.0, xb, BN, TYPE, NB, VB, VA, 0)
     h = _swiglu(g, u, clamp)
     if ROUTED:
         h = h * tl.load(wts_ptr + s)
@@ -468,17 +615,13 @@ def moe_down_mv_kernel(h_ptr, ids_ptr, db, dh, df, gridp, ksigns, out_ptr,
     t = tl.program_id(1)
     rows = pid * BN + tl.arange(0, BN)
     rmask = rows < E
-    BK: tl.constexpr = NB * VB
     out = tl.zeros([BN], tl.float32)
     for j in tl.static_range(KSLOTS):
         s = t * KSLOTS + j
         e = tl.load(ids_ptr + s).to(tl.int64)
         row_off = e * EXP_BYTES + rows.to(tl.int64) * RB
-        acc = tl.zeros([BN, NB, VA], tl.float32)
         hb = h_ptr + s * F
-        for k0 in range(0, F, BK):
-            acc += _mv_step(hb, k0, db, dh, df, gridp, ksigns, row_off, rmask, 1.0, hb, TYPE, NB, VB, 0)
-        out += tl.sum(tl.sum(acc, axis=2), axis=1)
+        out += _mv_rows(hb, db, dh, df, gridp, ksigns, row_off, rmask, F, RB, 1.0, hb, BN, TYPE, NB, VB, VA, 0)
     tl.store(out_ptr + t * E + rows, out, mask=rmask)
 
 
@@ -487,7 +630,7 @@ def moe_gateup_mm_kernel(x_ptr, sx_t, tok_ptr, wts_ptr, tile_e_ptr, tile_r0_ptr,
                          gb, gh, gf, ub, uh, uf, gridp, ksigns, h_ptr,
                          F, K, RB, EXP_BYTES, clamp,
                          TYPE: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, NB: tl.constexpr,
-                         VB: tl.constexpr, ROUTED: tl.constexpr, PREC: tl.constexpr):
+                         VB: tl.constexpr, ROUTED: tl.constexpr, PREC: tl.constexpr, U: tl.constexpr = 0):
     """Prefill: one tile of BM assignments (token, slot) of one expert, sorted by expert.
     h[a, r] = w_a · swiglu(gate_e[r]·x[tok_a], up_e[r]·x[tok_a])."""
     tile = tl.program_id(0)
@@ -509,12 +652,17 @@ def moe_gateup_mm_kernel(x_ptr, sx_t, tok_ptr, wts_ptr, tile_e_ptr, tile_r0_ptr,
         kk = tl.arange(0, BK)
         acc_g = tl.zeros([BM, BN], tl.float32)
         acc_u = tl.zeros([BM, BN], tl.float32)
-        for k0 in range(0, K, BK):
-            xt = tl.load(x_ptr + tok[:, None] * sx_t + k0 + kk[None, :], mask=am[:, None], other=0.0)
-            wg = tl.reshape(_wtile(gb, gh, gf, gridp, ksigns, row_off, rmask, k0 // VB, TYPE, NB, VB), [BN, BK])
-            acc_g = tl.dot(xt, tl.trans(wg), acc_g, input_precision=PREC)
-            wu = tl.reshape(_wtile(ub, uh, uf, gridp, ksigns, row_off, rmask, k0 // VB, TYPE, NB, VB), [BN, BK])
-            acc_u = tl.dot(xt, tl.trans(wu), acc_u, input_precision=PREC)
+        if U > 0:
+            for k0 in range(0, K, NB * U):
+                acc_g = _dot_units(x_ptr, sx_t, tok, am, k0, gb, gh, gridp, ksigns, row_off, rmask, acc_g, TYPE, U, NB)
+                acc_u = _dot_units(x_ptr, sx_t, tok, am, k0, ub, uh, gridp, ksigns, row_off, rmask, acc_u, TYPE, U, NB)
+        else:
+            for k0 in range(0, K, BK):
+                xt = tl.load(x_ptr + tok[:, None] * sx_t + k0 + kk[None, :], mask=am[:, None], other=0.0)
+                wg = tl.reshape(_wtile(gb, gh, gf, gridp, ksigns, row_off, rmask, k0 // VB, TYPE, NB, VB), [BN, BK])
+                acc_g = tl.dot(xt, tl.trans(wg), acc_g, input_precision=PREC)
+                wu = tl.reshape(_wtile(ub, uh, uf, gridp, ksigns, row_off, rmask, k0 // VB, TYPE, NB, VB), [BN, BK])
+                acc_u = tl.dot(xt, tl.trans(wu), acc_u, input_precision=PREC)
         h = _swiglu(acc_g, acc_u, clamp)
         if ROUTED:
             h = h * tl.load(wts_ptr + a, mask=am, other=0.0)[:, None]
@@ -525,7 +673,7 @@ def moe_gateup_mm_kernel(x_ptr, sx_t, tok_ptr, wts_ptr, tile_e_ptr, tile_r0_ptr,
 def moe_down_mm_kernel(h_ptr, tile_e_ptr, tile_r0_ptr, tile_end_ptr, db, dh, df, gridp, ksigns, out_ptr,
                        E, F, RB, EXP_BYTES,
                        TYPE: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, NB: tl.constexpr,
-                       VB: tl.constexpr, PREC: tl.constexpr):
+                       VB: tl.constexpr, PREC: tl.constexpr, U: tl.constexpr = 0):
     """Prefill: out_sorted[a, r] = down_e[r] · h[a] for one tile of expert e's assignments."""
     tile = tl.program_id(0)
     pn = tl.program_id(1)
@@ -541,10 +689,14 @@ def moe_down_mm_kernel(h_ptr, tile_e_ptr, tile_r0_ptr, tile_end_ptr, db, dh, df,
         BK: tl.constexpr = NB * VB
         kk = tl.arange(0, BK)
         acc = tl.zeros([BM, BN], tl.float32)
-        for k0 in range(0, F, BK):
-            ht = tl.load(h_ptr + a[:, None].to(tl.int64) * F + k0 + kk[None, :], mask=am[:, None], other=0.0)
-            w = tl.reshape(_wtile(db, dh, df, gridp, ksigns, row_off, rmask, k0 // VB, TYPE, NB, VB), [BN, BK])
-            acc = tl.dot(ht, tl.trans(w), acc, input_precision=PREC)
+        if U > 0:
+            for k0 in range(0, F, NB * U):
+                acc = _dot_units(h_ptr, F, a, am, k0, db, dh, gridp, ksigns, row_off, rmask, acc, TYPE, U, NB)
+        else:
+            for k0 in range(0, F, BK):
+                ht = tl.load(h_ptr + a[:, None].to(tl.int64) * F + k0 + kk[None, :], mask=am[:, None], other=0.0)
+                w = tl.reshape(_wtile(db, dh, df, gridp, ksigns, row_off, rmask, k0 // VB, TYPE, NB, VB), [BN, BK])
+                acc = tl.dot(ht, tl.trans(w), acc, input_precision=PREC)
         tl.store(out_ptr + a[:, None].to(tl.int64) * E + rows[None, :], acc, mask=am[:, None] & rmask[None, :])
 
 
