@@ -88,12 +88,13 @@ def test_linear_reads_every_block_format(ttype, rng):
     raw = random_blocks(ttype, N * K, rng, scale=0.05)
     w = tri.upload(Tensor("w", ttype, (K, N), raw))
     dense = dequantize_rows(raw.reshape(N, row_bytes(ttype, K)), ttype, K).astype(np.float64)
-    specialised = TritonBackend(cfg, device=DEVICE).mv_types
-    # decode: the generic and the specialised block decoders; prefill: float32-decoded tiles, and
-    # (Q8_0, Q2_K, IQ2_XXS) integer units on bf16 tensor cores with x split in three bf16 terms
-    for n, plain, prec in ((1, False, None), (1, True, None), (3, False, None), (19, False, "ieee"),
-                           (19, False, "bf16x3")):
-        tri.mv_types = {} if plain else specialised
+    # decode: the generic and every specialised block decoder; prefill: float32-decoded tiles,
+    # and (Q8_0, Q2_K, IQ2_XXS) integer units on bf16 tensor cores, x in three bf16 terms
+    paths = [{int(ttype): p} for p in TritonBackend.MV_PATHS.get(int(ttype), ())]
+    cases = [(1, {}, None)] + [(n, p, None) for p in paths for n in (1, 3)]
+    for n, mv_types, prec in cases + [(19, {}, "ieee"), (19, {}, "bf16x3")]:
+        tri.mv_types = mv_types
+        plain = not mv_types
         if prec:
             tri.prec = prec
         x = rng.standard_normal((n, K)).astype(np.float32)

@@ -76,6 +76,11 @@ def event_time(fn, reps: int = 5) -> float:
     return a.elapsed_time(b) * 1e-3 / reps
 
 
+def emit(rows, r):
+    rows.append(r)
+    print("  " + " ".join(f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}" for k, v in r.items()), flush=True)
+
+
 def rel(a, b) -> float:
     a, b = a.double(), b.double()
     return float((a - b).abs().max() / b.abs().max().clamp_min(1e-30))
@@ -97,7 +102,7 @@ def decode_linear(be, rows, name, t, N, Kd, types, caps, bns, warps):
         except Exception as e:  # noqa: BLE001
             print(f"  {name} {ty} {cap} {BN} {nw}: {type(e).__name__} {str(e)[:200]}")
             continue
-        rows.append(dict(part="decode", op=name, type=ty, cap=cap, BN=BN, warps=nw, us=s * 1e6,
+        emit(rows, dict(part="decode", op=name, type=ty, cap=cap, BN=BN, warps=nw, us=s * 1e6,
                          GBps=nbytes / s / 1e9, err=rel(y, ref)))
 
 
@@ -114,16 +119,15 @@ def decode_moe(be, rows, kind, types, caps, bns, warps, NE=256):
     nbytes = 6 * (2 * F * gate.RB if kind == "gateup" else E * down.RB)
     ref = None
     base = dict(be.mv_types)
+    h = torch.randn(6, F, device=dev)
     for ty, cap, BN, nw in itertools.product(types, caps, bns, warps):
-        be.mv_types = dict(base, **{tt: ty})
+        be.mv_types = {**base, tt: ty}
         be.mv_tune[ty] = (cap, BN, nw)
         try:
             if kind == "gateup":
                 def fn(i):
                     return be._gateup_mv(x, gate, up, ids[i], wts, 6, 6, 10.0)
             else:
-                h = torch.randn(6, F, device=dev)
-
                 def fn(i):
                     c = be._mv_cfg(down.type, E, F, 1)
                     out = torch.empty(1, E, device=dev)
@@ -138,7 +142,7 @@ def decode_moe(be, rows, kind, types, caps, bns, warps, NE=256):
         except Exception as e:  # noqa: BLE001
             print(f"  moe {kind} {ty} {cap} {BN} {nw}: {type(e).__name__} {str(e)[:200]}")
             continue
-        rows.append(dict(part="decode", op=f"moe_{kind}", type=ty, cap=cap, BN=BN, warps=nw, us=s * 1e6,
+        emit(rows, dict(part="decode", op=f"moe_{kind}", type=ty, cap=cap, BN=BN, warps=nw, us=s * 1e6,
                          GBps=nbytes / s / 1e9, err=rel(y, ref)))
 
 
@@ -150,7 +154,7 @@ def prefill_linear(be, rows, M, N, Kd, tiles, units):
     be.mm_tile = (64, 64, 8)
     ref = be.linear(x, w).clone()
     s = event_time(lambda: be.linear(x, w))
-    rows.append(dict(part="prefill", op=f"q8 {N}x{Kd}", prec="tf32x3", tile=[64, 64, 8], ms=s * 1e3,
+    emit(rows, dict(part="prefill", op=f"q8 {N}x{Kd}", prec="tf32x3", tile=[64, 64, 8], ms=s * 1e3,
                      TFLOPS=flops / s / 1e12, err=0.0))
     be.prec = "bf16x3"
     for tile, u in itertools.product(tiles, units):
@@ -161,7 +165,7 @@ def prefill_linear(be, rows, M, N, Kd, tiles, units):
         except Exception as e:  # noqa: BLE001
             print(f"  mm {tile} {u}: {type(e).__name__} {str(e)[:200]}")
             continue
-        rows.append(dict(part="prefill", op=f"q8 {N}x{Kd}", prec="bf16x3", tile=list(tile), units=u, ms=s * 1e3,
+        emit(rows, dict(part="prefill", op=f"q8 {N}x{Kd}", prec="bf16x3", tile=list(tile), units=u, ms=s * 1e3,
                          TFLOPS=flops / s / 1e12, err=rel(y, ref)))
 
 
@@ -178,7 +182,7 @@ def prefill_moe(be, rows, M, gus, downs, units, NE=256):
     be.moe_tile = {"gateup": (32, 8), "down": (64, 8)}
     ref = be.moe(x, ids, wts, gate, up, down, 3).clone()
     s = event_time(lambda: be.moe(x, ids, wts, gate, up, down, 3), reps=3)
-    rows.append(dict(part="prefill", op="moe", prec="tf32x3", gateup=[32, 8], down=[64, 8], ms=s * 1e3,
+    emit(rows, dict(part="prefill", op="moe", prec="tf32x3", gateup=[32, 8], down=[64, 8], ms=s * 1e3,
                      TFLOPS=flops / s / 1e12, err=0.0))
     be.prec = "bf16x3"
     for gu, dn, u in itertools.product(gus, downs, units):
@@ -190,37 +194,49 @@ def prefill_moe(be, rows, M, gus, downs, units, NE=256):
         except Exception as e:  # noqa: BLE001
             print(f"  moe mm {gu} {dn} {u}: {type(e).__name__} {str(e)[:200]}")
             continue
-        rows.append(dict(part="prefill", op="moe", prec="bf16x3", gateup=list(gu), down=list(dn), units=u,
+        emit(rows, dict(part="prefill", op="moe", prec="bf16x3", gateup=list(gu), down=list(dn), units=u,
                          ms=s * 1e3, TFLOPS=flops / s / 1e12, err=rel(y, ref)))
 
 
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", default="tune_paths.json")
-    ap.add_argument("--parts", default="decode,prefill")
+    ap.add_argument("--parts", default="q8,gateup,down,mm,moe")
     a = ap.parse_args()
     cfg = preset_config("flash")
     be = TritonBackend(cfg, numerics="exact", cuda_graphs=False)
     rows: list[dict] = []
     parts = a.parts.split(",")
-    if "decode" in parts:
+    def save():
+        json.dump(dict(device=torch.cuda.get_device_name(0), rows=rows), open(a.out, "w"), indent=1)
+
+    if "q8" in parts:
         for name, N, Kd in (("q8 wo_b 4096x8192", 4096, 8192), ("q8 wq_b 32768x1024", 32768, 1024),
                             ("q8 wo_a 8192x4096", 8192, 4096)):
-            decode_linear(be, rows, name, T.Q8_0, N, Kd, [108], [256], [16], [4])
-            decode_linear(be, rows, name, T.Q8_0, N, Kd, [208], [256, 512, 1024], [8, 16, 32], [4, 8])
+            decode_linear(be, rows, name, T.Q8_0, N, Kd, [108], [256], [16, 32], [4, 8])
+            decode_linear(be, rows, name, T.Q8_0, N, Kd, [208], [256, 512], [8, 32], [4, 8])
             print(f"[{time.time() - T0:.0f}s] {name}", flush=True)
+            save()
+    if "gateup" in parts:
         be.mv_types = {int(T.Q2_K): 110}
         decode_moe(be, rows, "gateup", [116], [512], [4], [4])
-        decode_moe(be, rows, "gateup", [216], [256, 512, 1024], [2, 4, 8, 16], [4, 8])
+        decode_moe(be, rows, "gateup", [316], [256, 512, 1024], [4, 8, 16, 32], [4, 8])
+        decode_moe(be, rows, "gateup", [216], [512], [8, 16, 32], [4])
         print(f"[{time.time() - T0:.0f}s] gateup", flush=True)
-        decode_moe(be, rows, "down", [110], [512, 1024, 2048], [4, 8, 16, 32], [4, 8])
+        save()
+    if "down" in parts:
+        be.mv_types = {int(T.IQ2_XXS): 316}
+        decode_moe(be, rows, "down", [110], [1024], [8, 16, 32], [4])
         print(f"[{time.time() - T0:.0f}s] down", flush=True)
-    if "prefill" in parts:
-        prefill_linear(be, rows, 2048, 4096, 4096, [(64, 64, 4), (64, 128, 4), (128, 64, 8), (128, 128, 8)], [1, 2, 4])
+        save()
+    if "mm" in parts:
+        prefill_linear(be, rows, 2048, 4096, 4096, [(64, 64, 4), (64, 128, 4)], [1, 2, 4])
         print(f"[{time.time() - T0:.0f}s] mm", flush=True)
-        prefill_moe(be, rows, 2048, [(32, 4), (64, 4), (64, 8), (128, 8)], [(64, 4), (128, 8)], [1, 2])
+        save()
+    if "moe" in parts:
+        prefill_moe(be, rows, 2048, [(32, 4), (64, 4), (64, 8)], [(64, 4)], [2])
         print(f"[{time.time() - T0:.0f}s] moe mm", flush=True)
-    json.dump(dict(device=torch.cuda.get_device_name(0), rows=rows), open(a.out, "w"), indent=1)
+        save()
     print("\nbest per op (err: max relative difference to the first variant)")
     for op in dict.fromkeys(r["op"] for r in rows):
         rs = [r for r in rows if r["op"] == op]

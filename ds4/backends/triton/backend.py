@@ -206,6 +206,8 @@ def _op(fn):
 
 class TritonBackend(Backend):
     name = "triton"
+    # the specialised matrix-vector decoders of each block format (mv_types picks one)
+    MV_PATHS = {int(K.Q8_0): (108, 208), int(K.IQ2_XXS): (116, 216, 316), int(K.Q2_K): (110,)}
 
     @staticmethod
     def runs_here() -> bool:
@@ -274,7 +276,8 @@ class TritonBackend(Backend):
         # matrix-vector tiling per decoded type: (K-step values, rows per program, warps), from
         # bench/triton/tune_mv.py and the decode benchmark on an H200
         self.mv_tune = {"default": (256, 8, 4), 108: (256, 16, 4), 116: (512, 4, 4), 110: (1024, 16, 4),
-                        208: (512, 16, 4), 216: (512, 4, 4), int(K.F16): (512, 4, 4)}
+                        208: (512, 16, 4), 216: (512, 4, 4), 316: (512, 4, 4),
+                        int(K.F16): (512, 4, 4)}
         self.mv_tune.update({int(k): tuple(v) for k, v in
                              json.loads(os.environ.get("DS4_TRITON_MV_TUNE", "{}")).items()})
         self._synth = None
@@ -428,6 +431,9 @@ class TritonBackend(Backend):
                 BN //= 2
         if t == 208:  # K-step in row bytes: NB segments of 16
             return dict(TYPE=t, BN=BN, NB=max(1, cap // 16), VB=16, VA=16, num_warps=warps)
+        if t == 316:  # grid entries of 8 values as the tile's last axis
+            NB = _largest_pow2_divisor(K_ // 8, max(1, cap // 8))
+            return dict(TYPE=t, BN=BN, NB=NB, VB=8, VA=8, num_warps=warps)
         if t in (116, 110, 216):  # unrolled units: 8 (IQ2_XXS), 32 (IQ2_XXS) or 64 (Q2_K) values
             VB = {116: 8, 216: 32, 110: 64}[t]
             NB = _largest_pow2_divisor(K_ // VB, max(1, cap // VB))
@@ -907,7 +913,8 @@ def _grid_table() -> np.ndarray:
     decoder), then [256, 768) each entry's 8 levels as int8 bytes in two little-endian words."""
     levels = IQ2XXS_GRID.astype(np.uint8).reshape(256, 2, 4)  # levels 8, 25, 43 fit a byte
     words = (levels.astype(np.int64) << (8 * np.arange(4))).sum(axis=2).astype(np.uint32)
-    return np.concatenate([_grid_codes(), words.reshape(-1).view(np.int32)])
+    floats = IQ2XXS_GRID.astype(np.float32).reshape(-1).view(np.int32)  # [768, 768 + 2048)
+    return np.concatenate([_grid_codes(), words.reshape(-1).view(np.int32), floats])
 
 
 def _ksign_table() -> np.ndarray:
@@ -915,7 +922,8 @@ def _ksign_table() -> np.ndarray:
     are 0xFF where the value is negative, in two little-endian words."""
     bits = (IQ2XXS_KSIGNS.astype(np.int64)[:, None] >> np.arange(8)) & 1  # [128, 8]
     words = ((bits * 0xFF).reshape(128, 2, 4) << (8 * np.arange(4))).sum(axis=2).astype(np.uint32)
-    return np.concatenate([IQ2XXS_KSIGNS.astype(np.int32), words.reshape(-1).view(np.int32)])
+    signs = np.where(bits == 1, np.int64(1) << 31, 0).astype(np.uint32).reshape(-1).view(np.int32)
+    return np.concatenate([IQ2XXS_KSIGNS.astype(np.int32), words.reshape(-1).view(np.int32), signs])
 
 
 def _grid_codes() -> np.ndarray:

@@ -92,6 +92,20 @@ def _ld_f16(wh, byte_off, mask):
 
 
 @triton.jit
+def _u8f(b):
+    """Integer 0..255 in the low byte of b (higher bits ignored) -> float32, without an I2F:
+    OR-ing it into the mantissa of 2^23 makes 2^23 + b exactly; I2F runs at a quarter of the
+    FMA rate on Hopper and would bound the block decoders."""
+    return ((b & 0xFF) | 0x4B000000).to(tl.float32, bitcast=True) - 8388608.0
+
+
+@triton.jit
+def _s8f(b):
+    """Signed int8 in the low byte of b -> float32 (_u8f of the byte offset by 128)."""
+    return ((b & 0xFF) ^ 0x4B000080).to(tl.float32, bitcast=True) - 8388736.0
+
+
+@triton.jit
 def _sigmoid(x):
     return 1.0 / (1.0 + tl.exp(-x))
 
@@ -281,7 +295,7 @@ def _wint(wb, wh, gridp, ksigns, row_off, rmask, u, TYPE: tl.constexpr, U: tl.co
     if TYPE == 8:
         base = row_off + u * 34
         sc = _ld_f16(wh, base, rmask)
-        q = tl.load(wb + base[:, None] + 2 + iv, mask=m, other=0).to(tl.int8, bitcast=True).to(tl.float32)
+        q = _s8f(tl.load(wb + base[:, None] + 2 + iv, mask=m, other=0).to(tl.int32))
     elif TYPE == 10:
         blk = u // 16
         s = u % 16
@@ -299,14 +313,13 @@ def _wint(wb, wh, gridp, ksigns, row_off, rmask, u, TYPE: tl.constexpr, U: tl.co
         a_hi = tl.load(wh + (gb + 6) // 2, mask=rmask, other=0).to(tl.int32) & 0xFFFF
         aux = (a_lo | (a_hi << 16))[:, None]
         sc = d * (0.5 + ((a_hi >> 12) & 15).to(tl.float32)) * 0.25
-        sub = iv // 8
-        j = iv % 8
-        gi = tl.load(wb + gb[:, None] + sub, mask=m, other=0).to(tl.int32)
-        gp = tl.load(gridp + gi)
-        ks = tl.load(ksigns + ((aux >> (7 * sub)) & 127))
-        c = (gp >> (2 * j)) & 3
-        lvl = (8 + 17 * c + (c >> 1)).to(tl.float32)
-        q = tl.where(((ks >> j) & 1) == 1, -lvl, lvl)
+        # the 4 grid entries' fields once per entry ([BN, 4, 1]), their 8 values broadcast
+        sub = tl.arange(0, 4)[None, :, None]
+        j = tl.arange(0, 8)[None, None, :]
+        gi = tl.load(wb + gb[:, None, None] + sub, mask=rmask[:, None, None], other=0).to(tl.int32)
+        lv = tl.load(gridp + 768 + gi * 8 + j)
+        sm = tl.load(ksigns + 384 + ((aux[:, :, None] >> (7 * sub)) & 127) * 8 + j)
+        q = tl.reshape((lv ^ sm).to(tl.float32, bitcast=True), [row_off.shape[0], U])
     return q, sc, mn
 
 
@@ -351,7 +364,26 @@ def _mv_step(xb, k0, wb, wh, wf, gridp, ksigns, row_off, rmask, rs, nw_ptr,
     """One K-step of a matrix-vector product: W[rows, k0 : k0 + NB·VB] ⊙ x̂, as a tile whose sum
     is the step's contribution. TYPE 108 is Q8_0 read as 16-bit pairs of quants (half the load
     instructions of byte loads), x split into even / odd values; its tile is [BN, NB, VB/2]."""
-    if TYPE == 216:  # IQ2_XXS, one 32-value group per tile element, levels and signs as bytes
+    if TYPE == 316:  # IQ2_XXS, one grid entry per [.., 8] row: levels and sign masks from tables
+        ue = k0 // 8 + tl.arange(0, NB)[None, :, None]  # grid entry index in the row
+        j = tl.arange(0, 8)[None, None, :]
+        m = rmask[:, None, None]
+        base = row_off[:, None, None] + (ue // 32) * 66
+        gb = base + 2 + ((ue % 32) // 4) * 8
+        sub = ue % 4
+        d = _ld_f16(wh, base, m)
+        a_lo = tl.load(wh + (gb + 4) // 2, mask=m, other=0).to(tl.int32) & 0xFFFF
+        a_hi = tl.load(wh + (gb + 6) // 2, mask=m, other=0).to(tl.int32) & 0xFFFF
+        aux = a_lo | (a_hi << 16)
+        db = d * (0.5 + ((a_hi >> 12) & 15).to(tl.float32)) * 0.25
+        gi = tl.load(wb + gb + sub, mask=m, other=0).to(tl.int32)
+        # the entry's 8 levels as float32 and its 8 sign masks (0 or the float sign bit)
+        lv = tl.load(gridp + 768 + gi * 8 + j)
+        sm = tl.load(ksigns + 384 + ((aux >> (7 * sub)) & 127) * 8 + j)
+        w = (lv ^ sm).to(tl.float32, bitcast=True)
+        xv = tl.load(xb + k0 + tl.arange(0, NB)[None, :, None] * 8 + j)
+        return (w * xv) * db
+    elif TYPE == 216:  # IQ2_XXS, one 32-value group per tile element, levels and signs as bytes
         u = k0 // 32 + tl.arange(0, NB)[None, :]  # group index in the row
         m = rmask[:, None]
         base = row_off[:, None] + (u // 8) * 66
@@ -379,10 +411,7 @@ def _mv_step(xb, k0, wb, wh, wf, gridp, ksigns, row_off, rmask, rs, nw_ptr,
                 mk = tl.load(ksigns + 128 + 2 * si + h)
                 sv = (lv ^ mk) + (mk & 0x01010101)
                 for j in tl.static_range(4):
-                    if j == 3:
-                        q = (sv >> 24).to(tl.float32)
-                    else:
-                        q = ((sv << (24 - 8 * j)) >> 24).to(tl.float32)
+                    q = _s8f(sv >> (8 * j))
                     part += q * tl.load(xu + 8 * sub + 4 * h + j)[None, :]
         return (db * part)[:, :, None]
     elif TYPE == 116:  # IQ2_XXS, one grid entry (8 values) per tile element, values unrolled
@@ -438,7 +467,7 @@ def _mv_step(xb, k0, wb, wh, wf, gridp, ksigns, row_off, rmask, rs, nw_ptr,
                     wd = w2
                 else:
                     wd = w3
-                q = ((wd >> (8 * (i % 4) + 2 * sh)) & 3).to(tl.float32)
+                q = _u8f((wd >> (8 * (i % 4) + 2 * sh)) & 3)
                 xv = tl.load(xk + 32 * sh + i)[None, :]
                 acc_q += q * xv
                 xs += xv
@@ -459,9 +488,7 @@ def _mv_step(xb, k0, wb, wh, wf, gridp, ksigns, row_off, rmask, rs, nw_ptr,
         base = row_off[:, None, None] + (k0 // VB + tl.arange(0, NB)[None, :, None]) * 34
         d = _ld_f16(wh, base, m)
         h = tl.load(wh + base // 2 + 1 + j, mask=m, other=0).to(tl.int32)
-        lo = ((h << 24) >> 24).to(tl.float32)
-        hi = (h >> 8).to(tl.float32)
-        return d * (lo * xe + hi * xo)
+        return d * (_s8f(h) * xe + _s8f(h >> 8) * xo)
     else:
         kv = tl.arange(0, NB)[None, :, None] * VB + tl.arange(0, VB)[None, None, :]
         xv = tl.load(xb + k0 + kv)
@@ -493,7 +520,7 @@ def _q8_seg(xb, p0, wb, wh, row_off, rmask, RB, rs, nw_ptr, NB: tl.constexpr, NO
             xv = xv * tl.load(nw_ptr + e, mask=valid, other=0.0)
     ro = row_off[:, None, None]
     m = rmask[:, None, None]
-    q = tl.load(wb + ro + P, mask=m & pm, other=0).to(tl.int8, bitcast=True).to(tl.float32)
+    q = _s8f(tl.load(wb + ro + P, mask=m & pm, other=0).to(tl.int32))
     ba = (p0 + s * 16) // 34  # first block of the segment
     sa = _ld_f16(wh, ro + ba * 34, m & (ba * 34 < RB))  # past the row end: 0, never NaN
     sb = _ld_f16(wh, ro + ba * 34 + 34, m & (ba * 34 + 34 < RB))
