@@ -207,7 +207,7 @@ def _op(fn):
 class TritonBackend(Backend):
     name = "triton"
     # the specialised matrix-vector decoders of each block format (mv_types picks one)
-    MV_PATHS = {int(K.Q8_0): (108, 208), int(K.IQ2_XXS): (116, 216, 316), int(K.Q2_K): (110,)}
+    MV_PATHS = {int(K.Q8_0): (108, 208), int(K.IQ2_XXS): (216,), int(K.Q2_K): (110,)}
 
     @staticmethod
     def runs_here() -> bool:
@@ -231,10 +231,10 @@ class TritonBackend(Backend):
         self.cuda_graphs = (self.dev.type == "cuda") if cuda_graphs is None else bool(cuda_graphs)
         self.synthetic = synthetic
         self.seed = seed
-        # prefill products: "bf16x3" multiplies the exact integers of Q8_0 / IQ2_XXS / Q2_K units
-        # on bf16 tensor cores with x split exactly in three bf16 terms and applies the unit
-        # scales in float32; other weights, and every weight under "tf32x3" / "tf32" / "ieee",
-        # go through tl.dot at that precision on float32-decoded tiles
+        # prefill products: "bf16x3" multiplies Q8_0 quants (exact integers) on bf16 tensor cores
+        # with x split exactly in three bf16 terms and applies the block scales in float32; other
+        # weights, and every weight under "tf32x3" / "tf32" / "ieee", go through tl.dot at that
+        # precision on float32-decoded tiles (bench/triton/tune_paths.py measured both ways)
         self.prec = dot_precision or os.environ.get("DS4_TRITON_DOT") or "bf16x3"
         if self.prec not in ("bf16x3", "tf32x3", "tf32", "ieee"):
             raise ValueError(f"DS4_TRITON_DOT: expected bf16x3, tf32x3, tf32 or ieee, got {self.prec!r}")
@@ -261,23 +261,25 @@ class TritonBackend(Backend):
         self.ledger: list | None = None  # (kernel name, bytes) per launch when profiling
         # matrix-matrix tile (prefill linears): rows of x, rows of W, warps
         self.mm_tile = tuple(int(v) for v in os.environ.get("DS4_TRITON_MM", "64,64,8").split(","))
+        self.mm_tile_q8 = (64, 128, 4)  # the bf16x3 Q8_0 path (tune_paths.py)
         # grouped-expert tiles (prefill MoE): rows of W per program and warps, BM = 64 assignments
         self.moe_tile = {"gateup": (32, 8), "down": (64, 8)}
         self.moe_tile.update({k: tuple(v) for k, v in json.loads(os.environ.get("DS4_TRITON_MOE", "{}")).items()})
         if self.interpret:
             self.moe_tile = {"gateup": (64, 4), "down": (64, 4)}
         self.topk_reg_max = 16384  # indexer rows that top-k keeps in registers
-        # decoded type per GGUF type in matrix-vector kernels: Q8_0 as raw 16-byte row segments,
-        # IQ2_XXS a 32-value group per tile element with levels and signs as packed bytes, Q2_K
-        # with the 64 values of a 16-byte run unrolled (per-unit fields decoded once per thread)
-        self.mv_types = {int(K.Q8_0): 208, int(K.IQ2_XXS): 216, int(K.Q2_K): 110}
+        # decoded type per GGUF type in matrix-vector kernels: Q8_0 as 16-bit quant pairs (108),
+        # or as raw 16-byte row segments (208) for rows of 8192 values and more, where that
+        # measured faster; IQ2_XXS a 32-value group per tile element with levels and signs as
+        # packed bytes; Q2_K with the 64 values of a 16-byte run unrolled
+        self.mv_types = {int(K.Q8_0): 108, int(K.IQ2_XXS): 216, int(K.Q2_K): 110}
+        self.q8_segments_from = 8192
         if os.environ.get("DS4_TRITON_MV_PLAIN") == "1":
             self.mv_types = {}
         # matrix-vector tiling per decoded type: (K-step values, rows per program, warps), from
         # bench/triton/tune_mv.py and the decode benchmark on an H200
-        self.mv_tune = {"default": (256, 8, 4), 108: (256, 16, 4), 116: (512, 4, 4), 110: (1024, 16, 4),
-                        208: (512, 16, 4), 216: (512, 4, 4), 316: (512, 4, 4),
-                        int(K.F16): (512, 4, 4)}
+        self.mv_tune = {"default": (256, 8, 4), 108: (256, 16, 4), 110: (1024, 8, 4), 208: (512, 8, 4),
+                        216: (512, 16, 4), int(K.F16): (512, 4, 4)}
         self.mv_tune.update({int(k): tuple(v) for k, v in
                              json.loads(os.environ.get("DS4_TRITON_MV_TUNE", "{}")).items()})
         self._synth = None
@@ -411,18 +413,20 @@ class TritonBackend(Backend):
 
     def _mm_cfg(self, ttype: int, K_: int) -> dict:
         """K-step of a matrix-matrix kernel: integer units (U values, NB per step) or float tiles."""
-        U = {int(K.Q8_0): 32, int(K.IQ2_XXS): 32, int(K.Q2_K): 16}.get(int(ttype), 0) if self.prec == "bf16x3" else 0
-        if U:
-            NB = _largest_pow2_divisor(K_ // U, self.units_per_step)
-            return dict(NB=NB, VB=U, U=U, PREC=self.prec_f)
+        if self.prec == "bf16x3" and int(ttype) == K.Q8_0:
+            NB = _largest_pow2_divisor(K_ // 32, self.units_per_step)
+            return dict(NB=NB, VB=32, U=32, PREC=self.prec_f)
         NB, VB = self._blocks(ttype, K_, 64 if not self.interpret else 128)
         return dict(NB=NB, VB=VB, U=0, PREC=self.prec_f)
 
     def _mv_cfg(self, ttype: int, N: int, K_: int, slots: int = 1) -> dict:
-        """Launch parameters of a matrix-vector kernel: decoded type (108 = Q8_0 as 16-bit pairs),
+        """Launch parameters of a matrix-vector kernel: decoded type (108 / 208 = Q8_0 as 16-bit
+        pairs / raw segments, 216 = IQ2_XXS groups, 110 = Q2_K runs, else the generic decoder),
         rows per program, units per K-step, values per unit, accumulator width, warps."""
         ttype = int(ttype)
         t = self.mv_types.get(ttype, ttype)
+        if t == 108 and K_ >= self.q8_segments_from:
+            t = 208
         cap, BN, warps = self.mv_tune.get(t, self.mv_tune["default"])
         if self.interpret:
             cap, BN = 1024, min(64, _pow2(N))
@@ -431,11 +435,8 @@ class TritonBackend(Backend):
                 BN //= 2
         if t == 208:  # K-step in row bytes: NB segments of 16
             return dict(TYPE=t, BN=BN, NB=max(1, cap // 16), VB=16, VA=16, num_warps=warps)
-        if t == 316:  # grid entries of 8 values as the tile's last axis
-            NB = _largest_pow2_divisor(K_ // 8, max(1, cap // 8))
-            return dict(TYPE=t, BN=BN, NB=NB, VB=8, VA=8, num_warps=warps)
-        if t in (116, 110, 216):  # unrolled units: 8 (IQ2_XXS), 32 (IQ2_XXS) or 64 (Q2_K) values
-            VB = {116: 8, 216: 32, 110: 64}[t]
+        if t in (110, 216):  # unrolled units: 32 (IQ2_XXS) or 64 (Q2_K) values per tile element
+            VB = {216: 32, 110: 64}[t]
             NB = _largest_pow2_divisor(K_ // VB, max(1, cap // VB))
             return dict(TYPE=t, BN=BN, NB=NB, VB=VB, VA=1, num_warps=warps)
         NB, VB = self._blocks(ttype, K_, cap)
@@ -467,12 +468,13 @@ class TritonBackend(Backend):
                          N, Kd, w.RB, gr, self.cfg.rms_eps, NORM=norm, **c,
                          nbytes=w.RB * N + 4 * n * (Kd + N))
         else:
-            BM, BN, warps = self.mm_tile
+            mc = self._mm_cfg(w.type, Kd)
+            BM, BN, warps = self.mm_tile_q8 if mc["U"] and not self.interpret else self.mm_tile
             if group_rows:
                 BN = min(BN, _largest_pow2_divisor(group_rows, BN))
             self._launch(K.matmul_kernel, (_cdiv(n, BM), _cdiv(N, BN)), src, sx_t, group_stride,
                          w.u8, w.i16, w.f32, self._gridp, self._ksigns, out, N,
-                         n, N, Kd, w.RB, gr, TYPE=int(w.type), BM=BM, BN=BN, **self._mm_cfg(w.type, Kd),
+                         n, N, Kd, w.RB, gr, TYPE=int(w.type), BM=BM, BN=BN, **mc,
                          num_warps=warps, num_stages=2, nbytes=w.RB * N + 4 * n * (Kd + N))
         return out
 
@@ -913,8 +915,7 @@ def _grid_table() -> np.ndarray:
     decoder), then [256, 768) each entry's 8 levels as int8 bytes in two little-endian words."""
     levels = IQ2XXS_GRID.astype(np.uint8).reshape(256, 2, 4)  # levels 8, 25, 43 fit a byte
     words = (levels.astype(np.int64) << (8 * np.arange(4))).sum(axis=2).astype(np.uint32)
-    floats = IQ2XXS_GRID.astype(np.float32).reshape(-1).view(np.int32)  # [768, 768 + 2048)
-    return np.concatenate([_grid_codes(), words.reshape(-1).view(np.int32), floats])
+    return np.concatenate([_grid_codes(), words.reshape(-1).view(np.int32)])
 
 
 def _ksign_table() -> np.ndarray:
@@ -922,8 +923,7 @@ def _ksign_table() -> np.ndarray:
     are 0xFF where the value is negative, in two little-endian words."""
     bits = (IQ2XXS_KSIGNS.astype(np.int64)[:, None] >> np.arange(8)) & 1  # [128, 8]
     words = ((bits * 0xFF).reshape(128, 2, 4) << (8 * np.arange(4))).sum(axis=2).astype(np.uint32)
-    signs = np.where(bits == 1, np.int64(1) << 31, 0).astype(np.uint32).reshape(-1).view(np.int32)
-    return np.concatenate([IQ2XXS_KSIGNS.astype(np.int32), words.reshape(-1).view(np.int32), signs])
+    return np.concatenate([IQ2XXS_KSIGNS.astype(np.int32), words.reshape(-1).view(np.int32)])
 
 
 def _grid_codes() -> np.ndarray:

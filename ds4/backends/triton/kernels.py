@@ -284,56 +284,25 @@ def _wtile(wb, wh, wf, gridp, ksigns, row_off, rmask, u0,
 
 
 @triton.jit
-def _wint(wb, wh, gridp, ksigns, row_off, rmask, u, TYPE: tl.constexpr, U: tl.constexpr):
-    """Unit u of the rows at byte offsets row_off [BN] as exact small integers q [BN, U] and the
-    unit's scale and offset: W = sc·q - mn. A Q8_0 block (q = its int8 quants, mn = 0), an
-    IQ2_XXS 32-value group (q = ±8/25/43) or a Q2_K 16-value sub-block (q in 0..3)."""
-    ro = row_off[:, None]
-    m = rmask[:, None]
-    iv = tl.arange(0, U)[None, :]
-    mn = tl.zeros(row_off.shape, tl.float32)
-    if TYPE == 8:
-        base = row_off + u * 34
-        sc = _ld_f16(wh, base, rmask)
-        q = _s8f(tl.load(wb + base[:, None] + 2 + iv, mask=m, other=0).to(tl.int32))
-    elif TYPE == 10:
-        blk = u // 16
-        s = u % 16
-        base = row_off + blk * 84
-        scb = tl.load(wb + base + s, mask=rmask, other=0).to(tl.int32)
-        sc = _ld_f16(wh, base + 80, rmask) * (scb & 15).to(tl.float32)
-        mn = _ld_f16(wh, base + 82, rmask) * (scb >> 4).to(tl.float32)
-        qb = tl.load(wb + base[:, None] + 16 + (s // 8) * 32 + (s % 2) * 16 + iv, mask=m, other=0).to(tl.int32)
-        q = ((qb >> (((s % 8) // 2) * 2)) & 3).to(tl.float32)
-    else:  # IQ2_XXS
-        base = row_off + (u // 8) * 66
-        gb = base + 2 + (u % 8) * 8
-        d = _ld_f16(wh, base, rmask)
-        a_lo = tl.load(wh + (gb + 4) // 2, mask=rmask, other=0).to(tl.int32) & 0xFFFF
-        a_hi = tl.load(wh + (gb + 6) // 2, mask=rmask, other=0).to(tl.int32) & 0xFFFF
-        aux = (a_lo | (a_hi << 16))[:, None]
-        sc = d * (0.5 + ((a_hi >> 12) & 15).to(tl.float32)) * 0.25
-        # the 4 grid entries' fields once per entry ([BN, 4, 1]), their 8 values broadcast
-        sub = tl.arange(0, 4)[None, :, None]
-        j = tl.arange(0, 8)[None, None, :]
-        gi = tl.load(wb + gb[:, None, None] + sub, mask=rmask[:, None, None], other=0).to(tl.int32)
-        lv = tl.load(gridp + 768 + gi * 8 + j)
-        sm = tl.load(ksigns + 384 + ((aux[:, :, None] >> (7 * sub)) & 127) * 8 + j)
-        q = tl.reshape((lv ^ sm).to(tl.float32, bitcast=True), [row_off.shape[0], U])
-    return q, sc, mn
+def _wint(wb, wh, row_off, rmask, u):
+    """Q8_0 block u of the rows at byte offsets row_off [BN]: its quants as exact float32
+    integers [BN, 32] and its scale [BN] (W = scale · q)."""
+    base = row_off + u * 34
+    q = _s8f(tl.load(wb + base[:, None] + 2 + tl.arange(0, 32)[None, :], mask=rmask[:, None], other=0).to(tl.int32))
+    return q, _ld_f16(wh, base, rmask)
 
 
 @triton.jit
-def _dot_units(x_ptr, sx_t, tm, mm, k0, wb, wh, gridp, ksigns, row_off, rmask, acc,
-               TYPE: tl.constexpr, U: tl.constexpr, NU: tl.constexpr):
-    """acc[BM, BN] += x[tm, k0 : k0 + NU·U] · Wᵀ over NU scale units on bf16 tensor cores: the
-    unit's integers are exact in bf16 and x is split exactly into three bf16 terms (8 + 8 + 8
-    significant bits), so each unit's product has float32 accuracy before its scale is applied."""
+def _dot_units(x_ptr, sx_t, tm, mm, k0, wb, wh, row_off, rmask, acc, NU: tl.constexpr):
+    """acc[BM, BN] += x[tm, k0 : k0 + 32·NU] · Wᵀ over NU Q8_0 blocks on bf16 tensor cores: the
+    quants are exact in bf16 and x is split exactly into three bf16 terms (8 + 8 + 8 significant
+    bits), so each block's product has float32 accuracy before its scale is applied."""
+    U: tl.constexpr = 32
     ku = tl.arange(0, U)
     for i in tl.static_range(NU):
         kb = k0 + i * U
         xt = tl.load(x_ptr + tm[:, None].to(tl.int64) * sx_t + kb + ku[None, :], mask=mm[:, None], other=0.0)
-        q, sc, mn = _wint(wb, wh, gridp, ksigns, row_off, rmask, kb // U, TYPE, U)
+        q, sc = _wint(wb, wh, row_off, rmask, kb // U)
         x1 = xt.to(tl.bfloat16)
         r1 = xt - x1.to(tl.float32)
         x2 = r1.to(tl.bfloat16)
@@ -349,8 +318,6 @@ def _dot_units(x_ptr, sx_t, tm, mm, k0, wb, wh, gridp, ksigns, row_off, rmask, a
             p = tl.dot(x2, qt, p)
             p = tl.dot(x1, qt, p)
         acc += p * sc[None, :]
-        if TYPE == 10:
-            acc -= tl.sum(xt, axis=1)[:, None] * mn[None, :]
     return acc
 
 
@@ -364,26 +331,7 @@ def _mv_step(xb, k0, wb, wh, wf, gridp, ksigns, row_off, rmask, rs, nw_ptr,
     """One K-step of a matrix-vector product: W[rows, k0 : k0 + NB·VB] ⊙ x̂, as a tile whose sum
     is the step's contribution. TYPE 108 is Q8_0 read as 16-bit pairs of quants (half the load
     instructions of byte loads), x split into even / odd values; its tile is [BN, NB, VB/2]."""
-    if TYPE == 316:  # IQ2_XXS, one grid entry per [.., 8] row: levels and sign masks from tables
-        ue = k0 // 8 + tl.arange(0, NB)[None, :, None]  # grid entry index in the row
-        j = tl.arange(0, 8)[None, None, :]
-        m = rmask[:, None, None]
-        base = row_off[:, None, None] + (ue // 32) * 66
-        gb = base + 2 + ((ue % 32) // 4) * 8
-        sub = ue % 4
-        d = _ld_f16(wh, base, m)
-        a_lo = tl.load(wh + (gb + 4) // 2, mask=m, other=0).to(tl.int32) & 0xFFFF
-        a_hi = tl.load(wh + (gb + 6) // 2, mask=m, other=0).to(tl.int32) & 0xFFFF
-        aux = a_lo | (a_hi << 16)
-        db = d * (0.5 + ((a_hi >> 12) & 15).to(tl.float32)) * 0.25
-        gi = tl.load(wb + gb + sub, mask=m, other=0).to(tl.int32)
-        # the entry's 8 levels as float32 and its 8 sign masks (0 or the float sign bit)
-        lv = tl.load(gridp + 768 + gi * 8 + j)
-        sm = tl.load(ksigns + 384 + ((aux >> (7 * sub)) & 127) * 8 + j)
-        w = (lv ^ sm).to(tl.float32, bitcast=True)
-        xv = tl.load(xb + k0 + tl.arange(0, NB)[None, :, None] * 8 + j)
-        return (w * xv) * db
-    elif TYPE == 216:  # IQ2_XXS, one 32-value group per tile element, levels and signs as bytes
+    if TYPE == 216:  # IQ2_XXS, one 32-value group per tile element, levels and signs as bytes
         u = k0 // 32 + tl.arange(0, NB)[None, :]  # group index in the row
         m = rmask[:, None]
         base = row_off[:, None] + (u // 8) * 66
@@ -413,27 +361,6 @@ def _mv_step(xb, k0, wb, wh, wf, gridp, ksigns, row_off, rmask, rs, nw_ptr,
                 for j in tl.static_range(4):
                     q = _s8f(sv >> (8 * j))
                     part += q * tl.load(xu + 8 * sub + 4 * h + j)[None, :]
-        return (db * part)[:, :, None]
-    elif TYPE == 116:  # IQ2_XXS, one grid entry (8 values) per tile element, values unrolled
-        u = k0 // 8 + tl.arange(0, NB)[None, :]
-        m = rmask[:, None]
-        base = row_off[:, None] + (u // 32) * 66
-        gb = base + 2 + ((u % 32) // 4) * 8
-        sub = u % 4
-        d = _ld_f16(wh, base, m)
-        a_lo = tl.load(wh + (gb + 4) // 2, mask=m, other=0).to(tl.int32) & 0xFFFF
-        a_hi = tl.load(wh + (gb + 6) // 2, mask=m, other=0).to(tl.int32) & 0xFFFF
-        aux = a_lo | (a_hi << 16)
-        db = d * (0.5 + ((aux >> 28) & 15).to(tl.float32)) * 0.25
-        gp = tl.load(gridp + tl.load(wb + gb + sub, mask=m, other=0).to(tl.int32))
-        ks = tl.load(ksigns + ((aux >> (7 * sub)) & 127))
-        xu = xb + k0 + tl.arange(0, NB) * 8
-        part = tl.zeros(d.shape, tl.float32)
-        for j in tl.static_range(8):
-            c = (gp >> (2 * j)) & 3
-            lvl = (8 + 17 * c + (c >> 1)).to(tl.float32)
-            sv = tl.where(((ks >> j) & 1) == 1, -lvl, lvl)
-            part += sv * tl.load(xu + j)[None, :]
         return (db * part)[:, :, None]
     elif TYPE == 110:  # Q2_K: 16 bytes (4 words) × 4 shifts = 64 values per tile element
         u = k0 // 64 + tl.arange(0, NB)[None, :]
@@ -576,8 +503,8 @@ def matmul_kernel(x_ptr, sx_t, sx_g, wb, wh, wf, gridp, ksigns, out_ptr, so_t,
                   M, N, K, RB, GROUP_ROWS,
                   TYPE: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, NB: tl.constexpr,
                   VB: tl.constexpr, PREC: tl.constexpr, U: tl.constexpr = 0):
-    """out[M, N] = x[M, K] · W[N, K]ᵀ with W decoded tile by tile (prefill). U > 0: integer
-    units of U values on bf16 tensor cores (_dot_units), NB units per K-step."""
+    """out[M, N] = x[M, K] · W[N, K]ᵀ with W decoded tile by tile (prefill). U > 0: Q8_0 blocks
+    as integers on bf16 tensor cores (_dot_units), NB blocks per K-step."""
     pm = tl.program_id(0)
     pn = tl.program_id(1)
     tm = pm * BM + tl.arange(0, BM)
@@ -591,7 +518,7 @@ def matmul_kernel(x_ptr, sx_t, sx_g, wb, wh, wf, gridp, ksigns, out_ptr, so_t,
     acc = tl.zeros([BM, BN], tl.float32)
     if U > 0:
         for k0 in range(0, K, NB * U):
-            acc = _dot_units(xb, sx_t, tm, mm, k0, wb, wh, gridp, ksigns, row_off, rmask, acc, TYPE, U, NB)
+            acc = _dot_units(xb, sx_t, tm, mm, k0, wb, wh, row_off, rmask, acc, NB)
     else:
         for k0 in range(0, K, BK):
             xt = tl.load(xb + tm[:, None].to(tl.int64) * sx_t + k0 + kk[None, :], mask=mm[:, None], other=0.0)
@@ -681,8 +608,8 @@ def moe_gateup_mm_kernel(x_ptr, sx_t, tok_ptr, wts_ptr, tile_e_ptr, tile_r0_ptr,
         acc_u = tl.zeros([BM, BN], tl.float32)
         if U > 0:
             for k0 in range(0, K, NB * U):
-                acc_g = _dot_units(x_ptr, sx_t, tok, am, k0, gb, gh, gridp, ksigns, row_off, rmask, acc_g, TYPE, U, NB)
-                acc_u = _dot_units(x_ptr, sx_t, tok, am, k0, ub, uh, gridp, ksigns, row_off, rmask, acc_u, TYPE, U, NB)
+                acc_g = _dot_units(x_ptr, sx_t, tok, am, k0, gb, gh, row_off, rmask, acc_g, NB)
+                acc_u = _dot_units(x_ptr, sx_t, tok, am, k0, ub, uh, row_off, rmask, acc_u, NB)
         else:
             for k0 in range(0, K, BK):
                 xt = tl.load(x_ptr + tok[:, None] * sx_t + k0 + kk[None, :], mask=am[:, None], other=0.0)
@@ -718,7 +645,7 @@ def moe_down_mm_kernel(h_ptr, tile_e_ptr, tile_r0_ptr, tile_end_ptr, db, dh, df,
         acc = tl.zeros([BM, BN], tl.float32)
         if U > 0:
             for k0 in range(0, F, NB * U):
-                acc = _dot_units(h_ptr, F, a, am, k0, db, dh, gridp, ksigns, row_off, rmask, acc, TYPE, U, NB)
+                acc = _dot_units(h_ptr, F, a, am, k0, db, dh, row_off, rmask, acc, NB)
         else:
             for k0 in range(0, F, BK):
                 ht = tl.load(h_ptr + a[:, None].to(tl.int64) * F + k0 + kk[None, :], mask=am[:, None], other=0.0)
