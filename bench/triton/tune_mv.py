@@ -90,7 +90,7 @@ def sweep_linear(t: T, N: int, K_: int, caps, bns, warps, pairs=(False,)):
     return out
 
 
-UNROLLED = {T.IQ2_XXS: (116, 8), T.Q2_K: (110, 64)}  # decoded type id, values per unit
+UNROLLED = {T.IQ2_XXS: (216, 32), T.Q2_K: (110, 64)}  # decoded type id, values per unit
 
 
 def blocks_u(t, K_, cap):
@@ -167,7 +167,7 @@ def main():
     res["seconds"] = time.time() - t0
     # the backend's mv_tune entries: decoded type -> (K-step values, rows per program, warps)
     q8 = min((res["q8_outa"]["best_pairs"], res["q8_outb"]["best_pairs"]), key=lambda r: -r["GBps"])
-    res["mv_tune"] = {"116": [res["moe_q2"]["gateup"]["cap"], res["moe_q2"]["gateup"]["BN"], res["moe_q2"]["gateup"]["warps"]],
+    res["mv_tune"] = {"216": [res["moe_q2"]["gateup"]["cap"], res["moe_q2"]["gateup"]["BN"], res["moe_q2"]["gateup"]["warps"]],
                       "110": [res["moe_q2"]["down"]["cap"], res["moe_q2"]["down"]["BN"], res["moe_q2"]["down"]["warps"]],
                       "108": [q8["cap"], q8["BN"], q8["warps"]]}
     json.dump(res, open(a.out, "w"), indent=1)

@@ -286,6 +286,8 @@ class TritonBackend(Backend):
 
     @property
     def device(self) -> str:
+        if self.dev.type == "cuda":  # name the GPU: benchmark rows say where they were measured
+            return f"cuda: {torch.cuda.get_device_name(self.dev)}"
         return str(self.dev)
 
     # ---- memory ---------------------------------------------------------------------------------

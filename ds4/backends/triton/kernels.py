@@ -5,6 +5,8 @@ Every kernel reads GGUF weight blocks as they are stored (no dequantized copy of
 rows in registers, where a "unit" is the group of values that shares one scale (a Q8_0 block, a
 Q2_K sub-block, one IQ2_XXS grid entry). Matrix-vector kernels (decode) multiply that tile by the
 activation with FMAs; matrix-matrix kernels (prefill) reshape it to [rows, K-block] for `tl.dot`.
+Specialised decoders (`_mv_step`, `_q8_seg`) serve the decode shapes of the shipped formats, and
+Q8_0 prefill products run as exact integers on bf16 tensor cores (`_dot_units`).
 
 Positions never come from the host: kernels read the chunk's first position p0 from a device
 scalar, so a decode step can be captured once in a CUDA graph and replayed. Kernels that depend
@@ -330,7 +332,8 @@ def _mv_step(xb, k0, wb, wh, wf, gridp, ksigns, row_off, rmask, rs, nw_ptr,
              TYPE: tl.constexpr, NB: tl.constexpr, VB: tl.constexpr, NORM: tl.constexpr):
     """One K-step of a matrix-vector product: W[rows, k0 : k0 + NB·VB] ⊙ x̂, as a tile whose sum
     is the step's contribution. TYPE 108 is Q8_0 read as 16-bit pairs of quants (half the load
-    instructions of byte loads), x split into even / odd values; its tile is [BN, NB, VB/2]."""
+    instructions of byte loads), x split into even / odd values; its tile is [BN, NB, VB/2].
+    216 (IQ2_XXS) and 110 (Q2_K) unroll the values of a unit and return [BN, NB, 1]."""
     if TYPE == 216:  # IQ2_XXS, one 32-value group per tile element, levels and signs as bytes
         u = k0 // 32 + tl.arange(0, NB)[None, :]  # group index in the row
         m = rmask[:, None]
