@@ -502,6 +502,26 @@ def matvec_kernel(x_ptr, sx_t, sx_g, nw_ptr, wb, wh, wf, gridp, ksigns, out_ptr,
 
 
 @triton.jit
+def _mm_rows(x_ptr, sx_t, tm, mm, K, wb, wh, wf, gridp, ksigns, row_off, rmask,
+             BM: tl.constexpr, BN: tl.constexpr, TYPE: tl.constexpr, NB: tl.constexpr,
+             VB: tl.constexpr, PREC: tl.constexpr, U: tl.constexpr):
+    """x[tm, :K] · W[rows]ᵀ -> [BM, BN]: the K loop of the matrix-matrix kernels (gate/up keeps
+    its own, which shares each x tile between the two weights)."""
+    acc = tl.zeros([BM, BN], tl.float32)
+    if U > 0:
+        for k0 in range(0, K, NB * U):
+            acc = _dot_units(x_ptr, sx_t, tm, mm, k0, wb, wh, row_off, rmask, acc, NB)
+    else:
+        BK: tl.constexpr = NB * VB
+        kk = tl.arange(0, BK)
+        for k0 in range(0, K, BK):
+            xt = tl.load(x_ptr + tm[:, None].to(tl.int64) * sx_t + k0 + kk[None, :], mask=mm[:, None], other=0.0)
+            w = tl.reshape(_wtile(wb, wh, wf, gridp, ksigns, row_off, rmask, k0 // VB, TYPE, NB, VB), [BN, BK])
+            acc = tl.dot(xt, tl.trans(w), acc, input_precision=PREC)
+    return acc
+
+
+@triton.jit
 def matmul_kernel(x_ptr, sx_t, sx_g, wb, wh, wf, gridp, ksigns, out_ptr, so_t,
                   M, N, K, RB, GROUP_ROWS,
                   TYPE: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, NB: tl.constexpr,
@@ -516,17 +536,7 @@ def matmul_kernel(x_ptr, sx_t, sx_g, wb, wh, wf, gridp, ksigns, out_ptr, so_t,
     rmask = rows < N
     row_off = rows.to(tl.int64) * RB
     xb = x_ptr + ((pn * BN) // GROUP_ROWS) * sx_g
-    BK: tl.constexpr = NB * VB
-    kk = tl.arange(0, BK)
-    acc = tl.zeros([BM, BN], tl.float32)
-    if U > 0:
-        for k0 in range(0, K, NB * U):
-            acc = _dot_units(xb, sx_t, tm, mm, k0, wb, wh, row_off, rmask, acc, NB)
-    else:
-        for k0 in range(0, K, BK):
-            xt = tl.load(xb + tm[:, None].to(tl.int64) * sx_t + k0 + kk[None, :], mask=mm[:, None], other=0.0)
-            w = tl.reshape(_wtile(wb, wh, wf, gridp, ksigns, row_off, rmask, k0 // VB, TYPE, NB, VB), [BN, BK])
-            acc = tl.dot(xt, tl.trans(w), acc, input_precision=PREC)
+    acc = _mm_rows(xb, sx_t, tm, mm, K, wb, wh, wf, gridp, ksigns, row_off, rmask, BM, BN, TYPE, NB, VB, PREC, U)
     tl.store(out_ptr + tm[:, None].to(tl.int64) * so_t + rows[None, :], acc,
              mask=mm[:, None] & rmask[None, :])
 
@@ -643,17 +653,7 @@ def moe_down_mm_kernel(h_ptr, tile_e_ptr, tile_r0_ptr, tile_end_ptr, db, dh, df,
         rows = pn * BN + tl.arange(0, BN)
         rmask = rows < E
         row_off = e.to(tl.int64) * EXP_BYTES + rows.to(tl.int64) * RB
-        BK: tl.constexpr = NB * VB
-        kk = tl.arange(0, BK)
-        acc = tl.zeros([BM, BN], tl.float32)
-        if U > 0:
-            for k0 in range(0, F, NB * U):
-                acc = _dot_units(h_ptr, F, a, am, k0, db, dh, row_off, rmask, acc, NB)
-        else:
-            for k0 in range(0, F, BK):
-                ht = tl.load(h_ptr + a[:, None].to(tl.int64) * F + k0 + kk[None, :], mask=am[:, None], other=0.0)
-                w = tl.reshape(_wtile(db, dh, df, gridp, ksigns, row_off, rmask, k0 // VB, TYPE, NB, VB), [BN, BK])
-                acc = tl.dot(ht, tl.trans(w), acc, input_precision=PREC)
+        acc = _mm_rows(h_ptr, F, a, am, F, db, dh, df, gridp, ksigns, row_off, rmask, BM, BN, TYPE, NB, VB, PREC, U)
         tl.store(out_ptr + a[:, None].to(tl.int64) * E + rows[None, :], acc, mask=am[:, None] & rmask[None, :])
 
 
