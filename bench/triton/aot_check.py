@@ -32,9 +32,11 @@ def record(preset: str, prefill: int, out: str) -> None:
     from ds4.core.weights import ModelWeights, bind_weights
 
     cfg = preset_config(preset)
-    be = B.TritonBackend(cfg)
+    be = B.TritonBackend(cfg, device="cpu")
     be.interpret = False  # GPU heuristics (block sizes), interpreter imports
-    be.prec = os.environ.get("DS4_TRITON_DOT", "tf32x3")
+    # the GPU's defaults: the constructor saw the interpreter and chose ieee for float tiles
+    be.prec = os.environ.get("DS4_TRITON_DOT", "bf16x3")
+    be.prec_f = "tf32x3" if be.prec == "bf16x3" else be.prec
     seen = {}
 
     def launch(self, kern, grid, *args, nbytes=0, **kw):
