@@ -101,6 +101,14 @@ def test_linear_reads_every_block_format(ttype, rng):
         y = tri.to_numpy(tri.linear(_t(tri, x), w))
         assert y.shape == (n, N)
         assert _rel(y, x.astype(np.float64) @ dense.T) < 2e-6, (ttype.name, n, plain, prec)
+    # decode with the RMSNorm fused into the product (decoders without a fused norm hand it on)
+    tri.mv_types = dict(TritonBackend(cfg, device=DEVICE).mv_types)
+    x = rng.standard_normal((1, K)).astype(np.float32) * 3
+    nwv = rng.uniform(0.5, 1.5, K).astype(np.float32)
+    nw = tri.upload(Tensor("nw", T.F32, (K,), nwv.view(np.uint8)))
+    xn = x / np.sqrt((x.astype(np.float64) ** 2).mean() + cfg.rms_eps) * nwv
+    y = tri.to_numpy(tri.linear(tri.rms_norm(_t(tri, x), nw), w))
+    assert _rel(y, xn @ dense.T) < 2e-6, (ttype.name, "fused norm")
 
 
 def test_linear_fused_norm_and_groups(pair, rng):
@@ -326,6 +334,18 @@ def test_moe_and_shared_expert(pair, n, rng):
     got = tri.to_numpy(tri.moe(_t(tri, f), _t(tri, ids, torch.int32), _t(tri, w),
                                L_t.ffn_gate_exps, L_t.ffn_up_exps, L_t.ffn_down_exps, il))
     assert _rel(got, want) < 1e-5
+    if n < 16:  # every routed-expert decoder of the matrix-vector kernels
+        saved = dict(tri.mv_types)
+        types = {int(L_t.ffn_gate_exps.type), int(L_t.ffn_down_exps.type)}
+        try:
+            for ttype in types:
+                for path in TritonBackend.MV_PATHS.get(ttype, ()):
+                    tri.mv_types = {**saved, ttype: path}
+                    got = tri.to_numpy(tri.moe(_t(tri, f), _t(tri, ids, torch.int32), _t(tri, w),
+                                               L_t.ffn_gate_exps, L_t.ffn_up_exps, L_t.ffn_down_exps, il))
+                    assert _rel(got, want) < 1e-5, path
+        finally:
+            tri.mv_types = saved
     want = ref.shared_expert(f, L_r.ffn_gate_shexp, L_r.ffn_up_shexp, L_r.ffn_down_shexp, il)
     got = tri.to_numpy(tri.shared_expert(_t(tri, f), L_t.ffn_gate_shexp, L_t.ffn_up_shexp, L_t.ffn_down_shexp, il))
     assert _rel(got, want) < 1e-5

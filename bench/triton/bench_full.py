@@ -220,6 +220,11 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=32)
     ap.add_argument("--budget", type=float, default=420.0, help="seconds; later parts are skipped past it")
     ap.add_argument("--gguf", default="/tmp/ds4-flash-sparse.gguf")
+    ap.add_argument("--prefill-variants", default="{}",
+                    help="JSON {name: {backend attribute: value}}: the first prefill size also measured with each")
+    ap.add_argument("--variants", default="{}",
+                    help='JSON {name: {backend attribute: value}}: decode also measured with each, same run '
+                         '(e.g. {"no_pdl": {"pdl": false, "prefetch": false}})')
     a = ap.parse_args()
     T0 = time.time()
     os.makedirs(a.out, exist_ok=True)
@@ -252,6 +257,18 @@ def main() -> None:
         res["decode"].append(r)
         log(f"decode ctx {ctx}: {r['tokens_per_s']:.1f} tok/s ({r['ms_per_token']:.2f} ms/token, "
             f"GPU replay {r['gpu_ms_per_step']} ms, {r['n_graph_ops']} ops/graph)")
+        for name, attrs in json.loads(a.variants).items():
+            be = eng.backend
+            saved = {k: getattr(be, k) for k in attrs}
+            for k, v in attrs.items():
+                setattr(be, k, {int(t): x for t, x in v.items()} if k == "mv_types" else v)
+            be._graphs.clear()  # recapture under the variant
+            rv = bench_decode(eng, ctx, a.steps, seed=ctx)
+            for k, v in saved.items():
+                setattr(be, k, v)
+            be._graphs.clear()
+            res.setdefault("decode_variants", []).append(dict(variant=name, **attrs, **rv))
+            log(f"  variant {name}: {rv['tokens_per_s']:.1f} tok/s (GPU replay {rv['gpu_ms_per_step']} ms)")
         json.dump(res, open(os.path.join(a.out, "results.json"), "w"), indent=1)
 
     try:
@@ -271,8 +288,20 @@ def main() -> None:
             w = bench_prefill(eng, min(n, 2048), seed=99)  # compile the prefill kernels
             log(f"prefill warm-up {w['prompt']}: {w['seconds']:.1f}s")
         r = bench_prefill(eng, n, seed=n)
+        first = not res["prefill"]
         res["prefill"].append(r)
         log(f"prefill {n}: {r['tokens_per_s']:.0f} tok/s ({r['seconds']:.2f}s)")
+        for name, attrs in (json.loads(a.prefill_variants).items() if first else ()):
+            be = eng.backend
+            saved = {k: getattr(be, k) for k in attrs}
+            for k, v in attrs.items():
+                setattr(be, k, v)
+            bench_prefill(eng, n, seed=98)  # compile the variant's kernels
+            rv = bench_prefill(eng, n, seed=n)
+            for k, v in saved.items():
+                setattr(be, k, v)
+            res.setdefault("prefill_variants", []).append(dict(variant=name, **attrs, **rv))
+            log(f"  variant {name}: {rv['tokens_per_s']:.0f} tok/s ({rv['seconds']:.2f}s)")
         json.dump(res, open(os.path.join(a.out, "results.json"), "w"), indent=1)
 
     try:

@@ -2,10 +2,15 @@
 DS4 Flash, through the backend's own ops (so the numbers are what a forward pass gets).
 
 Decode (one token): Q8_0 matrix-vector products as raw 16-byte segments (208) against 16-bit
-quant pairs (108); routed-expert gate/up in IQ2_XXS as packed-byte groups (216); Q2_K down. Each point replays a CUDA graph of 8 calls over rotating
-weight copies / expert choices, so neither Python launches nor L2 hits flatter it.
+quant pairs (108); routed-expert gate/up in IQ2_XXS as packed-byte groups (216) or with four
+rows per thread sharing x (416); Q2_K down as unrolled runs (110).
+Each point replays a CUDA graph of 8 calls over rotating weight copies / expert choices, so
+neither Python launches nor L2 hits flatter it.
 Prefill (2048 tokens): dense Q8_0 and grouped-expert products, bf16 integer units (bf16x3)
 against float32-decoded tiles on tf32×3 (bf16x3 changes the Q8_0 products only).
+
+`read` times kernels that only stream the same number of bytes: the floor for a product that
+reads its weights once.
 
 Every variant's output is compared with the reference variant's (relative max error); a table of
 the best points goes to stdout and everything to --out (JSON).
@@ -22,6 +27,8 @@ import time
 
 import numpy as np
 import torch
+import triton
+import triton.language as tl
 
 from ds4.backends.triton import kernels as K
 from ds4.backends.triton.backend import QWeight, TritonBackend
@@ -103,6 +110,35 @@ def decode_linear(be, rows, name, t, N, Kd, types, caps, bns, warps):
             continue
         emit(rows, dict(part="decode", op=name, type=ty, cap=cap, BN=BN, warps=nw, us=s * 1e6,
                          GBps=nbytes / s / 1e9, err=rel(y, ref)))
+
+
+@triton.jit
+def _read_kernel(src, out, n_words, BLOCK: tl.constexpr, STEPS: tl.constexpr):
+    """Streams STEPS blocks of int32 words per program and keeps one word: the floor of a kernel
+    that only reads its weights (no decode, no activations)."""
+    pid = tl.program_id(0)
+    offs = pid * BLOCK * STEPS + tl.arange(0, BLOCK)
+    acc = tl.zeros([BLOCK], tl.int32)
+    for i in range(STEPS):
+        acc ^= tl.load(src + offs + i * BLOCK, mask=offs + i * BLOCK < n_words, other=0)
+    tl.store(out + pid, tl.reduce(acc, 0, _xor))
+
+
+@triton.jit
+def _xor(a, b):
+    return a ^ b
+
+
+def read_floor(rows, name, nbytes, copies=8):
+    """Time of a pure read of nbytes (8 rotating buffers, one CUDA graph), at a few grid shapes."""
+    n = nbytes // 4
+    bufs = [torch.randint(0, 1 << 30, (n,), dtype=torch.int32, device=dev) for _ in range(copies)]
+    for BLOCK, STEPS, warps in ((1024, 1, 4), (1024, 4, 4), (2048, 4, 8), (4096, 4, 8), (4096, 8, 8)):
+        grid = (n + BLOCK * STEPS - 1) // (BLOCK * STEPS)
+        out = torch.empty(grid, dtype=torch.int32, device=dev)
+        s = graph_time(lambda i: _read_kernel[(grid,)](bufs[i % copies], out, n, BLOCK=BLOCK, STEPS=STEPS, num_warps=warps))
+        emit(rows, dict(part="decode", op=f"read {name}", type="read", cap=BLOCK * STEPS, BN=grid, warps=warps,
+                         us=s * 1e6, GBps=nbytes / s / 1e9, err=0.0))
 
 
 def decode_moe(be, rows, kind, types, caps, bns, warps, NE=256):
@@ -200,7 +236,7 @@ def prefill_moe(be, rows, M, gus, downs, units, NE=256):
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", default="tune_paths.json")
-    ap.add_argument("--parts", default="q8,gateup,down,mm,moe")
+    ap.add_argument("--parts", default="read,q8,gateup,down,mm,moe")
     a = ap.parse_args()
     cfg = preset_config("flash")
     be = TritonBackend(cfg, numerics="exact", cuda_graphs=False)
@@ -217,9 +253,16 @@ def main():
             decode_linear(be, rows, name, T.Q8_0, N, Kd, [208], [256, 512], [8, 32], [4, 8])
             print(f"[{time.time() - T0:.0f}s] {name}", flush=True)
             save()
+    if "read" in parts:  # the floor: the same bytes read by a kernel that does nothing else
+        for name, nb in (("35.6 MB (a Q8_0 attention matrix)", 35651584), ("9.4 MB", 9437184),
+                         ("563 MB (the output head)", 562954240)):
+            read_floor(rows, name, nb, copies=8 if nb < 1e8 else 2)
+            save()
+        print(f"[{time.time() - T0:.0f}s] read", flush=True)
     if "gateup" in parts:
         be.mv_types = {int(T.Q2_K): 110}
-        decode_moe(be, rows, "gateup", [216], [256, 512], [8, 16, 32], [4, 8])
+        decode_moe(be, rows, "gateup", [216], [512], [16], [4])
+        decode_moe(be, rows, "gateup", [416], [256, 512, 1024], [16, 32], [4])
         print(f"[{time.time() - T0:.0f}s] gateup", flush=True)
         save()
     if "down" in parts:

@@ -207,7 +207,7 @@ def _op(fn):
 class TritonBackend(Backend):
     name = "triton"
     # the specialised matrix-vector decoders of each block format (mv_types picks one)
-    MV_PATHS = {int(K.Q8_0): (108, 208), int(K.IQ2_XXS): (216,), int(K.Q2_K): (110,)}
+    MV_PATHS = {int(K.Q8_0): (108, 208), int(K.IQ2_XXS): (216, 416), int(K.Q2_K): (110,)}
 
     @staticmethod
     def runs_here() -> bool:
@@ -270,16 +270,17 @@ class TritonBackend(Backend):
         self.topk_reg_max = 16384  # indexer rows that top-k keeps in registers
         # decoded type per GGUF type in matrix-vector kernels: Q8_0 as 16-bit quant pairs (108),
         # or as raw 16-byte row segments (208) for rows of 8192 values and more, where that
-        # measured faster; IQ2_XXS a 32-value group per tile element with levels and signs as
-        # packed bytes; Q2_K with the 64 values of a 16-byte run unrolled
-        self.mv_types = {int(K.Q8_0): 108, int(K.IQ2_XXS): 216, int(K.Q2_K): 110}
+        # measured faster; IQ2_XXS in 32-value groups, four rows per thread sharing each x load,
+        # levels and signs as packed bytes (416; 216 = one row per thread); Q2_K with the 64
+        # values of a 16-byte run unrolled
+        self.mv_types = {int(K.Q8_0): 108, int(K.IQ2_XXS): 416, int(K.Q2_K): 110}
         self.q8_segments_from = 8192
         if os.environ.get("DS4_TRITON_MV_PLAIN") == "1":
             self.mv_types = {}
         # matrix-vector tiling per decoded type: (K-step values, rows per program, warps), from
         # bench/triton/tune_mv.py and the decode benchmark on an H200
         self.mv_tune = {"default": (256, 8, 4), 108: (256, 16, 4), 110: (1024, 8, 4), 208: (512, 8, 4),
-                        216: (512, 16, 4), int(K.F16): (512, 4, 4)}
+                        216: (512, 16, 4), 416: (1024, 32, 4), int(K.F16): (512, 4, 4)}
         self.mv_tune.update({int(k): tuple(v) for k, v in
                              json.loads(os.environ.get("DS4_TRITON_MV_TUNE", "{}")).items()})
         self._synth = None
@@ -421,20 +422,28 @@ class TritonBackend(Backend):
         NB, VB = self._blocks(ttype, K_, 64 if not self.interpret else 128)
         return dict(NB=NB, VB=VB, U=0, PREC=self.prec_f)
 
-    def _mv_cfg(self, ttype: int, N: int, K_: int, slots: int = 1) -> dict:
+    def _mv_cfg(self, ttype: int, N: int, K_: int, slots: int = 1, norm: int = 0) -> dict:
         """Launch parameters of a matrix-vector kernel: decoded type (108 / 208 = Q8_0 as 16-bit
-        pairs / raw segments, 216 = IQ2_XXS groups, 110 = Q2_K runs, else the generic decoder),
+        pairs / raw segments, 216 / 416 = IQ2_XXS groups (one / four rows per thread), 110 = Q2_K
+        runs, else the generic decoder),
         rows per program, units per K-step, values per unit, accumulator width, warps."""
         ttype = int(ttype)
         t = self.mv_types.get(ttype, ttype)
         if t == 108 and K_ >= self.q8_segments_from:
             t = 208
+        if norm and t in (110, 216, 416):  # these decoders have no fused RMSNorm: the generic one has
+            t = ttype
         cap, BN, warps = self.mv_tune.get(t, self.mv_tune["default"])
         if self.interpret:
             cap, BN = 1024, min(64, _pow2(N))
         else:
-            while BN > 1 and _cdiv(N, BN) * slots < 264:  # keep at least two programs per SM
+            while BN > (4 if t == 416 else 1) and _cdiv(N, BN) * slots < 264:  # two programs per SM
                 BN //= 2
+        if t == 416:  # four row sets of BN/4 rows × NB groups; no more threads than set elements
+            NB = _largest_pow2_divisor(K_ // 32, max(1, cap // 32))
+            BN = max(BN, 4)
+            warps = max(1, min(warps, (BN // 4) * NB // 32))
+            return dict(TYPE=t, BN=BN, NB=NB, VB=32, VA=1, num_warps=warps)
         if t == 208:  # K-step in row bytes: NB segments of 16
             return dict(TYPE=t, BN=BN, NB=max(1, cap // 16), VB=16, VA=16, num_warps=warps)
         if t in (110, 216):  # unrolled units: 32 (IQ2_XXS) or 64 (Q2_K) values per tile element
@@ -462,7 +471,7 @@ class TritonBackend(Backend):
         sx_t = src.stride(0)
         out = self._new((n, N))
         if n < MM_MIN:
-            c = self._mv_cfg(w.type, N, Kd, n)
+            c = self._mv_cfg(w.type, N, Kd, n, norm)
             if group_rows:
                 c["BN"] = min(c["BN"], _largest_pow2_divisor(group_rows, c["BN"]))
             self._launch(K.matvec_kernel, (_cdiv(N, c["BN"]), n), src, sx_t, group_stride, nw,
@@ -914,10 +923,12 @@ class TritonBackend(Backend):
 
 def _grid_table() -> np.ndarray:
     """The IQ2_XXS grid for the kernels: [0, 256) the entries as two-bit level codes (the block
-    decoder), then [256, 768) each entry's 8 levels as int8 bytes in two little-endian words."""
+    decoder), then [256, 768) each entry's 8 levels as int8 bytes in two little-endian words,
+    then [768, 1280) the same as bytes 128 + level (the biased bytes of the 416 decoder)."""
     levels = IQ2XXS_GRID.astype(np.uint8).reshape(256, 2, 4)  # levels 8, 25, 43 fit a byte
     words = (levels.astype(np.int64) << (8 * np.arange(4))).sum(axis=2).astype(np.uint32)
-    return np.concatenate([_grid_codes(), words.reshape(-1).view(np.int32)])
+    biased = ((levels.astype(np.int64) + 128) << (8 * np.arange(4))).sum(axis=2).astype(np.uint32)
+    return np.concatenate([_grid_codes(), words.reshape(-1).view(np.int32), biased.reshape(-1).view(np.int32)])
 
 
 def _ksign_table() -> np.ndarray:

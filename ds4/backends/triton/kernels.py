@@ -458,20 +458,115 @@ def _q8_seg(xb, p0, wb, wh, row_off, rmask, RB, rs, nw_ptr, NB: tl.constexpr, NO
 
 
 @triton.jit
+def _b2f(qx, j: tl.constexpr):
+    """Byte j of qx, a biased quant (value + 128), -> the value as float32 without an I2F: one
+    byte permute builds 0x4B0000bb = 2^23 + byte, one subtraction removes 2^23 + 128."""
+    if _INTERP:
+        b = ((qx >> (8 * j)) & 0xFF) | 0x4B000000
+    else:
+        b = tl.inline_asm_elementwise(f"prmt.b32 $0, $1, 0x4B000000, {0x7440 + j};", "=r,r", [qx],
+                                      dtype=tl.int32, is_pure=True, pack=1)
+    return b.to(tl.float32, bitcast=True) - 8388736.0
+
+
+@triton.jit
+def _split4(v, BN: tl.constexpr):
+    """[BN] -> four [BN/4] row sets (rows 4i, 4i+2, 4i+1, 4i+3): a thread holds one element of
+    each, so values it loads once (x) serve four rows. _join4 is the inverse."""
+    a, b = tl.split(tl.reshape(v, [BN // 4, 2, 2]))
+    v0, v1 = tl.split(a)
+    v2, v3 = tl.split(b)
+    return v0, v1, v2, v3
+
+
+@triton.jit
+def _join4(y0, y1, y2, y3, BN: tl.constexpr):
+    return tl.reshape(tl.join(tl.join(y0, y1), tl.join(y2, y3)), [BN])
+
+
+@triton.jit
+def _iq2_group_step(xu, wh, gridp, ksigns, ro, m, u):
+    """TYPE 416, one K-step: for each of the four row sets (ro, m: tuples of [BN/4, 1] byte
+    offsets / masks) W·x over the 32-value IQ2_XXS groups u [1, NB]. Every x value is loaded
+    once for the four rows; a group's 8-value runs come as 4 biased level bytes (128 ± level,
+    from the level table with the sign mask applied bytewise) turned into floats by _b2f."""
+    gs = ()
+    for r in tl.static_range(4):
+        base = ro[r] + (u // 8) * 66
+        gh = (base + 2 + (u % 8) * 8) // 2
+        d = _ld_f16(wh, base, m[r])
+        g01 = tl.load(wh + gh, mask=m[r], other=0).to(tl.int32) & 0xFFFF
+        g23 = tl.load(wh + gh + 1, mask=m[r], other=0).to(tl.int32) & 0xFFFF
+        aux = (tl.load(wh + gh + 2, mask=m[r], other=0).to(tl.int32) & 0xFFFF) | \
+            (tl.load(wh + gh + 3, mask=m[r], other=0).to(tl.int32) << 16)
+        db = d * (0.5 + ((aux >> 28) & 15).to(tl.float32)) * 0.25
+        gs = gs + ((g01, g23, aux, db, tl.zeros(d.shape, tl.float32)),)
+    lv8 = (gridp + 768).to(tl.pointer_type(tl.int64), bitcast=True)  # 8 biased levels per entry
+    mk8 = (ksigns + 128).to(tl.pointer_type(tl.int64), bitcast=True)  # 8 sign bytes per mask
+    for sub in tl.static_range(4):
+        xs = ()
+        for j in tl.static_range(8):
+            xs = xs + (tl.load(xu + 8 * sub + j),)
+        nxt = ()
+        for r in tl.static_range(4):
+            g01, g23, aux, db, part = gs[r]
+            if sub < 2:
+                gi = (g01 >> (8 * sub)) & 255
+            else:
+                gi = (g23 >> (8 * (sub - 2))) & 255
+            lv = tl.load(lv8 + gi)  # bytes 128 + level
+            mk = tl.load(mk8 + ((aux >> (7 * sub)) & 127))  # 0xFF bytes where the value is negative
+            for h in tl.static_range(2):
+                lvh = (lv >> (32 * h)).to(tl.int32)
+                mkh = (mk >> (32 * h)).to(tl.int32)
+                qx = (lvh ^ mkh) + (mkh & 0x01010101)  # 128 - level there (no carry: 85 <= byte <= 171)
+                for j in tl.static_range(4):
+                    part += _b2f(qx, j) * xs[4 * h + j]
+            nxt = nxt + ((g01, g23, aux, db, part),)
+        gs = nxt
+    return gs[0][3] * gs[0][4], gs[1][3] * gs[1][4], gs[2][3] * gs[2][4], gs[3][3] * gs[3][4]
+
+
+@triton.jit
+def _iq2_group_rows(xb, wh, gridp, ksigns, row_off, rmask, K, BN: tl.constexpr, NB: tl.constexpr):
+    """TYPE 416: W[rows]·x for IQ2_XXS rows, NB 32-value groups per K-step, four rows per thread."""
+    o0, o1, o2, o3 = _split4(row_off, BN)
+    m0, m1, m2, m3 = _split4(rmask, BN)
+    ro = (o0[:, None], o1[:, None], o2[:, None], o3[:, None])
+    m = (m0[:, None], m1[:, None], m2[:, None], m3[:, None])
+    a0 = tl.zeros([BN // 4, NB], tl.float32)
+    a1 = tl.zeros([BN // 4, NB], tl.float32)
+    a2 = tl.zeros([BN // 4, NB], tl.float32)
+    a3 = tl.zeros([BN // 4, NB], tl.float32)
+    for k0 in range(0, K, NB * 32):
+        u = k0 // 32 + tl.arange(0, NB)[None, :]
+        p0, p1, p2, p3 = _iq2_group_step(xb + u * 32, wh, gridp, ksigns, ro, m, u)
+        a0 += p0
+        a1 += p1
+        a2 += p2
+        a3 += p3
+    return _join4(tl.sum(a0, axis=1), tl.sum(a1, axis=1), tl.sum(a2, axis=1), tl.sum(a3, axis=1), BN)
+
+
+@triton.jit
 def _mv_rows(xb, wb, wh, wf, gridp, ksigns, row_off, rmask, K, RB, rs, nw_ptr,
              BN: tl.constexpr, TYPE: tl.constexpr, NB: tl.constexpr, VB: tl.constexpr,
              VA: tl.constexpr, NORM: tl.constexpr):
     """W[rows] · x̂ for BN rows: the K loop of every matrix-vector kernel."""
-    if TYPE == 208:
+    if TYPE == 416:  # no fused norm (nor in 216, 110: _mv_cfg picks the generic decoder then)
+        y = _iq2_group_rows(xb, wh, gridp, ksigns, row_off, rmask, K, BN, NB)
+    elif TYPE == 208:
         acc = tl.zeros([BN, NB, 16], tl.float32)
         for p0 in range(0, RB, NB * 16):
             acc += _q8_seg(xb, p0, wb, wh, row_off, rmask, RB, rs, nw_ptr, NB, NORM)
+        y = tl.sum(tl.sum(acc, axis=2), axis=1)
     else:
         BK: tl.constexpr = NB * VB
         acc = tl.zeros([BN, NB, VA], tl.float32)
         for k0 in range(0, K, BK):
             acc += _mv_step(xb, k0, wb, wh, wf, gridp, ksigns, row_off, rmask, rs, nw_ptr, TYPE, NB, VB, NORM)
-    return tl.sum(tl.sum(acc, axis=2), axis=1)
+        y = tl.sum(tl.sum(acc, axis=2), axis=1)
+    return y
 
 
 @triton.jit
