@@ -6,8 +6,9 @@ quant pairs (108); routed-expert gate/up in IQ2_XXS as packed-byte groups (216) 
 rows per thread sharing x (416); Q2_K down as unrolled runs (110).
 Each point replays a CUDA graph of 8 calls over rotating weight copies / expert choices, so
 neither Python launches nor L2 hits flatter it.
-Prefill (2048 tokens): dense Q8_0 and grouped-expert products, bf16 integer units (bf16x3)
-against float32-decoded tiles on tf32×3 (bf16x3 changes the Q8_0 products only).
+Prefill (2048 tokens): dense Q8_0 and grouped-expert products: float32-decoded tiles on tf32×3,
+Q8_0 blocks as bf16 integers (x in three bf16 terms), and exact integers on fp16 tensor cores
+with x in two fp16 terms (fp16x2, kernels_mm16.py: Q8_0 blocks, IQ2_XXS / Q2_K super-blocks).
 
 `read` times kernels that only stream the same number of bytes: the floor for a product that
 reads its weights once.
@@ -202,9 +203,21 @@ def prefill_linear(be, rows, M, N, Kd, tiles, units):
             continue
         emit(rows, dict(part="prefill", op=f"q8 {N}x{Kd}", prec="bf16x3", tile=list(tile), units=u, ms=s * 1e3,
                          TFLOPS=flops / s / 1e12, err=rel(y, ref)))
+    be.q8_int16 = True  # x in two fp16 terms (kernels_mm16.py)
+    for tile in ((64, 64, 4, 1), (64, 128, 8, 1), (128, 64, 8, 1)):
+        be.q8_16_tile = {**be.q8_16_tile, "linear": tile}
+        try:
+            y = be.linear(x, w)
+            s = event_time(lambda: be.linear(x, w))
+        except Exception as e:  # noqa: BLE001
+            print(f"  mm16 {tile}: {type(e).__name__} {str(e)[:200]}")
+            continue
+        emit(rows, dict(part="prefill", op=f"q8 {N}x{Kd}", prec="fp16x2", tile=list(tile), ms=s * 1e3,
+                         TFLOPS=flops / s / 1e12, err=rel(y, ref)))
+    be.q8_int16 = False
 
 
-def prefill_moe(be, rows, M, gus, downs, units, NE=256):
+def prefill_moe(be, rows, M, gus, downs, units, mm16_tiles, NE=256):
     E, F = 4096, 2048
     gate = qweight(T.IQ2_XXS, (E, F, NE))[0]
     up = qweight(T.IQ2_XXS, (E, F, NE))[0]
@@ -214,6 +227,7 @@ def prefill_moe(be, rows, M, gus, downs, units, NE=256):
     wts = torch.rand(M, 6, device=dev)
     flops = 2 * M * 6 * 3 * E * F
     be.prec = "tf32x3"
+    be.moe_int16 = False
     be.moe_tile = {"gateup": (32, 8), "down": (64, 8)}
     ref = be.moe(x, ids, wts, gate, up, down, 3).clone()
     s = event_time(lambda: be.moe(x, ids, wts, gate, up, down, 3), reps=3)
@@ -231,6 +245,17 @@ def prefill_moe(be, rows, M, gus, downs, units, NE=256):
             continue
         emit(rows, dict(part="prefill", op="moe", prec="bf16x3", gateup=list(gu), down=list(dn), units=u,
                          ms=s * 1e3, TFLOPS=flops / s / 1e12, err=rel(y, ref)))
+    be.moe_int16 = True  # exact integers on fp16 tensor cores (kernels_mm16.py)
+    for tile in mm16_tiles:
+        be.moe16_tile = {"gateup": tile, "down": tile}
+        try:
+            y = be.moe(x, ids, wts, gate, up, down, 3)
+            s = event_time(lambda: be.moe(x, ids, wts, gate, up, down, 3), reps=3)
+        except Exception as e:  # noqa: BLE001
+            print(f"  moe mm16 {tile}: {type(e).__name__} {str(e)[:200]}")
+            continue
+        emit(rows, dict(part="prefill", op="moe", prec="fp16x2", tile=list(tile), ms=s * 1e3,
+                         TFLOPS=flops / s / 1e12, err=rel(y, ref)))
 
 
 def main():
@@ -271,11 +296,11 @@ def main():
         print(f"[{time.time() - T0:.0f}s] down", flush=True)
         save()
     if "mm" in parts:
-        prefill_linear(be, rows, 2048, 4096, 4096, [(64, 64, 4), (64, 128, 4)], [1, 2, 4])
+        prefill_linear(be, rows, 2048, 4096, 4096, [(64, 128, 4)], [2])
         print(f"[{time.time() - T0:.0f}s] mm", flush=True)
         save()
     if "moe" in parts:
-        prefill_moe(be, rows, 2048, [(32, 4), (64, 4), (64, 8)], [(64, 4)], [2])
+        prefill_moe(be, rows, 2048, [(32, 8)], [(64, 8)], [2], [(64, 64, 4, 1), (64, 128, 8, 1), (32, 64, 4, 1)])
         print(f"[{time.time() - T0:.0f}s] moe mm", flush=True)
         save()
     print("\nbest per op (err: max relative difference to the first variant)")

@@ -34,6 +34,7 @@ from ...core.quants import IQ2XXS_GRID, IQ2XXS_KSIGNS, GGMLType, row_bytes  # no
 from ...core.rope import layer_inv_freq  # noqa: E402
 from ..base import Backend  # noqa: E402
 from . import kernels as K  # noqa: E402
+from . import kernels_mm16 as K16  # noqa: E402
 
 MM_MIN = 16  # tokens from which linear layers use the matrix-matrix kernels (tl.dot needs 16)
 
@@ -267,6 +268,21 @@ class TritonBackend(Backend):
         self.moe_tile.update({k: tuple(v) for k, v in json.loads(os.environ.get("DS4_TRITON_MOE", "{}")).items()})
         if self.interpret:
             self.moe_tile = {"gateup": (64, 4), "down": (64, 4)}
+        # prefill experts in IQ2_XXS (gate/up) and Q2_K (down) under "bf16x3": exact integers on
+        # fp16 tensor cores (kernels_mm16.py). moe16_bm assignments per tile; per kernel: rows of
+        # W per program, K-step (a divisor of 256), warps, pipeline stages (1: the pipeliner
+        # would stage the decoders' table lookups through shared memory); DS4_TRITON_MOE16_TILE
+        # overrides them, as JSON
+        self.moe_int16 = os.environ.get("DS4_TRITON_MOE16", "1") == "1"
+        self.moe16_bm = 64
+        self.moe16_tile = {"gateup": (64, 64, 4, 1), "down": (64, 64, 4, 1)}
+        self.moe16_tile.update({k: tuple(v) for k, v in
+                                json.loads(os.environ.get("DS4_TRITON_MOE16_TILE", "{}")).items()})
+        # Q8_0 prefill products (dense linears, shared-expert gate/up) the same way, x in two fp16
+        # terms instead of three bf16 ones (off by default until measured): rows of x, rows of W,
+        # warps, pipeline stages
+        self.q8_int16 = os.environ.get("DS4_TRITON_Q8_16", "0") == "1"
+        self.q8_16_tile = {"linear": (64, 64, 4, 1), "gateup": (64, 64, 8, 1)}
         self.topk_reg_max = 16384  # indexer rows that top-k keeps in registers
         # decoded type per GGUF type in matrix-vector kernels: Q8_0 as 16-bit quant pairs (108),
         # or as raw 16-byte row segments (208) for rows of 8192 values and more, where that
@@ -478,6 +494,14 @@ class TritonBackend(Backend):
                          w.u8, w.i16, w.f32, self._gridp, self._ksigns, out, N,
                          N, Kd, w.RB, gr, self.cfg.rms_eps, NORM=norm, **c,
                          nbytes=w.RB * N + 4 * n * (Kd + N))
+        elif self._q8_16(w, src, group_stride):
+            xh, xl, xi, _, _ = self._split16(src, sums=False)
+            BM, BN, warps, stages = self.q8_16_tile["linear"]
+            if group_rows:
+                BN = min(BN, _largest_pow2_divisor(group_rows, BN))
+            self._launch(K16.matmul_q8_16_kernel, (_cdiv(n, BM), _cdiv(N, BN)), xh, xl, xi, src.shape[1],
+                         w.i16, out, N, n, N, Kd, w.RB, gr, group_stride, BM=BM, BN=BN,
+                         num_warps=warps, num_stages=stages, nbytes=w.RB * N + 4 * n * (Kd + N))
         else:
             mc = self._mm_cfg(w.type, Kd)
             BM, BN, warps = self.mm_tile_q8 if mc["U"] and not self.interpret else self.mm_tile
@@ -859,7 +883,9 @@ class TritonBackend(Backend):
         flat = ids.reshape(-1).to(torch.int64)
         order = torch.sort(flat, stable=True).indices
         counts = torch.bincount(flat, minlength=NE)
-        BM = 64
+        gu16 = self._moe16(gate, K.IQ2_XXS) and up.type == gate.type
+        dn16 = self._moe16(down, K.Q2_K)
+        BM = self.moe16_bm if gu16 or dn16 else 64
         T, tile_e, tile_r0, tile_end = self._tiles(n * k, counts, BM)
         tok_sorted = (order // k).to(torch.int32)
         w_sorted = weights.reshape(-1)[order].contiguous()
@@ -867,23 +893,62 @@ class TritonBackend(Backend):
         inv[order] = torch.arange(n * k, device=self.dev)
         inv = inv.to(torch.int32)
         h = torch.empty((n * k, F), dtype=torch.float32, device=self.dev)
-        BN, warps = self.moe_tile["gateup"]
-        self._launch(K.moe_gateup_mm_kernel, (T, _cdiv(F, BN)), x, x.stride(0), tok_sorted, w_sorted,
-                     tile_e, tile_r0, tile_end, gate.u8, gate.i16, gate.f32, up.u8, up.i16, up.f32,
-                     self._gridp, self._ksigns, h, F, E, gate.RB, F * gate.RB, float(clamp),
-                     TYPE=int(gate.type), BM=BM, BN=BN, ROUTED=True, **self._mm_cfg(gate.type, E),
-                     num_warps=warps, num_stages=2, nbytes=2 * gate.nbytes + 4 * n * k * (E + F))
+        if gu16:
+            xh, xl, xi, _, _ = self._split16(x, sums=False)
+            BN, KS, warps, stages = self.moe16_tile["gateup"]
+            lv8, sg8 = self._gridp[256:768].view(torch.int64), self._ksigns[128:384].view(torch.int64)
+            self._launch(K16.moe_gateup_mm16_kernel, (T, _cdiv(F, BN)), xh, xl, xi, tok_sorted, w_sorted,
+                         tile_e, tile_r0, tile_end, gate.i16, up.i16, lv8, sg8, h, F, E, gate.RB, F * gate.RB,
+                         float(clamp), BM=BM, BN=BN, KS=KS, ROUTED=True, num_warps=warps, num_stages=stages,
+                         nbytes=2 * gate.nbytes + 4 * n * k * (E + F))
+        else:
+            BN, warps = self.moe_tile["gateup"]
+            self._launch(K.moe_gateup_mm_kernel, (T, _cdiv(F, BN)), x, x.stride(0), tok_sorted, w_sorted,
+                         tile_e, tile_r0, tile_end, gate.u8, gate.i16, gate.f32, up.u8, up.i16, up.f32,
+                         self._gridp, self._ksigns, h, F, E, gate.RB, F * gate.RB, float(clamp),
+                         TYPE=int(gate.type), BM=BM, BN=BN, ROUTED=True, **self._mm_cfg(gate.type, E),
+                         num_warps=warps, num_stages=2, nbytes=2 * gate.nbytes + 4 * n * k * (E + F))
         osort = torch.empty((n * k, E), dtype=torch.float32, device=self.dev)
-        BN, warps = self.moe_tile["down"]
-        self._launch(K.moe_down_mm_kernel, (T, _cdiv(E, BN)), h, tile_e, tile_r0, tile_end,
-                     down.u8, down.i16, down.f32, self._gridp, self._ksigns, osort, E, F, down.RB, E * down.RB,
-                     TYPE=int(down.type), BM=BM, BN=BN, **self._mm_cfg(down.type, F),
-                     num_warps=warps, num_stages=2, nbytes=down.nbytes + 4 * n * k * (E + F))
+        if dn16:
+            hh, hl, hi, gh, gl = self._split16(h, sums=True)
+            BN, KS, warps, stages = self.moe16_tile["down"]
+            self._launch(K16.moe_down_mm16_kernel, (T, _cdiv(E, BN)), hh, hl, hi, gh, gl, tile_e, tile_r0,
+                         tile_end, down.f32, down.i16, osort, E, F, down.RB, E * down.RB, BM=BM, BN=BN, KS=KS,
+                         num_warps=warps, num_stages=stages, nbytes=down.nbytes + 4 * n * k * (E + F))
+        else:
+            BN, warps = self.moe_tile["down"]
+            self._launch(K.moe_down_mm_kernel, (T, _cdiv(E, BN)), h, tile_e, tile_r0, tile_end,
+                         down.u8, down.i16, down.f32, self._gridp, self._ksigns, osort, E, F, down.RB,
+                         E * down.RB, TYPE=int(down.type), BM=BM, BN=BN, **self._mm_cfg(down.type, F),
+                         num_warps=warps, num_stages=2, nbytes=down.nbytes + 4 * n * k * (E + F))
         out = self._new((n, E))
         BE = min(1024, _pow2(E))
         self._launch(K.moe_reduce_kernel, (n, _cdiv(E, BE)), osort, inv, out, E, KSLOTS=k, BE=BE,
                      num_warps=4, nbytes=4 * n * E * (k + 1))
         return out
+
+    def _moe16(self, w: QWeight, ttype: int) -> bool:
+        """Whether expert weight w takes the exact-integer fp16 path (kernels_mm16.py)."""
+        return self.moe_int16 and self.prec == "bf16x3" and int(w.type) == int(ttype) and w.K % 256 == 0
+
+    def _q8_16(self, w: QWeight, x: torch.Tensor, group_stride: int = 0) -> bool:
+        """Whether a Q8_0 product with x [n, columns] takes the fp16 integer path: whole 256-value
+        chunks of x (split16_kernel) and groups starting on chunk boundaries."""
+        return (self.q8_int16 and self.prec == "bf16x3" and int(w.type) == int(K.Q8_0) and w.K % 256 == 0
+                and x.shape[1] % 256 == 0 and group_stride % 256 == 0 and x.stride(1) == 1)
+
+    def _split16(self, x: torch.Tensor, sums: bool):
+        """x [R, K] float32 -> (hi, lo [R, K] fp16, 1/s [R, K/256], and with sums the 16-value
+        sums / 16 as hi, lo [R, K/16] fp16): x·s = hi + lo per 256-value chunk (split16_kernel)."""
+        R, Kd = x.shape
+        f16 = dict(dtype=torch.float16, device=self.dev)
+        xh, xl = torch.empty((R, Kd), **f16), torch.empty((R, Kd), **f16)
+        xi = torch.empty((R, Kd // 256), dtype=torch.float32, device=self.dev)
+        gh, gl = (torch.empty((R, Kd // 16), **f16), torch.empty((R, Kd // 16), **f16)) if sums else (xh, xl)
+        BR = 64 if self.interpret else 8
+        self._launch(K16.split16_kernel, (_cdiv(R, BR), Kd // 256), x, x.stride(0), xh, xl, xi, gh, gl, R, Kd,
+                     BR=BR, SUMS=sums, num_warps=4, nbytes=8 * R * Kd)
+        return xh, xl, xi, gh, gl
 
     @_op
     def shared_expert(self, f, gate, up, down, il):
@@ -894,6 +959,18 @@ class TritonBackend(Backend):
         clamp = cfg.swiglu_clamp[il]
         if n < MM_MIN:
             h = self._gateup_mv(x, gate, up, None, None, n, 1, clamp)
+        elif self._q8_16(gate, x) and up.type == gate.type:
+            BM, BN, warps, stages = self.q8_16_tile["gateup"]
+            T = _cdiv(n, BM)
+            tile_e = torch.zeros(T, dtype=torch.int32, device=self.dev)
+            tile_r0 = torch.arange(0, n, BM, dtype=torch.int32, device=self.dev)
+            tile_end = torch.full((T,), n, dtype=torch.int32, device=self.dev)
+            h = torch.empty((n, F), dtype=torch.float32, device=self.dev)
+            xh, xl, xi, _, _ = self._split16(x, sums=False)
+            self._launch(K16.moe_gateup_q8_mm16_kernel, (T, _cdiv(F, BN)), xh, xl, xi, self._dummy_i,
+                         self._dummy_f, tile_e, tile_r0, tile_end, gate.i16, up.i16, h, F, E, gate.RB, 0,
+                         float(clamp), BM=BM, BN=BN, ROUTED=False, num_warps=warps, num_stages=stages,
+                         nbytes=2 * gate.nbytes + 4 * n * (E + F))
         else:
             BM = 64
             BN, warps = self.moe_tile["gateup"]

@@ -1,0 +1,466 @@
+"""Prefill products as exact integers on fp16 tensor cores: the routed experts (IQ2_XXS gate/up,
+Q2_K down) and, optionally (backend.q8_int16), Q8_0 linears and the shared expert's gate/up.
+
+The expert weights are block formats whose values are small integers times a few float scales.
+Regrouped so that one float scale covers a whole 256-value super-block of a row, the integers stay
+exact in fp16 (11 significant bits):
+
+* IQ2_XXS: W = d·(0.5 + ls)·0.25·level·sign = d/8 · q with q = (2·ls + 1)·level·sign,
+  |q| <= 31·43 = 1333 < 2^11; one scale d/8 per (row, super-block).
+* Q2_K: W = d·sc·q − dmin·m per 16-value sub-block, so W·x = d·Σ (sc·q)·x − dmin·Σ_s m_s·X_s with
+  X_s the sum of x over sub-block s: a K = 256 product of the integers sc·q <= 45 and a K = 16
+  product of the integers m <= 15 with the sub-block sums (1/16 of the K = 256 work).
+* Q8_0: W = d·q, |q| <= 128, a scale per 32 values; the products run as W·xᵀ tiles so that d is
+  a per-row factor of the accumulator (one value per row of a thread).
+
+The activations are split once per chunk (split16_kernel): each token row is scaled per 256-value
+chunk by a power of two s with max|x·s| < 2^15, and x·s = hi + lo in two fp16 terms, which holds x
+to 2^-22 of each value (2^-38 of the chunk's largest below fp16's normal range). fp16 products are
+exact (11 × 11 bits) and accumulate in float32, so each super-block's (hi + lo)·qᵀ has float32
+accuracy; the tensor cores accumulate it over the super-block's 256 values (K-steps of KS) and
+the float scales d / s are applied to the [BM, BN] partial sum once per super-block.
+
+Each program decodes the [BN, KS] integer tiles of a super-block once and reuses them for its BM
+assignments. The decoders are built from tl.join, so the 32 values a thread decodes (one IQ2_XXS
+group, one Q2_K run) are contiguous in K and leave the registers as 16-byte stores into the
+tensor cores' shared-memory tile. The kernels run unpipelined (num_stages=1): the pipeliner would
+stage the decoders' 64-bit table lookups through shared memory.
+"""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+from .kernels import _INTERP, _ld_f16, _s8f, _swiglu, _u8f
+
+_MAGIC = tl.constexpr(8388608.0)  # 2^23: an integer OR-ed into its mantissa is exact (see _u8f)
+
+
+# ------------------------------------------------------------------------------------------------
+# helpers
+
+
+@triton.jit
+def _fma(a, b, c):
+    """a·b + c rounded once. The decoders rely on it: a·b alone is not exact (2^23-sized a), the
+    fused result is a small integer. tl.fma does not broadcast (on the GPU it silently pairs
+    mismatched register layouts), so b and c are broadcast to a's shape first."""
+    b = tl.broadcast_to(b, a.shape)
+    c = tl.broadcast_to(c, a.shape)
+    if _INTERP:  # the interpreter rounds a·b before adding
+        return (a.to(tl.float64) * b.to(tl.float64) + c.to(tl.float64)).to(tl.float32)
+    else:
+        return tl.fma(a, b, c)
+
+
+@triton.jit
+def _join4(a, b, c, d):
+    """[..., 2, 2] holding a, b, c, d in row-major order of the two new (in-thread) axes."""
+    return tl.join(tl.join(a, c), tl.join(b, d))
+
+
+@triton.jit
+def _join8(v0, v1, v2, v3, v4, v5, v6, v7):
+    """[..., 2, 2, 2] holding v0..v7 in row-major order of the three new (in-thread) axes."""
+    return tl.join(tl.join(tl.join(v0, v4), tl.join(v2, v6)), tl.join(tl.join(v1, v5), tl.join(v3, v7)))
+
+
+@triton.jit
+def _pow2_scale(mx):
+    """(s, 1/s), powers of two with mx·s in [2^14, 2^15) for a normal mx >= 0, from the exponent
+    bits (no rounding anywhere). s is capped at 2^126 so that 1/s stays normal: tiny or all-zero
+    chunks then scale to less than 2^14, which only costs precision below float32's reach."""
+    e = (mx.to(tl.int32, bitcast=True) >> 23) & 255
+    S = tl.minimum(141 - e, 126)
+    s = ((S + 127) << 23).to(tl.float32, bitcast=True)
+    inv = ((127 - S) << 23).to(tl.float32, bitcast=True)
+    return s, inv
+
+
+@triton.jit
+def _hi_lo(v):
+    """v ≈ hi + lo in fp16 for |v| < 2^15: hi is v rounded to fp16, v − hi is exact in float32
+    and is rounded once more, so the error is at most 2^-12·ulp(hi), 2^-22·|v| (or 2^-25 where
+    v − hi falls below fp16's normal range)."""
+    hi = v.to(tl.float16)
+    return hi, (v - hi.to(tl.float32)).to(tl.float16)
+
+
+@triton.jit
+def _dot16(xh, xl, w, acc):
+    """acc + (xh + xl)·wᵀ with float32 accumulation, the smaller term first. The fp16 products
+    are exact (11 × 11 significant bits), so only the accumulation rounds."""
+    if _INTERP:  # the interpreter's fp16 products are not trustworthy: the same terms in float32
+        wt = tl.trans(w.to(tl.float32))
+        acc = tl.dot(xl.to(tl.float32), wt, acc, input_precision="ieee")
+        acc = tl.dot(xh.to(tl.float32), wt, acc, input_precision="ieee")
+    else:
+        wt = tl.trans(w)
+        acc = tl.dot(xl, wt, acc)
+        acc = tl.dot(xh, wt, acc)
+    return acc
+
+
+# ------------------------------------------------------------------------------------------------
+# activations
+
+
+@triton.jit
+def split16_kernel(x_ptr, sx, xh_ptr, xl_ptr, xi_ptr, gh_ptr, gl_ptr, R, K,
+                   BR: tl.constexpr, SUMS: tl.constexpr):
+    """Rows [BR·program, +BR) and chunk c = program 1 of x [R, K] (row stride sx):
+    xh, xl [R, K] fp16 with x·s ≈ xh + xl (_hi_lo: to 2^-22 of each value, 2^-39 of the chunk's
+    max at least), xi [R, K/256] = 1/s.
+    SUMS: also the 16-value sums of x·s, divided by 16 (so they stay below 2^15), as gh + gl
+    [R, K/16] fp16: the Q2_K min term multiplies them."""
+    r = tl.program_id(0) * BR + tl.arange(0, BR)
+    rm = r < R
+    c = tl.program_id(1)
+    k = c * 256 + tl.arange(0, 256)
+    r64 = r.to(tl.int64)
+    x = tl.load(x_ptr + r64[:, None] * sx + k[None, :], mask=rm[:, None], other=0.0)
+    s, inv = _pow2_scale(tl.max(tl.abs(x), axis=1))
+    xs = x * s[:, None]  # exact: a power of two
+    hi, lo = _hi_lo(xs)
+    o = r64[:, None] * K + k[None, :]
+    tl.store(xh_ptr + o, hi, mask=rm[:, None])
+    tl.store(xl_ptr + o, lo, mask=rm[:, None])
+    tl.store(xi_ptr + r64 * (K // 256) + c, inv, mask=rm)
+    if SUMS:
+        g = tl.sum(tl.reshape(xs, [BR, 16, 16]), axis=2) * 0.0625
+        g_hi, g_lo = _hi_lo(g)
+        og = r64[:, None] * (K // 16) + c * 16 + tl.arange(0, 16)[None, :]
+        tl.store(gh_ptr + og, g_hi, mask=rm[:, None])
+        tl.store(gl_ptr + og, g_lo, mask=rm[:, None])
+
+
+# ------------------------------------------------------------------------------------------------
+# decoders: [BN, KS] integer tiles (fp16) of KS values inside one super-block, with the per-row
+# float scale of that super-block
+
+
+@triton.jit
+def _s8q(w, mul, off):
+    """mul · (signed byte in the low 8 bits of w), exactly: the byte offset by 128 OR-ed into the
+    mantissa of 2^23 is 2^23 + 128 + b, and one fused multiply-add with off = −mul·(2^23 + 128)
+    leaves mul·b (the product itself would round)."""
+    return _fma(((w & 0xFF) ^ 0x4B000080).to(tl.float32, bitcast=True), mul, off)
+
+
+@triton.jit
+def _iq2_tile(wh, lv8, sg8, bo, g0, rmask, NG: tl.constexpr):
+    """Groups [g0, g0 + NG) of the IQ2_XXS super-blocks at byte offsets bo [BN] of wh -> the
+    integers q [BN, 32·NG] fp16 of W = d/8·q (d: _iq2_scale).
+
+    Block: f16 d, then 8 groups of 32 values = 4 grid-index bytes + u32 aux (4 × 7 sign-index
+    bits, ls in the top 4). Per grid entry (8 values) one 64-bit lookup gives its 8 levels as bytes
+    (lv8) and one its 8 sign bytes (0xFF where negative, sg8); levels are >= 8, so ~v + 1 negates
+    each byte without a carry into the next. The signed bytes then become (2·ls + 1)·level·sign
+    with a shift, a mask-and-XOR and one fused multiply-add each (_s8q). A thread decodes whole
+    groups: its 32 values are contiguous in K. (The group axis leads the work tensors [NG, BN]: Triton then lays threads
+    along K first, and the tile reaches shared memory K-major, in 16-byte stores.)"""
+    BN: tl.constexpr = bo.shape[0]
+    m = rmask[None, :]
+    # the 66-byte blocks keep every field 2-byte aligned: a group's 8 bytes come as 4 halfwords
+    hw = (bo[None, :] + 2 + 8 * (g0 + tl.arange(0, NG))[:, None]) >> 1  # [NG, BN]
+    g01 = tl.load(wh + hw, mask=m, other=0).to(tl.int32) & 0xFFFF
+    g23 = tl.load(wh + hw + 1, mask=m, other=0).to(tl.int32) & 0xFFFF
+    a_lo = tl.load(wh + hw + 2, mask=m, other=0).to(tl.int32) & 0xFFFF
+    a_hi = tl.load(wh + hw + 3, mask=m, other=0).to(tl.int32) & 0xFFFF
+    aux = a_lo | (a_hi << 16)
+    mul = _u8f(2 * ((aux >> 28) & 15) + 1)[:, :, None, None]  # 2·ls + 1, per group
+    off = mul * -8388736.0  # exact: 5 × 17 significant bits
+    gi = _join4(g01 & 255, g01 >> 8, g23 & 255, g23 >> 8)  # [NG, BN, 2, 2]: the 4 entries
+    si = _join4(aux & 127, (aux >> 7) & 127, (aux >> 14) & 127, (aux >> 21) & 127)
+    mk = tl.load(sg8 + si)
+    sv = (tl.load(lv8 + gi) ^ mk) + (mk & 0x0101010101010101)  # 8 signed level bytes
+    w0 = sv.to(tl.int32)
+    w1 = (sv >> 32).to(tl.int32)
+    q = _join8(_s8q(w0, mul, off), _s8q(w0 >> 8, mul, off), _s8q(w0 >> 16, mul, off), _s8q(w0 >> 24, mul, off),
+               _s8q(w1, mul, off), _s8q(w1 >> 8, mul, off), _s8q(w1 >> 16, mul, off), _s8q(w1 >> 24, mul, off))
+    q = tl.permute(q, (1, 0, 2, 3, 4, 5, 6))  # [BN, NG, 2, 2, 2, 2, 2]: value 32·g + 8·entry + i
+    return tl.reshape(q, [BN, 32 * NG]).to(tl.float16)
+
+
+@triton.jit
+def _iq2_scale(wh, bo, rmask):
+    """d/8 of the IQ2_XXS super-blocks at byte offsets bo [BN] of wh (W = d/8·q)."""
+    return _ld_f16(wh, bo, rmask) * 0.125
+
+
+@triton.jit
+def _q2_sc(w, sft):
+    """Sub-block scale (low nibble of the scale byte at bit sft of w) as float, and the offset
+    that removes 2^23·sc in _q2_val."""
+    sc = _u8f((w >> sft) & 15)
+    return sc, sc * -_MAGIC
+
+
+@triton.jit
+def _q2_val(w, sft: tl.constexpr, sc, off):
+    """sc·q for the 2-bit quant at bit sft of w, exactly (2^23 + q, then one fused multiply-add)."""
+    return _fma(((w >> sft) & 3 | 0x4B000000).to(tl.float32, bitcast=True), sc, off)
+
+
+@triton.jit
+def _q2_byte(w0, w1, w2, w3, w4, w5, w6, w7, sft: tl.constexpr, sc0, off0, sc1, off1):
+    """Byte sft/8 of the 8 qs words of a run (already shifted to the run's 2-bit field), as
+    [..., 2, 2, 2] in word order; words 0..3 lie in the run's first sub-block, 4..7 in its second."""
+    return _join8(_q2_val(w0, sft, sc0, off0), _q2_val(w1, sft, sc0, off0), _q2_val(w2, sft, sc0, off0),
+                  _q2_val(w3, sft, sc0, off0), _q2_val(w4, sft, sc1, off1), _q2_val(w5, sft, sc1, off1),
+                  _q2_val(w6, sft, sc1, off1), _q2_val(w7, sft, sc1, off1))
+
+
+@triton.jit
+def _q2k_tile(ww, bo, r0, rmask, NR: tl.constexpr):
+    """Runs [r0, r0 + NR) of 32 values of the Q2_K super-blocks at byte offsets bo [BN] of ww
+    (int32 words) -> a [BN, 32·NR] fp16 = sc·q; W = d·a − dmin·m (_q2k_scales, _q2k_mins).
+
+    Block: scales[16] (low nibble sc, high nibble m), qs[64], f16 d, f16 dmin. Run
+    r = 4h + sh holds values 128h + 32·sh + 4·j + b, which sit in qs word 8h + j, byte b, bits
+    2·sh; value 4·j + b of the run lies in sub-block 8h + 2·sh + j // 4. A thread decodes a
+    whole run (32 values contiguous in K) from the 8 words of its half; the 4 runs of a half read
+    the same words. (Runs lead the work tensors [NR, BN], as groups do in _iq2_tile.)"""
+    BN: tl.constexpr = bo.shape[0]
+    bw = (bo >> 2)[None, :]  # word offsets (84-byte blocks, rows and experts are 4-byte aligned)
+    m = rmask[None, :]
+    r = r0 + tl.arange(0, NR)[:, None]
+    h = r >> 2
+    sh = r & 3
+    # scale bytes 8h + 2·sh + (0, 1): word 2h + sh // 2, bytes 2·(sh % 2) + (0, 1)
+    scw = tl.load(ww + bw + 2 * h + (sh >> 1), mask=m, other=0)
+    sft = 16 * (sh & 1)
+    sc0, off0 = _q2_sc(scw, sft)
+    sc1, off1 = _q2_sc(scw, sft + 8)
+    wq = bw + 4 + 8 * h  # qs word j = 0 of the half (qs starts at word 4 of the block)
+    qsh = 2 * sh
+    w0 = tl.load(ww + wq, mask=m, other=0) >> qsh
+    w1 = tl.load(ww + wq + 1, mask=m, other=0) >> qsh
+    w2 = tl.load(ww + wq + 2, mask=m, other=0) >> qsh
+    w3 = tl.load(ww + wq + 3, mask=m, other=0) >> qsh
+    w4 = tl.load(ww + wq + 4, mask=m, other=0) >> qsh
+    w5 = tl.load(ww + wq + 5, mask=m, other=0) >> qsh
+    w6 = tl.load(ww + wq + 6, mask=m, other=0) >> qsh
+    w7 = tl.load(ww + wq + 7, mask=m, other=0) >> qsh
+    # value 4·j + b of the run: words (j) on the first three new axes, bytes (b) on the last two
+    a = _join4(_q2_byte(w0, w1, w2, w3, w4, w5, w6, w7, 0, sc0, off0, sc1, off1),
+               _q2_byte(w0, w1, w2, w3, w4, w5, w6, w7, 8, sc0, off0, sc1, off1),
+               _q2_byte(w0, w1, w2, w3, w4, w5, w6, w7, 16, sc0, off0, sc1, off1),
+               _q2_byte(w0, w1, w2, w3, w4, w5, w6, w7, 24, sc0, off0, sc1, off1))
+    a = tl.permute(a, (1, 0, 2, 3, 4, 5, 6))  # [BN, NR, 2, 2, 2, 2, 2]: value 32·run + 4·j + b
+    return tl.reshape(a, [BN, 32 * NR]).to(tl.float16)
+
+
+@triton.jit
+def _q2k_scales(wh, bo, rmask):
+    """(d, dmin) of the Q2_K super-blocks at byte offsets bo [BN] of wh."""
+    return _ld_f16(wh, bo + 80, rmask), _ld_f16(wh, bo + 82, rmask)
+
+
+@triton.jit
+def _q2k_mins(ww, bo, rmask):
+    """m of the 16 sub-blocks of the Q2_K super-blocks at byte offsets bo [BN] of ww (int32
+    words), [BN, 16] fp16: the high nibbles of the 4 scale words."""
+    BN: tl.constexpr = bo.shape[0]
+    sw = tl.load(ww + (bo >> 2)[:, None] + tl.arange(0, 4)[None, :], mask=rmask[:, None], other=0)
+    mn = _join4((sw >> 4) & 15, (sw >> 12) & 15, (sw >> 20) & 15, (sw >> 28) & 15)
+    return tl.reshape(_u8f(mn), [BN, 16]).to(tl.float16)
+
+
+@triton.jit
+def _q8_tile(wh, bo, rmask):
+    """The Q8_0 blocks at byte offsets bo [BN] of wh -> (q [BN, 32] fp16, d [BN]), W = d·q: the
+    quants are exact in fp16. They come as 16 halfwords (34-byte blocks keep 2-byte alignment),
+    two quants per load, joined back in K order."""
+    BN: tl.constexpr = bo.shape[0]
+    h = tl.load(wh + ((bo[:, None] + 2) >> 1) + tl.arange(0, 16)[None, :], mask=rmask[:, None], other=0)
+    h = h.to(tl.int32)
+    q = tl.join(_s8f(h), _s8f(h >> 8))  # [BN, 16, 2]: value 2·j + byte
+    return tl.reshape(q, [BN, 32]).to(tl.float16), _ld_f16(wh, bo, rmask)
+
+
+@triton.jit
+def _dot16t(w, xh, xl, acc):
+    """acc + w·(xh + xl)ᵀ: _dot16 with W as the left operand (its rows on the accumulator's rows)."""
+    if _INTERP:
+        w = w.to(tl.float32)
+        acc = tl.dot(w, tl.trans(xl.to(tl.float32)), acc, input_precision="ieee")
+        acc = tl.dot(w, tl.trans(xh.to(tl.float32)), acc, input_precision="ieee")
+    else:
+        acc = tl.dot(w, tl.trans(xl), acc)
+        acc = tl.dot(w, tl.trans(xh), acc)
+    return acc
+
+
+@triton.jit
+def _q8_chunk(xh_ptr, xl_ptr, xrow, am, c0, wh, ro, rmask, BM: tl.constexpr):
+    """Σ over the 8 Q8_0 blocks of the 256-value chunk from column c0: d_b · q_b·(xh + xl)_bᵀ,
+    [BN, BM] (W rows on the accumulator's rows, so d is one value per row of a thread). Each
+    block's exact product runs on fp16 tensor cores (K = 32) before its scale. xrow [BM, 1] are
+    the element offsets of the x rows, ro [BN] the byte offsets of the W rows."""
+    BN: tl.constexpr = ro.shape[0]
+    kk = tl.arange(0, 32)[None, :]
+    pc = tl.zeros([BN, BM], tl.float32)
+    for kb in range(c0, c0 + 256, 32):
+        xh = tl.load(xh_ptr + xrow + kb + kk, mask=am[:, None], other=0.0)
+        xl = tl.load(xl_ptr + xrow + kb + kk, mask=am[:, None], other=0.0)
+        q, d = _q8_tile(wh, ro + (kb // 32) * 34, rmask)
+        pc += _dot16t(q, xh, xl, tl.zeros([BN, BM], tl.float32)) * d[:, None]
+    return pc
+
+
+@triton.jit
+def matmul_q8_16_kernel(xh_ptr, xl_ptr, xi_ptr, SX, wh, out_ptr, so_t, M, N, K, RB, GROUP_ROWS, sx_g,
+                        BM: tl.constexpr, BN: tl.constexpr):
+    """out[M, N] = x[M, K] · W[N, K]ᵀ for Q8_0 rows W, x given split by split16_kernel (rows of
+    SX values), as outᵀ = W·xᵀ per [BN, BM] tile; the chunks' 1/s apply once per 256 values.
+    Rows of group g = r // GROUP_ROWS read x at column offset g·sx_g (a multiple of 256)."""
+    pm = tl.program_id(0)
+    pn = tl.program_id(1)
+    tm = pm * BM + tl.arange(0, BM)
+    mm = tm < M
+    rows = pn * BN + tl.arange(0, BN)
+    rmask = rows < N
+    ro = rows.to(tl.int64) * RB
+    c0 = ((pn * BN) // GROUP_ROWS) * sx_g  # the group's first column of x
+    xrow = tm[:, None].to(tl.int64) * SX + c0
+    xi_row = tm.to(tl.int64) * (SX // 256) + c0 // 256
+    acc = tl.zeros([BN, BM], tl.float32)
+    for k0 in range(0, K, 256):
+        inv = tl.load(xi_ptr + xi_row + k0 // 256, mask=mm, other=0.0)
+        acc += _q8_chunk(xh_ptr, xl_ptr, xrow, mm, k0, wh, ro, rmask, BM) * inv[None, :]
+    tl.store(out_ptr + tm[None, :].to(tl.int64) * so_t + rows[:, None], acc, mask=rmask[:, None] & mm[None, :])
+
+
+# ------------------------------------------------------------------------------------------------
+# experts
+
+
+@triton.jit
+def _tile_rows(tok_ptr, tile_e_ptr, tile_r0_ptr, tile_end_ptr, tile, BM: tl.constexpr, ROUTED: tl.constexpr):
+    """(expert e, assignments a [BM], their mask, their tokens) of a tile of the schedule: BM
+    expert-sorted (token, slot) assignments (ROUTED), or BM tokens of the shared expert."""
+    e = tl.load(tile_e_ptr + tile)
+    a = tl.load(tile_r0_ptr + tile) + tl.arange(0, BM)
+    am = a < tl.load(tile_end_ptr + tile)
+    if ROUTED:
+        tok = tl.load(tok_ptr + a, mask=am, other=0).to(tl.int64)
+    else:
+        tok = a.to(tl.int64)
+    return e, a, am, tok
+
+
+@triton.jit
+def moe_gateup_mm16_kernel(xh_ptr, xl_ptr, xi_ptr, tok_ptr, wts_ptr, tile_e_ptr, tile_r0_ptr, tile_end_ptr,
+                           gh, uh, lv8, sg8, h_ptr, F, K, RB, EXP_BYTES, clamp,
+                           BM: tl.constexpr, BN: tl.constexpr, KS: tl.constexpr, ROUTED: tl.constexpr):
+    """Prefill gate/up in IQ2_XXS for one tile of assignments and BN rows:
+    h[a, r] = w_a · swiglu(gate_e[r]·x[tok_a], up_e[r]·x[tok_a]), x given split by
+    split16_kernel. Per super-block the scales d/8 and 1/s combine once; its 256 values go in
+    K-steps of KS (a divisor of 256) through both weights, which share the x tiles."""
+    tile = tl.program_id(0)
+    pn = tl.program_id(1)
+    e, a, am, tok = _tile_rows(tok_ptr, tile_e_ptr, tile_r0_ptr, tile_end_ptr, tile, BM, ROUTED)
+    if e >= 0:
+        rows = pn * BN + tl.arange(0, BN)
+        rmask = rows < F
+        eo = e.to(tl.int64) * (EXP_BYTES // 2)  # the expert's first halfword
+        ge = gh + eo
+        ue = uh + eo
+        ro = rows * RB  # row byte offsets inside the expert (32-bit)
+        NS = K // 256
+        xo = tok[:, None] * K + tl.arange(0, KS)[None, :]
+        acc_g = tl.zeros([BM, BN], tl.float32)
+        acc_u = tl.zeros([BM, BN], tl.float32)
+        for sb in range(0, NS):
+            bo = ro + sb * 66
+            # the super-block's integer products accumulate on the tensor cores; its scales once
+            p_g = tl.zeros([BM, BN], tl.float32)
+            p_u = tl.zeros([BM, BN], tl.float32)
+            for part in range(0, 256 // KS):
+                k0 = sb * 256 + part * KS
+                xh = tl.load(xh_ptr + xo + k0, mask=am[:, None], other=0.0)
+                xl = tl.load(xl_ptr + xo + k0, mask=am[:, None], other=0.0)
+                p_g = _dot16(xh, xl, _iq2_tile(ge, lv8, sg8, bo, part * (KS // 32), rmask, KS // 32), p_g)
+                p_u = _dot16(xh, xl, _iq2_tile(ue, lv8, sg8, bo, part * (KS // 32), rmask, KS // 32), p_u)
+            inv = tl.load(xi_ptr + tok * NS + sb, mask=am, other=0.0)[:, None]
+            acc_g += p_g * (inv * _iq2_scale(ge, bo, rmask)[None, :])
+            acc_u += p_u * (inv * _iq2_scale(ue, bo, rmask)[None, :])
+        hv = _swiglu(acc_g, acc_u, clamp)
+        if ROUTED:
+            hv = hv * tl.load(wts_ptr + a, mask=am, other=0.0)[:, None]
+        tl.store(h_ptr + a[:, None].to(tl.int64) * F + rows[None, :], hv, mask=am[:, None] & rmask[None, :])
+
+
+@triton.jit
+def moe_gateup_q8_mm16_kernel(xh_ptr, xl_ptr, xi_ptr, tok_ptr, wts_ptr, tile_e_ptr, tile_r0_ptr, tile_end_ptr,
+                              gh, uh, h_ptr, F, K, RB, EXP_BYTES, clamp,
+                              BM: tl.constexpr, BN: tl.constexpr, ROUTED: tl.constexpr):
+    """moe_gateup_mm16_kernel for Q8_0 weights (the shared expert): the products as
+    [BN, BM] tiles (_q8_chunk), the chunks' 1/s once per 256 values."""
+    tile = tl.program_id(0)
+    pn = tl.program_id(1)
+    e, a, am, tok = _tile_rows(tok_ptr, tile_e_ptr, tile_r0_ptr, tile_end_ptr, tile, BM, ROUTED)
+    if e >= 0:
+        rows = pn * BN + tl.arange(0, BN)
+        rmask = rows < F
+        eo = e.to(tl.int64) * (EXP_BYTES // 2)
+        ge = gh + eo
+        ue = uh + eo
+        ro = rows * RB
+        NS = K // 256
+        xrow = tok[:, None] * K
+        acc_g = tl.zeros([BN, BM], tl.float32)
+        acc_u = tl.zeros([BN, BM], tl.float32)
+        for k0 in range(0, K, 256):
+            inv = tl.load(xi_ptr + tok * NS + k0 // 256, mask=am, other=0.0)[None, :]
+            acc_g += _q8_chunk(xh_ptr, xl_ptr, xrow, am, k0, ge, ro, rmask, BM) * inv
+            acc_u += _q8_chunk(xh_ptr, xl_ptr, xrow, am, k0, ue, ro, rmask, BM) * inv
+        hv = _swiglu(acc_g, acc_u, clamp)
+        if ROUTED:
+            hv = hv * tl.load(wts_ptr + a, mask=am, other=0.0)[None, :]
+        tl.store(h_ptr + a[None, :].to(tl.int64) * F + rows[:, None], hv, mask=rmask[:, None] & am[None, :])
+
+
+@triton.jit
+def moe_down_mm16_kernel(xh_ptr, xl_ptr, xi_ptr, gh_ptr, gl_ptr, tile_e_ptr, tile_r0_ptr, tile_end_ptr,
+                         ww, wh, out_ptr, E, F, RB, EXP_BYTES,
+                         BM: tl.constexpr, BN: tl.constexpr, KS: tl.constexpr):
+    """Prefill down in Q2_K: out_sorted[a, r] = down_e[r] · h[a] for one tile of expert e's
+    assignments, h given split by split16_kernel. The d·(sc·q) term per super-block in K-steps
+    of KS values (a divisor of 256), then the dmin·m term over the 16-value sums of h."""
+    tile = tl.program_id(0)
+    pn = tl.program_id(1)
+    e = tl.load(tile_e_ptr + tile)
+    if e >= 0:
+        r0 = tl.load(tile_r0_ptr + tile)
+        rend = tl.load(tile_end_ptr + tile)
+        a = r0 + tl.arange(0, BM)
+        am = a < rend
+        a64 = a.to(tl.int64)
+        rows = pn * BN + tl.arange(0, BN)
+        rmask = rows < E
+        we = ww + e.to(tl.int64) * (EXP_BYTES // 4)  # the expert's first word / halfword
+        he = wh + e.to(tl.int64) * (EXP_BYTES // 2)
+        ro = rows * RB  # row byte offsets inside the expert (32-bit)
+        NS = F // 256
+        xo = a64[:, None] * F + tl.arange(0, KS)[None, :]
+        acc = tl.zeros([BM, BN], tl.float32)
+        for sb in range(0, NS):
+            bo = ro + sb * 84
+            p = tl.zeros([BM, BN], tl.float32)
+            for part in range(0, 256 // KS):
+                k0 = sb * 256 + part * KS
+                xh = tl.load(xh_ptr + xo + k0, mask=am[:, None], other=0.0)
+                xl = tl.load(xl_ptr + xo + k0, mask=am[:, None], other=0.0)
+                p = _dot16(xh, xl, _q2k_tile(we, bo, part * (KS // 32), rmask, KS // 32), p)
+            # the min term: 16-value sums (/16, hence 16·dmin) times m, a K = 16 product
+            go = a64[:, None] * (F // 16) + sb * 16 + tl.arange(0, 16)[None, :]
+            gh = tl.load(gh_ptr + go, mask=am[:, None], other=0.0)
+            gl = tl.load(gl_ptr + go, mask=am[:, None], other=0.0)
+            pm = _dot16(gh, gl, _q2k_mins(we, bo, rmask), tl.zeros([BM, BN], tl.float32))
+            d, dmin = _q2k_scales(he, bo, rmask)
+            inv = tl.load(xi_ptr + a64 * NS + sb, mask=am, other=0.0)[:, None]
+            acc += (p * d[None, :] - pm * (16.0 * dmin)[None, :]) * inv
+        tl.store(out_ptr + a64[:, None] * E + rows[None, :], acc, mask=am[:, None] & rmask[None, :])

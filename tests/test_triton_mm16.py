@@ -1,0 +1,219 @@
+"""The exact-integer fp16 prefill kernels (kernels_mm16.py: IQ2_XXS / Q2_K routed experts, and the
+optional Q8_0 path) against float64 products of the weights as gguf-py decodes them. Without a GPU
+they run under TRITON_INTERPRET=1 (conftest.py) on small shapes; with one, compiled."""
+
+from __future__ import annotations
+
+import os
+
+import numpy as np
+import pytest
+
+torch = pytest.importorskip("torch")
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+pytest.importorskip("triton")
+gq = pytest.importorskip("gguf.quants")
+from gguf import GGMLQuantizationType as GQT  # noqa: E402
+
+from ds4.backends.triton import kernels_mm16 as K16  # noqa: E402
+from ds4.backends.triton.backend import TritonBackend, _cdiv  # noqa: E402
+from ds4.core.gguf_model import Tensor  # noqa: E402
+from ds4.core.quants import GGMLType as T  # noqa: E402
+from ds4.core.quants import random_blocks  # noqa: E402
+from ds4.core.tiny import preset_config  # noqa: E402
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+TOL = 2e-6
+
+
+@pytest.fixture(scope="module")
+def rng():
+    return np.random.default_rng()  # fresh inputs every run
+
+
+@pytest.fixture(scope="module")
+def tri():
+    be = TritonBackend(preset_config("test"), device=DEVICE)
+    assert be.moe_int16 and be.prec == "bf16x3"  # the default takes the fp16 integer path
+    return be
+
+
+def _experts(tri, ttype, K, N, NE, rng):
+    """NE experts of N rows × K values of random valid blocks: (device weight, float64 [NE, N, K])
+    decoded by gguf-py (the independent reference)."""
+    raw = random_blocks(ttype, NE * N * K, rng, scale=0.05)
+    dense = np.asarray(gq.dequantize(raw, GQT(int(ttype))), dtype=np.float64).reshape(NE, N, K)
+    return tri.upload(Tensor("w", ttype, (K, N, NE), raw)), dense
+
+
+def _activations(rows, K, rng):
+    """Rows spanning several orders of magnitude: per row, per element, one all-zero row and one
+    row whose single huge element dwarfs the rest of its chunk."""
+    x = rng.standard_normal((rows, K)) * 10.0 ** rng.uniform(-3, 3, (rows, 1)) * 10.0 ** rng.uniform(-2, 2, (rows, K))
+    x[0] = 0.0
+    x[1, 300] = 3.0e6
+    return x.astype(np.float32)
+
+
+def _rel_rows(got, want):
+    """max |error| / max |value| over everything and over each non-zero row (rows with a zero
+    reference must come out exactly zero)."""
+    got, want = np.asarray(got, np.float64), np.asarray(want, np.float64)
+    assert np.isfinite(got).all()
+    err = np.abs(got - want).max(axis=1)
+    top = np.abs(want).max(axis=1)
+    assert np.all(err[top == 0] == 0)
+    nz = top > 0
+    return max(float(err.max() / top.max()), float((err[nz] / top[nz]).max()))
+
+
+def _schedule(tri, ids, NE):
+    """The backend's expert-sorted assignment order and tile schedule."""
+    flat = torch.from_numpy(ids.reshape(-1).astype(np.int64))
+    order = torch.sort(flat, stable=True).indices
+    counts = torch.bincount(flat, minlength=NE)
+    T_, te, tr0, tend = tri._tiles(flat.numel(), counts.to(tri.dev), tri.moe16_bm)
+    return order.numpy(), T_, te, tr0, tend
+
+
+def _below_clamp(x, rng):
+    """Rows rescaled to a max of 10^-3..1: gate products mostly inside the SwiGLU clamp, where a
+    float32 evaluation is well conditioned (far outside, min(g, clamp) amplifies the products'
+    rounding)."""
+    top = np.maximum(np.abs(x).max(axis=1, keepdims=True), 1e-30)
+    return (x * (10.0 ** rng.uniform(-3, 0, (x.shape[0], 1)) / top)).astype(np.float32)
+
+
+def _swiglu64(g, u, clamp):
+    g = np.minimum(g, clamp)
+    return g / (1.0 + np.exp(-g)) * np.clip(u, -clamp, clamp)
+
+
+def test_split_is_exact_to_float32(tri, rng):
+    """hi + lo reproduce x·s to 2^-22 of each value or 2^-38 of the chunk max (the 16-value sums
+    to float32 rounding or 2^-34 of the chunk max); s is a power of two; a zero chunk stays zero."""
+    x = _activations(24, 512, rng)
+    xh, xl, xi, gh, gl = [t.cpu().numpy() for t in tri._split16(torch.from_numpy(x).to(tri.dev), sums=True)]
+    inv = np.repeat(xi.astype(np.float64), 256, axis=1)
+    back = (xh.astype(np.float64) + xl.astype(np.float64)) * inv
+    x64 = x.astype(np.float64)
+    cmax = np.repeat(np.abs(x64).reshape(24, 2, 256).max(axis=2), 256, axis=1)
+    assert np.all(np.abs(back - x64) <= 2.0 ** -22 * np.abs(x64) + 2.0 ** -38 * cmax)
+    assert np.all(np.frexp(xi)[0] == 0.5)  # powers of two
+    assert np.abs(xh.astype(np.float64)).max() <= 2 ** 15  # x·s < 2^15 may round up to 2^15
+    sums = (gh.astype(np.float64) + gl.astype(np.float64)) * 16 * np.repeat(xi.astype(np.float64), 16, axis=1)
+    want = x64.reshape(24, 32, 16).sum(axis=2)
+    floor = np.repeat(cmax[:, ::256], 16, axis=1) * 2.0 ** -34  # lo below fp16's normal range
+    assert np.all(np.abs(sums - want) <= 1e-6 * np.abs(x64).reshape(24, 32, 16).sum(axis=2) + floor)
+    assert not xh[0].any() and not xl[0].any()
+
+
+def test_gateup_iq2xxs(tri, rng):
+    """h[a] = w_a·swiglu(gate_e·x[t], up_e·x[t]) for expert-sorted assignments, F not a multiple
+    of the row block; a huge clamp so the products themselves are compared."""
+    NE, F, E, n, k = 4, 96, 512, 33, 3
+    gate, G = _experts(tri, T.IQ2_XXS, E, F, NE, rng)
+    up, U = _experts(tri, T.IQ2_XXS, E, F, NE, rng)
+    x = _activations(n, E, rng)
+    ids = np.stack([rng.choice(NE, k, replace=False) for _ in range(n)])
+    ids[:, 0] = 2  # one expert with more than one tile of assignments
+    wts = rng.uniform(0.1, 1.0, (n, k)).astype(np.float32)
+    order, T_, te, tr0, tend = _schedule(tri, ids, NE)
+    tok = torch.from_numpy((order // k).astype(np.int32)).to(tri.dev)
+    wsort = torch.from_numpy(wts.reshape(-1)[order]).to(tri.dev)
+    xh, xl, xi, _, _ = tri._split16(torch.from_numpy(x).to(tri.dev), sums=False)
+    h = torch.zeros((n * k, F), dtype=torch.float32, device=tri.dev)
+    BN, KS, warps, stages = tri.moe16_tile["gateup"]
+    clamp = 1.0e30
+    lv8, sg8 = tri._gridp[256:768].view(torch.int64), tri._ksigns[128:384].view(torch.int64)
+    tri._launch(K16.moe_gateup_mm16_kernel, (T_, _cdiv(F, BN)), xh, xl, xi, tok, wsort, te, tr0, tend,
+                gate.i16, up.i16, lv8, sg8, h, F, E, gate.RB, F * gate.RB, clamp,
+                BM=tri.moe16_bm, BN=BN, KS=KS, ROUTED=True, num_warps=warps, num_stages=stages)
+    t, e = order // k, ids.reshape(-1)[order]
+    x64 = x.astype(np.float64)[t]
+    g = np.einsum("afk,ak->af", G[e], x64)
+    u = np.einsum("afk,ak->af", U[e], x64)
+    want = wts.reshape(-1)[order][:, None].astype(np.float64) * _swiglu64(g, u, clamp)
+    assert _rel_rows(h.cpu().numpy(), want) < TOL
+
+
+def test_down_q2k(tri, rng):
+    """out[a] = down_e·h[a] for expert-sorted assignments (the min term through the sub-block
+    sums), E not a multiple of the row block."""
+    NE, F, E, n, k = 3, 512, 80, 30, 3
+    down, D = _experts(tri, T.Q2_K, F, E, NE, rng)
+    h = _activations(n * k, F, rng)
+    ids = np.stack([rng.choice(NE, k, replace=False) for _ in range(n)])
+    order, T_, te, tr0, tend = _schedule(tri, ids, NE)
+    hs = h[order]  # the down kernel reads h in sorted order
+    hh, hl, hi, gh, gl = tri._split16(torch.from_numpy(hs).to(tri.dev), sums=True)
+    out = torch.zeros((n * k, E), dtype=torch.float32, device=tri.dev)
+    BN, KS, warps, stages = tri.moe16_tile["down"]
+    tri._launch(K16.moe_down_mm16_kernel, (T_, _cdiv(E, BN)), hh, hl, hi, gh, gl, te, tr0, tend,
+                down.f32, down.i16, out, E, F, down.RB, E * down.RB,
+                BM=tri.moe16_bm, BN=BN, KS=KS, num_warps=warps, num_stages=stages)
+    e = ids.reshape(-1)[order]
+    want = np.einsum("aek,ak->ae", D[e], hs.astype(np.float64))
+    assert _rel_rows(out.cpu().numpy(), want) < TOL
+
+
+def test_moe_prefill_end_to_end(tri, rng):
+    """backend.moe on the prefill branch (both new kernels, the slot-order reduction) against a
+    float64 evaluation of the layer, with the model's SwiGLU clamp."""
+    NE, F, E, n, k, il = 5, 256, 512, 20, 2, 4
+    gate, G = _experts(tri, T.IQ2_XXS, E, F, NE, rng)
+    up, U = _experts(tri, T.IQ2_XXS, E, F, NE, rng)
+    down, D = _experts(tri, T.Q2_K, F, E, NE, rng)
+    x = _below_clamp(_activations(n, E, rng), rng)
+    ids = np.stack([rng.choice(NE, k, replace=False) for _ in range(n)])
+    wts = rng.uniform(0.1, 1.0, (n, k)).astype(np.float32)
+    got = tri.to_numpy(tri.moe(torch.from_numpy(x).to(tri.dev), torch.from_numpy(ids.astype(np.int32)).to(tri.dev),
+                               torch.from_numpy(wts).to(tri.dev), gate, up, down, il))
+    clamp = float(tri.cfg.swiglu_clamp[il])
+    x64 = x.astype(np.float64)
+    want = np.zeros((n, E))
+    for j in range(k):
+        e = ids[:, j]
+        hv = _swiglu64(np.einsum("tfk,tk->tf", G[e], x64), np.einsum("tfk,tk->tf", U[e], x64), clamp)
+        want += wts[:, j, None].astype(np.float64) * np.einsum("tef,tf->te", D[e], hv)
+    assert _rel_rows(got, want) < TOL
+
+
+# ---- Q8_0 (optional path: q8_int16) -------------------------------------------------------------
+
+def test_q8_linear_and_groups(tri, rng):
+    """Dense and grouped Q8_0 prefill products with x in two fp16 terms (matmul_q8_16_kernel)."""
+    tri.q8_int16 = True
+    try:
+        N, K, n = 72, 512, 19
+        w, W = _experts(tri, T.Q8_0, K, N, 1, rng)
+        x = _activations(n, K, rng)
+        got = tri.to_numpy(tri.linear(torch.from_numpy(x).to(tri.dev), w))
+        assert _rel_rows(got, x.astype(np.float64) @ W[0].T) < TOL
+        # two groups of 32 rows, each reading its own 256 columns of x
+        wg, Wg = _experts(tri, T.Q8_0, 256, 64, 1, rng)
+        xg = _activations(n, 512, rng)
+        got = tri.to_numpy(tri._linear(torch.from_numpy(xg).to(tri.dev), wg, group_rows=32, group_stride=256))
+        x64 = xg.astype(np.float64)
+        want = np.concatenate([x64[:, :256] @ Wg[0, :32].T, x64[:, 256:] @ Wg[0, 32:].T], axis=1)
+        assert _rel_rows(got, want) < TOL
+    finally:
+        tri.q8_int16 = False
+
+
+def test_q8_shared_expert(tri, rng):
+    """The shared expert's Q8_0 gate/up (moe_gateup_q8_mm16_kernel) and down on the fp16 path."""
+    tri.q8_int16 = True
+    try:
+        F, E, n, il = 256, 512, 20, 4
+        gate, G = _experts(tri, T.Q8_0, E, F, 1, rng)
+        up, U = _experts(tri, T.Q8_0, E, F, 1, rng)
+        down, D = _experts(tri, T.Q8_0, F, E, 1, rng)
+        x = _below_clamp(_activations(n, E, rng), rng)
+        got = tri.to_numpy(tri.shared_expert(torch.from_numpy(x).to(tri.dev), gate, up, down, il))
+        x64 = x.astype(np.float64)
+        hv = _swiglu64(x64 @ G[0].T, x64 @ U[0].T, float(tri.cfg.swiglu_clamp[il]))
+        assert _rel_rows(got, hv @ D[0].T) < TOL
+    finally:
+        tri.q8_int16 = False
