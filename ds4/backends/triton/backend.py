@@ -233,9 +233,10 @@ class TritonBackend(Backend):
         self.synthetic = synthetic
         self.seed = seed
         # prefill products: "bf16x3" multiplies Q8_0 quants (exact integers) on bf16 tensor cores
-        # with x split exactly in three bf16 terms and applies the block scales in float32; other
-        # weights, and every weight under "tf32x3" / "tf32" / "ieee", go through tl.dot at that
-        # precision on float32-decoded tiles (bench/triton/tune_paths.py measured both ways)
+        # with x split exactly in three bf16 terms and applies the block scales in float32, and
+        # the IQ2_XXS / Q2_K experts as exact integers on fp16 tensor cores (moe_int16 below);
+        # other weights, and every weight under "tf32x3" / "tf32" / "ieee", go through tl.dot at
+        # that precision on float32-decoded tiles (bench/triton/README.md measured each way)
         self.prec = dot_precision or os.environ.get("DS4_TRITON_DOT") or "bf16x3"
         if self.prec not in ("bf16x3", "tf32x3", "tf32", "ieee"):
             raise ValueError(f"DS4_TRITON_DOT: expected bf16x3, tf32x3, tf32 or ieee, got {self.prec!r}")
