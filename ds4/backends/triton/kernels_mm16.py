@@ -340,7 +340,8 @@ def matmul_q8_16_kernel(xh_ptr, xl_ptr, xi_ptr, SX, wh, out_ptr, so_t, M, N, K, 
 @triton.jit
 def _tile_rows(tok_ptr, tile_e_ptr, tile_r0_ptr, tile_end_ptr, tile, BM: tl.constexpr, ROUTED: tl.constexpr):
     """(expert e, assignments a [BM], their mask, their tokens) of a tile of the schedule: BM
-    expert-sorted (token, slot) assignments (ROUTED), or BM tokens of the shared expert."""
+    expert-sorted (token, slot) assignments (ROUTED), or BM tokens of the shared expert. tok_ptr
+    is read only when ROUTED (the down kernel's rows are the sorted assignments themselves)."""
     e = tl.load(tile_e_ptr + tile)
     a = tl.load(tile_r0_ptr + tile) + tl.arange(0, BM)
     am = a < tl.load(tile_end_ptr + tile)
@@ -432,13 +433,8 @@ def moe_down_mm16_kernel(xh_ptr, xl_ptr, xi_ptr, gh_ptr, gl_ptr, tile_e_ptr, til
     of KS values (a divisor of 256), then the dmin·m term over the 16-value sums of h."""
     tile = tl.program_id(0)
     pn = tl.program_id(1)
-    e = tl.load(tile_e_ptr + tile)
+    e, a, am, a64 = _tile_rows(tile_e_ptr, tile_e_ptr, tile_r0_ptr, tile_end_ptr, tile, BM, False)
     if e >= 0:
-        r0 = tl.load(tile_r0_ptr + tile)
-        rend = tl.load(tile_end_ptr + tile)
-        a = r0 + tl.arange(0, BM)
-        am = a < rend
-        a64 = a.to(tl.int64)
         rows = pn * BN + tl.arange(0, BN)
         rmask = rows < E
         we = ww + e.to(tl.int64) * (EXP_BYTES // 4)  # the expert's first word / halfword
