@@ -108,12 +108,13 @@ def compile_all(path: str, arch: int) -> int:
 
     from ds4.backends.triton import kernels as K
     from ds4.backends.triton import kernels_mm16 as K16
+    from ds4.backends.triton import kernels_mv16 as KV
 
     configs = json.load(open(path))
     bad = 0
     print(f"{'kernel':24s} {'warps':>5s} {'st':>2s} {'regs':>5s} {'spill':>6s} {'smem':>7s} {'s':>5s}  constexprs")
     for name, sig, const, warps, stages, aligned, count in sorted(configs, key=lambda c: c[0]):
-        fn = getattr(K, name, None) or getattr(K16, name)
+        fn = getattr(K, name, None) or getattr(K16, name, None) or getattr(KV, name)
         t0 = time.time()
         try:
             attrs = {(i,): [["tt.divisibility", 16]] for i in aligned}

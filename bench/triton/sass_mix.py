@@ -27,7 +27,7 @@ from ds4.backends.triton import kernels as K  # noqa: E402
 BIN = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin")
 PTRS = dict(x_ptr="*fp32", nw_ptr="*fp32", wb="*u8", wh="*i16", wf="*i32", gridp="*i32", ksigns="*i32",
             out_ptr="*fp32", ids_ptr="*i32", wts_ptr="*fp32", gb="*u8", gh="*i16", gf="*i32", ub="*u8",
-            uh="*i16", uf="*i32", h_ptr="*fp32", db="*u8", dh="*i16", df="*i32")
+            uh="*i16", uf="*i32", h_ptr="*fp32", db="*u8", dh="*i16", df="*i32", ws_ptr="*fp32", cnt_ptr="*i32")
 
 
 def sass(kern, const: dict, warps: int) -> str:
@@ -56,8 +56,8 @@ def hot_loop(txt: str) -> list[str]:
 
 def main() -> None:
     cases = [  # (label, kernel, constexprs, warps, values per K-step)
-        ("Q8_0 108 (16-bit pairs)", K.matvec_kernel, dict(TYPE=108, BN=16, NB=8, VB=32, VA=16, NORM=0), 4, 16 * 8 * 32),
-        ("Q8_0 208 (16-byte segments)", K.matvec_kernel, dict(TYPE=208, BN=8, NB=32, VB=16, VA=16, NORM=0), 4,
+        ("Q8_0 108 (16-bit pairs)", K.matvec_kernel, dict(TYPE=108, BN=16, NB=8, VB=32, VA=16, NORM=0, S=1), 4, 16 * 8 * 32),
+        ("Q8_0 208 (16-byte segments)", K.matvec_kernel, dict(TYPE=208, BN=8, NB=32, VB=16, VA=16, NORM=0, S=1), 4,
          8 * 32 * 16 * 32 // 34),
         ("IQ2_XXS 216 (one row per thread)", K.moe_gateup_mv_kernel,
          dict(TYPE=216, BN=16, NB=16, VB=32, VA=1, ROUTED=True), 4, 16 * 16 * 32),

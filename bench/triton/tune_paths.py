@@ -6,6 +6,10 @@ quant pairs (108); routed-expert gate/up in IQ2_XXS as packed-byte groups (216) 
 rows per thread sharing x (416); Q2_K down as unrolled runs (110).
 Each point replays a CUDA graph of 8 calls over rotating weight copies / expert choices, so
 neither Python launches nor L2 hits flatter it.
+`dec` times every decode product shape of the model through its decoder variants (FMA decoders
+with their K-steps, rows, warps and pipelined K-steps; Q8_0 also on fp16 tensor cores, 508,
+kernels_mv16.py), set through the backend's per-shape table, and --pick writes the fastest as
+that table (ds4/backends/triton/mv_shapes_h200.json).
 Prefill (2048 tokens): dense Q8_0 and grouped-expert products: float32-decoded tiles on tf32×3,
 Q8_0 blocks as bf16 integers (x in three bf16 terms), and exact integers on fp16 tensor cores
 with x in two fp16 terms (fp16x2, kernels_mm16.py: Q8_0 blocks, IQ2_XXS / Q2_K super-blocks).
@@ -44,7 +48,13 @@ T0 = time.time()
 
 def qweight(t: T, dims, copies=1):
     n = int(np.prod(dims))
-    return [QWeight(f"w{i}", t, dims, _quant_blocks(t, n, 1.0 / np.sqrt(dims[0]), dev, g)) for i in range(copies)]
+
+    def data():
+        if t == T.F16:
+            return (torch.randn(n, device=dev, generator=g) / np.sqrt(dims[0])).half().view(torch.uint8)
+        return _quant_blocks(t, n, 1.0 / np.sqrt(dims[0]), dev, g)
+
+    return [QWeight(f"w{i}", t, dims, data()) for i in range(copies)]
 
 
 def graph_time(fn, calls: int = 8, reps: int = 20) -> float:
@@ -130,6 +140,103 @@ def _xor(a, b):
     return a ^ b
 
 
+def decode_variants(be, rows, kind, ttype, N, Kd, variants, copies=8, group_rows=0, NE=256):
+    """One decode product shape through every (decoder, tuning) variant, set in the backend's
+    per-shape table exactly as the forward pass looks it up. kind: linear (group_rows: grouped
+    rows), gateup (Q8_0: the shared expert; else 6 routed experts of NE), down (6 routed)."""
+    key = (kind, int(ttype), N, Kd)
+    routed = kind == "down" or (kind == "gateup" and ttype != T.Q8_0)
+    ne = NE if routed else 1
+    ws = qweight(ttype, (Kd, N, ne) if routed else (Kd, N), copies)
+    us = qweight(ttype, (Kd, N, ne) if routed else (Kd, N), copies) if kind == "gateup" else ws
+    x = torch.randn(1, Kd * (N // group_rows if group_rows else 1), device=dev)
+    h = torch.randn(6, Kd, device=dev)
+    rng = np.random.default_rng(0)
+    ids = [torch.tensor(rng.choice(NE, 6, replace=False)[None], dtype=torch.int32, device=dev) for _ in range(8)]
+    wts = torch.rand(1, 6, device=dev)
+    slots = 6 if routed else 1
+    nbytes = row_bytes(ttype, Kd) * N * slots * (2 if kind == "gateup" else 1)
+
+    def fn(i):
+        w, u = ws[i % copies], us[i % copies]
+        if kind == "gateup":
+            return be._gateup_mv(x, w, u, ids[i] if routed else None, wts if routed else None, slots, slots, 10.0)
+        if kind == "down":
+            return be._down_mv(h, ids[i], w, 1, 6)
+        if group_rows:
+            return be._linear(x, w, group_rows=group_rows, group_stride=Kd)
+        return be.linear(x, w)
+
+    ref = None
+    name = f"{kind} {ttype.name} {N}x{Kd}"
+    for v in variants:
+        be.mv_shapes[key] = tuple(v)
+        try:
+            y = fn(0)
+            if ref is None:
+                ref = y.clone()
+            s = graph_time(fn)
+        except Exception as e:  # noqa: BLE001
+            print(f"  {name} {v}: {type(e).__name__} {str(e)[:300]}")
+            continue
+        emit(rows, dict(part="decode", op=name, key=",".join(str(k) for k in key), type=v[0], cap=0,
+                        BN=list(v[1:]), warps=0, us=s * 1e6, GBps=nbytes / s / 1e9, err=rel(y, ref)))
+    del be.mv_shapes[key]
+
+
+def pick(rows, path):
+    """The per-shape table of the fastest variants (those within 1e-5 of the first): JSON for
+    DS4_TRITON_MV_SHAPES / ds4/backends/triton/mv_shapes_h200.json."""
+    best = {}
+    for r in rows:
+        if r.get("key") and r["err"] < 1e-5 and (r["key"] not in best or r["us"] < best[r["key"]]["us"]):
+            best[r["key"]] = r
+    table = {k: [r["type"], *r["BN"]] for k, r in sorted(best.items())}
+    json.dump(dict(device=torch.cuda.get_device_name(0), shapes=table,
+                   us={k: round(r["us"], 2) for k, r in sorted(best.items())}), open(path, "w"), indent=1)
+    print(f"picked {len(table)} shapes -> {path}")
+
+
+# (decoder, K-step, rows per program, warps, K split) for the FMA decoders; 508: (rows, groups per
+# K-step, warps per 64 rows, stages, grid under which rows shrink)
+Q8_VARIANTS = ([(108, 256, 16, 4, sp) for sp in (1, 2, 4, 8)] + [(108, 512, 16, 4, 4), (108, 256, 32, 4, 4), (108, 256, 8, 4, 8)]
+               + [(208, 512, 8, 4, sp) for sp in (1, 2, 4, 8)] + [(208, 1024, 4, 4, 4), (208, 2048, 1, 4, 1),
+                                                                   (208, 2048, 2, 4, 2)]
+               + [(508, 64, 1, 8, 3, 132), (508, 32, 2, 8, 3, 264)])
+F16_VARIANTS = [(1, c, b, w, sp) for c, b, w, sp in ((512, 4, 4, 1), (512, 4, 4, 2), (512, 4, 4, 4), (512, 8, 4, 4),
+                                                     (1024, 4, 4, 4), (256, 16, 4, 8), (1024, 2, 4, 1))]
+GATEUP_VARIANTS = [(416, 1024, 32, 4, sp) for sp in (1, 2, 4)]
+DOWN_VARIANTS = [(110, 1024, 8, 4, sp) for sp in (1, 2, 4)] + [(110, 1024, 16, 4, 2)]
+
+
+@triton.jit
+def _read_rows_kernel(src, out, RW, NR, BN: tl.constexpr, SW: tl.constexpr):
+    """Streams BN rows of RW int32 words (a matrix's row-major bytes) SW words per row per step:
+    the access pattern of a matrix-vector kernel without its arithmetic."""
+    pid = tl.program_id(0)
+    rows = pid * BN + tl.arange(0, BN)
+    rw = rows.to(tl.int64)[:, None] * RW
+    kk = tl.arange(0, SW)[None, :]
+    acc = tl.zeros([BN, SW], tl.int32)
+    for k in range(0, RW, SW):
+        acc ^= tl.load(src + rw + k + kk, mask=(rows[:, None] < NR) & (k + kk < RW), other=0)
+    tl.store(out + pid, tl.reduce(tl.reduce(acc, 1, _xor), 0, _xor))
+
+
+def read_rows(rows_out, name, NR, RB, copies=8):
+    """Time of reading an NR × RB-byte matrix in the access pattern of BN rows × S bytes per step."""
+    RW = RB // 4
+    bufs = [torch.randint(0, 1 << 30, (NR * RW,), dtype=torch.int32, device=dev) for _ in range(copies)]
+    nbytes = NR * RB
+    for BN, SW, warps in ((16, 64, 4), (64, 64, 4), (16, 256, 4), (8, 256, 4), (4, 512, 4), (2, 1024, 4),
+                          (1, 1024, 4), (1, 2048, 8), (32, 128, 4)):
+        grid = (NR + BN - 1) // BN
+        out = torch.empty(grid, dtype=torch.int32, device=dev)
+        s = graph_time(lambda i: _read_rows_kernel[(grid,)](bufs[i % copies], out, RW, NR, BN=BN, SW=SW, num_warps=warps))
+        emit(rows_out, dict(part="decode", op=f"read rows {name}", type="read", cap=4 * SW, BN=BN, warps=warps,
+                            us=s * 1e6, GBps=nbytes / s / 1e9, err=0.0))
+
+
 def read_floor(rows, name, nbytes, copies=8):
     """Time of a pure read of nbytes (8 rotating buffers, one CUDA graph), at a few grid shapes."""
     n = nbytes // 4
@@ -165,12 +272,7 @@ def decode_moe(be, rows, kind, types, caps, bns, warps, NE=256):
                     return be._gateup_mv(x, gate, up, ids[i], wts, 6, 6, 10.0)
             else:
                 def fn(i):
-                    c = be._mv_cfg(down.type, E, F, 1)
-                    out = torch.empty(1, E, device=dev)
-                    be._launch(K.moe_down_mv_kernel, ((E + c["BN"] - 1) // c["BN"], 1), h, ids[i], down.u8,
-                               down.i16, down.f32, be._gridp, be._ksigns, out, E, F, down.RB, E * down.RB,
-                               KSLOTS=6, **c)
-                    return out
+                    return be._down_mv(h, ids[i], down, 1, 6)
             y = fn(0)
             if ref is None:
                 ref = y.clone()
@@ -261,11 +363,13 @@ def prefill_moe(be, rows, M, gus, downs, units, mm16_tiles, NE=256):
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", default="tune_paths.json")
-    ap.add_argument("--parts", default="read,q8,gateup,down,mm,moe")
+    ap.add_argument("--parts", default="read,rows,dec,q8,gateup,down,mm,moe")
+    ap.add_argument("--pick", default="", help="write the per-shape table of the fastest decode variants here")
     a = ap.parse_args()
     cfg = preset_config("flash")
     be = TritonBackend(cfg, numerics="exact", cuda_graphs=False)
     be.q8_segments_from = 1 << 30  # the sweep picks 108 or 208 itself
+    be.mv_shapes = {}
     rows: list[dict] = []
     parts = a.parts.split(",")
     def save():
@@ -278,6 +382,34 @@ def main():
             decode_linear(be, rows, name, T.Q8_0, N, Kd, [208], [256, 512], [8, 32], [4, 8])
             print(f"[{time.time() - T0:.0f}s] {name}", flush=True)
             save()
+    if "dec" in parts:  # every decode product shape of the model, each through its variants
+        q8 = (("linear", 4096, 8192, {}), ("linear", 32768, 1024, {}), ("linear", 8192, 4096, dict(group_rows=1024)),
+              ("linear", 129280, 4096, dict(copies=3)), ("linear", 1024, 4096, {}), ("linear", 512, 4096, {}),
+              ("linear", 4096, 2048, {}), ("gateup", 2048, 4096, {}))
+        for kind, N, Kd, kw in q8:
+            decode_variants(be, rows, kind, T.Q8_0, N, Kd, Q8_VARIANTS, **kw)
+            print(f"[{time.time() - T0:.0f}s] {kind} {N}x{Kd}", flush=True)
+            save()
+        for N, Kd in ((1024, 4096), (8192, 1024), (512, 4096), (256, 4096), (64, 4096)):
+            decode_variants(be, rows, "linear", T.F16, N, Kd, F16_VARIANTS)
+        print(f"[{time.time() - T0:.0f}s] f16", flush=True)
+        save()
+        if a.pick:
+            pick(rows, a.pick)
+        if "decmoe" in parts:  # (the unrolled IQ2_XXS decoder takes tens of seconds to compile)
+            decode_variants(be, rows, "gateup", T.IQ2_XXS, 2048, 4096, GATEUP_VARIANTS, copies=1)
+            print(f"[{time.time() - T0:.0f}s] moe gateup", flush=True)
+            decode_variants(be, rows, "down", T.Q2_K, 4096, 2048, DOWN_VARIANTS, copies=1)
+            print(f"[{time.time() - T0:.0f}s] moe down", flush=True)
+            save()
+            if a.pick:
+                pick(rows, a.pick)
+    if "rows" in parts:  # the floor in a matrix's access pattern: rows × bytes per step
+        for name, NR, RB in (("wo_b 4096x8704B", 4096, 8704), ("head 129280x4352B", 129280, 4352),
+                             ("wq_b 32768x1088B", 32768, 1088)):
+            read_rows(rows, name, NR, RB, copies=3 if NR * RB > 1e8 else 8)
+            save()
+        print(f"[{time.time() - T0:.0f}s] read rows", flush=True)
     if "read" in parts:  # the floor: the same bytes read by a kernel that does nothing else
         for name, nb in (("35.6 MB (a Q8_0 attention matrix)", 35651584), ("9.4 MB", 9437184),
                          ("563 MB (the output head)", 562954240)):

@@ -35,6 +35,7 @@ from ...core.rope import layer_inv_freq  # noqa: E402
 from ..base import Backend  # noqa: E402
 from . import kernels as K  # noqa: E402
 from . import kernels_mm16 as K16  # noqa: E402
+from . import kernels_mv16 as KV  # noqa: E402
 
 MM_MIN = 16  # tokens from which linear layers use the matrix-matrix kernels (tl.dot needs 16)
 
@@ -208,7 +209,8 @@ def _op(fn):
 class TritonBackend(Backend):
     name = "triton"
     # the specialised matrix-vector decoders of each block format (mv_types picks one)
-    MV_PATHS = {int(K.Q8_0): (108, 208), int(K.IQ2_XXS): (216, 416), int(K.Q2_K): (110,)}
+    # (508: Q8_0 on fp16 tensor cores, kernels_mv16.py, where K % 256 == 0; else 108)
+    MV_PATHS = {int(K.Q8_0): (108, 208, 508), int(K.IQ2_XXS): (216, 416), int(K.Q2_K): (110,)}
 
     @staticmethod
     def runs_here() -> bool:
@@ -255,6 +257,8 @@ class TritonBackend(Backend):
         self._tok_t = None
         self._dummy_f = torch.zeros(16, dtype=torch.float32, device=d)
         self._dummy_i = torch.zeros(16, dtype=torch.int32, device=d)
+        # split-K tickets of matvec_kernel, one per output tile; each launch leaves them at zero
+        self._split_cnt = torch.zeros(1 << 16, dtype=torch.int32, device=d)
         self._step: _Step | None = None
         self._graphs: OrderedDict[int, _GraphEntry] = OrderedDict()
         self.max_graphs = max_graphs
@@ -300,6 +304,17 @@ class TritonBackend(Backend):
                         216: (512, 16, 4), 416: (1024, 32, 4), int(K.F16): (512, 4, 4)}
         self.mv_tune.update({int(k): tuple(v) for k, v in
                              json.loads(os.environ.get("DS4_TRITON_MV_TUNE", "{}")).items()})
+        # Q8_0 decode on tensor cores (508): rows per program at most, 256-value groups per K-step,
+        # warps per 64 rows, pipeline stages, and the grid size under which programs get fewer rows
+        # (down to 16)
+        self.tc_tile = tuple(int(v) for v in os.environ.get("DS4_TRITON_TC", "64,1,4,3,264").split(","))
+        # per-shape decoder choices, (kind, GGUF type, rows, K) -> (decoder, its tuning), measured on
+        # the H200 (bench/triton/tune_paths.py --pick writes the table); DS4_TRITON_MV_SHAPES names
+        # another table (a JSON file), "" none
+        self.mv_shapes: dict[tuple, tuple] = {}
+        table = os.environ.get("DS4_TRITON_MV_SHAPES", os.path.join(os.path.dirname(__file__), "mv_shapes_h200.json"))
+        if table and os.path.exists(table) and not self.interpret:
+            self.mv_shapes = load_mv_shapes(table)
         self._synth = None
 
     @property
@@ -439,36 +454,81 @@ class TritonBackend(Backend):
         NB, VB = self._blocks(ttype, K_, 64 if not self.interpret else 128)
         return dict(NB=NB, VB=VB, U=0, PREC=self.prec_f)
 
-    def _mv_cfg(self, ttype: int, N: int, K_: int, slots: int = 1, norm: int = 0) -> dict:
+    def _mv_path(self, kind: str, ttype: int, N: int, K_: int) -> tuple[int, tuple]:
+        """(decoder, its tuning) of a decode product of `kind` (linear, gateup, down) with N rows of
+        K_ values: the per-shape table (mv_shapes), else the per-type defaults."""
+        e = self.mv_shapes.get((kind, int(ttype), int(N), int(K_)))
+        if e is not None:
+            return int(e[0]), tuple(e[1:])
+        t = self.mv_types.get(int(ttype), int(ttype))
+        if t == 108 and K_ >= self.q8_segments_from:
+            t = 208
+        return t, (self.tc_tile if t == 508 else self.mv_tune.get(t, self.mv_tune["default"]))
+
+    def _mv_cfg(self, ttype: int, N: int, K_: int, slots: int = 1, norm: int = 0, kind: str = "linear") -> dict:
         """Launch parameters of a matrix-vector kernel: decoded type (108 / 208 = Q8_0 as 16-bit
         pairs / raw segments, 216 / 416 = IQ2_XXS groups (one / four rows per thread), 110 = Q2_K
         runs, else the generic decoder),
-        rows per program, units per K-step, values per unit, accumulator width, warps."""
+        rows per program, units per K-step, values per unit, accumulator width, warps, K-steps in
+        flight."""
         ttype = int(ttype)
-        t = self.mv_types.get(ttype, ttype)
-        if t == 108 and K_ >= self.q8_segments_from:
-            t = 208
+        t, tune = self._mv_path(kind, ttype, N, K_)
+        if t == 508:  # the tensor-core path did not apply (K % 256 != 0, or a routed down product)
+            t, tune = 108, self.mv_tune[108]
         if norm and t in (110, 216, 416):  # these decoders have no fused RMSNorm: the generic one has
-            t = ttype
-        cap, BN, warps = self.mv_tune.get(t, self.mv_tune["default"])
-        if self.interpret:
-            cap, BN = 1024, min(64, _pow2(N))
+            t, tune = ttype, self.mv_tune.get(ttype, self.mv_tune["default"])
+        cap, BN, warps = tune[:3]
+        S = tune[3] if len(tune) > 3 else 1  # K split in S parts (_split_store)
+        if self.interpret:  # few, large programs (a per-shape entry keeps its K-step: tests split K)
+            cap = cap if (kind, ttype, int(N), int(K_)) in self.mv_shapes else 1024
+            BN = min(64, _pow2(N))
         else:
-            while BN > (4 if t == 416 else 1) and _cdiv(N, BN) * slots < 264:  # two programs per SM
+            while BN > (4 if t == 416 else 1) and _cdiv(N, BN) * slots * S < 264:  # two programs per SM
                 BN //= 2
         if t == 416:  # four row sets of BN/4 rows × NB groups; no more threads than set elements
             NB = _largest_pow2_divisor(K_ // 32, max(1, cap // 32))
             BN = max(BN, 4)
             warps = max(1, min(warps, (BN // 4) * NB // 32))
-            return dict(TYPE=t, BN=BN, NB=NB, VB=32, VA=1, num_warps=warps)
+            return dict(TYPE=t, BN=BN, NB=NB, VB=32, VA=1, S=self._split(S, K_, NB * 32), num_warps=warps)
         if t == 208:  # K-step in row bytes: NB segments of 16
-            return dict(TYPE=t, BN=BN, NB=max(1, cap // 16), VB=16, VA=16, num_warps=warps)
+            return dict(TYPE=t, BN=BN, NB=max(1, cap // 16), VB=16, VA=16, S=self._split(S, K_, 256), num_warps=warps)
         if t in (110, 216):  # unrolled units: 32 (IQ2_XXS) or 64 (Q2_K) values per tile element
             VB = {216: 32, 110: 64}[t]
             NB = _largest_pow2_divisor(K_ // VB, max(1, cap // VB))
-            return dict(TYPE=t, BN=BN, NB=NB, VB=VB, VA=1, num_warps=warps)
+            return dict(TYPE=t, BN=BN, NB=NB, VB=VB, VA=1, S=self._split(S, K_, NB * VB), num_warps=warps)
         NB, VB = self._blocks(ttype, K_, cap)
-        return dict(TYPE=t, BN=BN, NB=NB, VB=VB, VA=VB // 2 if t == 108 else VB, num_warps=warps)
+        return dict(TYPE=t, BN=BN, NB=NB, VB=VB, VA=VB // 2 if t == 108 else VB, S=self._split(S, K_, NB * VB),
+                    num_warps=warps)
+
+    def _tiles_ok(self, tiles: int, S: int) -> int:
+        if S > 1 and tiles > self._split_cnt.numel():  # one split-K ticket per output tile
+            raise ValueError(f"split-K tickets: {tiles} output tiles, {self._split_cnt.numel()} tickets")
+        return tiles
+
+    @staticmethod
+    def _split(S: int, K_: int, step: int) -> int:
+        """The largest power of two <= S that splits K_ into whole K-steps."""
+        return _largest_pow2_divisor(max(1, K_ // step), max(1, S))
+
+    def _tc(self, w: QWeight, group_rows: int = 0, kind: str = "linear") -> bool:
+        """Whether a decode product with w takes the Q8_0 tensor-core path (kernels_mv16.py)."""
+        return (int(w.type) == int(K.Q8_0) and self._mv_path(kind, w.type, w.N, w.K)[0] == 508
+                and w.K % 256 == 0 and group_rows % 16 == 0)
+
+    def _tc_cfg(self, N: int, K_: int, slots: int, group_rows: int = 0,
+                kind: str = "linear") -> tuple[int, int, int, int]:
+        """(rows per program, groups per K-step, warps, stages) of a kernels_mv16 launch over N rows
+        of K_ values × slots."""
+        BN, G, warps, stages, min_grid = self._mv_path(kind, K.Q8_0, N, K_)[1]
+        G = _largest_pow2_divisor(K_ // 256, G)
+        if self.interpret:
+            BN = min(64, max(16, _pow2(N)))
+        else:
+            while BN > 16 and _cdiv(N, BN) * slots < min_grid:
+                BN //= 2
+        if group_rows:
+            BN = min(BN, _largest_pow2_divisor(group_rows, BN))
+        return BN, G, max(1, warps * BN // 64), stages
 
     # ---- linear layers --------------------------------------------------------------------------
 
@@ -487,12 +547,21 @@ class TritonBackend(Backend):
         n = src.shape[0]
         sx_t = src.stride(0)
         out = self._new((n, N))
-        if n < MM_MIN:
+        if n < MM_MIN and self._tc(w, group_rows):
+            BN, G, warps, stages = self._tc_cfg(N, Kd, n, group_rows)
+            self._launch(KV.q8_mv16_kernel, (_cdiv(N, BN), n), src, sx_t, group_stride, nw, w.u8, w.i16, out,
+                         N, N, w.RB, gr, self.cfg.rms_eps, NG=Kd // 256, G=G, BN=BN, NORM=norm, num_warps=warps,
+                         num_stages=stages, nbytes=w.RB * N + 4 * n * (Kd + N))
+        elif n < MM_MIN:
             c = self._mv_cfg(w.type, N, Kd, n, norm)
             if group_rows:
                 c["BN"] = min(c["BN"], _largest_pow2_divisor(group_rows, c["BN"]))
-            self._launch(K.matvec_kernel, (_cdiv(N, c["BN"]), n), src, sx_t, group_stride, nw,
-                         w.u8, w.i16, w.f32, self._gridp, self._ksigns, out, N,
+            S = c["S"]
+            tiles = _cdiv(N, c["BN"])
+            self._tiles_ok(tiles * n, S)
+            ws = self._new((n, S, N)) if S > 1 else self._dummy_f
+            self._launch(K.matvec_kernel, (tiles, n, S), src, sx_t, group_stride, nw,
+                         w.u8, w.i16, w.f32, self._gridp, self._ksigns, out, N, ws, self._split_cnt,
                          N, Kd, w.RB, gr, self.cfg.rms_eps, NORM=norm, **c,
                          nbytes=w.RB * N + 4 * n * (Kd + N))
         elif self._q8_16(w, src, group_stride):
@@ -836,15 +905,39 @@ class TritonBackend(Backend):
 
     def _gateup_mv(self, x, gate: QWeight, up: QWeight, ids, wts, slots: int, kslots: int, clamp: float):
         E, F = gate.K, gate.N
-        c = self._mv_cfg(gate.type, F, E, slots)
         h = self._new((slots, F))
         routed = ids is not None
-        self._launch(K.moe_gateup_mv_kernel, (_cdiv(F, c["BN"]), slots), x, x.stride(0),
+        if self._tc(gate, kind="gateup") and up.type == gate.type:
+            BN, G, warps, stages = self._tc_cfg(F, E, slots, kind="gateup")
+            self._launch(KV.q8_gateup_mv16_kernel, (_cdiv(F, BN), slots), x, x.stride(0),
+                         ids if routed else self._dummy_i, wts if routed else self._dummy_f,
+                         gate.u8, gate.i16, up.u8, up.i16, h, F, gate.RB, F * gate.RB, kslots, float(clamp),
+                         NG=E // 256, G=G, BN=BN, ROUTED=routed, num_warps=warps, num_stages=stages,
+                         nbytes=slots * (2 * F * gate.RB + 4 * (E + F)))
+            return h
+        c = self._mv_cfg(gate.type, F, E, slots, kind="gateup")
+        S = c["S"]
+        self._tiles_ok(_cdiv(F, c["BN"]) * slots, S)
+        self._launch(K.moe_gateup_mv_kernel, (_cdiv(F, c["BN"]), slots, S), x, x.stride(0),
                      ids if routed else self._dummy_i, wts if routed else self._dummy_f,
                      gate.u8, gate.i16, gate.f32, up.u8, up.i16, up.f32, self._gridp, self._ksigns, h,
+                     self._new((slots, S, 2, F)) if S > 1 else self._dummy_f, self._split_cnt,
                      F, E, gate.RB, F * gate.RB, kslots, float(clamp), ROUTED=routed, **c,
                      nbytes=slots * (2 * F * gate.RB + 4 * (E + F)))
         return h
+
+    def _down_mv(self, h, ids, down: QWeight, n: int, k: int):
+        """Decode down products: out[t] = Σ_j down_{ids[t, j]} · h[t·k + j], in slot order."""
+        F, E = down.K, down.N
+        out = self._new((n, E))
+        c = self._mv_cfg(down.type, E, F, n, kind="down")
+        S = c["S"]
+        self._tiles_ok(_cdiv(E, c["BN"]) * n, S)
+        self._launch(K.moe_down_mv_kernel, (_cdiv(E, c["BN"]), n, S), h, ids, down.u8, down.i16, down.f32,
+                     self._gridp, self._ksigns, out, self._new((n, S, E)) if S > 1 else self._dummy_f,
+                     self._split_cnt, E, F, down.RB, E * down.RB, KSLOTS=k, **c,
+                     nbytes=n * k * (E * down.RB + 4 * F) + 4 * n * E)
+        return out
 
     def _tiles(self, n_assign: int, counts: torch.Tensor, BM: int):
         """Tile schedule of the expert-sorted assignments: expert, first row, segment end."""
@@ -872,13 +965,7 @@ class TritonBackend(Backend):
         F = gate.N
         clamp = cfg.swiglu_clamp[il]
         if n < MM_MIN:
-            h = self._gateup_mv(x, gate, up, ids, weights, n * k, k, clamp)
-            out = self._new((n, E))
-            c = self._mv_cfg(down.type, E, F, n)
-            self._launch(K.moe_down_mv_kernel, (_cdiv(E, c["BN"]), n), h, ids, down.u8, down.i16, down.f32,
-                         self._gridp, self._ksigns, out, E, F, down.RB, E * down.RB, KSLOTS=k, **c,
-                         nbytes=n * k * (E * down.RB + 4 * F) + 4 * n * E)
-            return out
+            return self._down_mv(self._gateup_mv(x, gate, up, ids, weights, n * k, k, clamp), ids, down, n, k)
         # prefill: group the (token, slot) assignments by expert
         NE = gate.n_exp
         flat = ids.reshape(-1).to(torch.int64)
@@ -997,6 +1084,17 @@ class TritonBackend(Backend):
         x_in, _, _ = self._hc_collapse(X[-1:], hc, head=True)
         logits = self._linear(_Normed(x_in, norm), out)
         return logits[0]
+
+
+def load_mv_shapes(path: str) -> dict[tuple, tuple]:
+    """A per-shape decoder table: JSON {"kind,type,rows,K": [decoder, tuning...]}."""
+    with open(path) as f:
+        raw = json.load(f)
+    out = {}
+    for key, val in raw.get("shapes", raw).items():
+        kind, ttype, n, k = key.split(",")
+        out[(kind, int(ttype), int(n), int(k))] = tuple(int(v) for v in val)
+    return out
 
 
 def _grid_table() -> np.ndarray:

@@ -430,15 +430,16 @@ def _mv_step(xb, k0, wb, wh, wf, gridp, ksigns, row_off, rmask, rs, nw_ptr,
 
 
 @triton.jit
-def _q8_seg(xb, p0, wb, wh, row_off, rmask, RB, rs, nw_ptr, NB: tl.constexpr, NORM: tl.constexpr):
-    """One step of a Q8_0 matrix-vector product read as raw 16-byte row segments (TYPE 208): a
-    row is a stream of 34-byte blocks, so a segment holds bytes of at most two blocks. The weight
+def _q8_seg(xb, p0, wb, wh, row_off, rmask, PE, rs, nw_ptr, NB: tl.constexpr, NORM: tl.constexpr):
+    """One step of a Q8_0 matrix-vector product read as raw 16-byte row segments (TYPE 208), over
+    the row bytes below PE: a row is a stream of 34-byte blocks, so a segment holds bytes of at
+    most two blocks. The weight
     bytes come in 16-byte vector loads; which value of x a byte multiplies (none for the two scale
     bytes) depends only on its offset, so that gather is shared by all the rows of a thread."""
     s = tl.arange(0, NB)[None, :, None]
     j = tl.arange(0, 16)[None, None, :]
     P = p0 + s * 16 + j  # byte offset in the row
-    pm = P < RB
+    pm = P < PE
     b = P // 34
     r = P - b * 34
     valid = pm & (r >= 2)
@@ -452,8 +453,8 @@ def _q8_seg(xb, p0, wb, wh, row_off, rmask, RB, rs, nw_ptr, NB: tl.constexpr, NO
     m = rmask[:, None, None]
     q = _s8f(tl.load(wb + ro + P, mask=m & pm, other=0).to(tl.int32))
     ba = (p0 + s * 16) // 34  # first block of the segment
-    sa = _ld_f16(wh, ro + ba * 34, m & (ba * 34 < RB))  # past the row end: 0, never NaN
-    sb = _ld_f16(wh, ro + ba * 34 + 34, m & (ba * 34 + 34 < RB))
+    sa = _ld_f16(wh, ro + ba * 34, m & (ba * 34 < PE))  # past the end: 0, never NaN
+    sb = _ld_f16(wh, ro + ba * 34 + 34, m & (ba * 34 + 34 < PE))
     return q * xv * tl.where(b == ba, sa, sb)
 
 
@@ -528,8 +529,10 @@ def _iq2_group_step(xu, wh, gridp, ksigns, ro, m, u):
 
 
 @triton.jit
-def _iq2_group_rows(xb, wh, gridp, ksigns, row_off, rmask, K, BN: tl.constexpr, NB: tl.constexpr):
-    """TYPE 416: W[rows]·x for IQ2_XXS rows, NB 32-value groups per K-step, four rows per thread."""
+def _iq2_group_rows(xb, wh, gridp, ksigns, row_off, rmask, K, sk, BN: tl.constexpr, NB: tl.constexpr,
+                    S: tl.constexpr):
+    """TYPE 416: W[rows]·x for IQ2_XXS rows over part sk of S of K, NB 32-value groups per
+    K-step, four rows per thread."""
     o0, o1, o2, o3 = _split4(row_off, BN)
     m0, m1, m2, m3 = _split4(rmask, BN)
     ro = (o0[:, None], o1[:, None], o2[:, None], o3[:, None])
@@ -538,8 +541,9 @@ def _iq2_group_rows(xb, wh, gridp, ksigns, row_off, rmask, K, BN: tl.constexpr, 
     a1 = tl.zeros([BN // 4, NB], tl.float32)
     a2 = tl.zeros([BN // 4, NB], tl.float32)
     a3 = tl.zeros([BN // 4, NB], tl.float32)
-    for k0 in range(0, K, NB * 32):
-        u = k0 // 32 + tl.arange(0, NB)[None, :]
+    IS = K // (NB * 32) // S
+    for i in range(sk * IS, sk * IS + IS):
+        u = i * NB + tl.arange(0, NB)[None, :]
         p0, p1, p2, p3 = _iq2_group_step(xb + u * 32, wh, gridp, ksigns, ro, m, u)
         a0 += p0
         a1 += p1
@@ -549,51 +553,80 @@ def _iq2_group_rows(xb, wh, gridp, ksigns, row_off, rmask, K, BN: tl.constexpr, 
 
 
 @triton.jit
-def _mv_rows(xb, wb, wh, wf, gridp, ksigns, row_off, rmask, K, RB, rs, nw_ptr,
+def _mv_rows(xb, wb, wh, wf, gridp, ksigns, row_off, rmask, K, sk, rs, nw_ptr,
              BN: tl.constexpr, TYPE: tl.constexpr, NB: tl.constexpr, VB: tl.constexpr,
-             VA: tl.constexpr, NORM: tl.constexpr):
-    """W[rows] · x̂ for BN rows: the K loop of every matrix-vector kernel."""
+             VA: tl.constexpr, NORM: tl.constexpr, S: tl.constexpr = 1):
+    """W[rows] · x̂ for BN rows over part sk of S equal parts of K: the K loop of every
+    matrix-vector kernel. The parts start on multiples of the K-step (208: of 256 values, 272
+    row bytes), written so that the compiler sees it and keeps its wide loads."""
     if TYPE == 416:  # no fused norm (nor in 216, 110: _mv_cfg picks the generic decoder then)
-        y = _iq2_group_rows(xb, wh, gridp, ksigns, row_off, rmask, K, BN, NB)
-    elif TYPE == 208:
+        y = _iq2_group_rows(xb, wh, gridp, ksigns, row_off, rmask, K, sk, BN, NB, S)
+    elif TYPE == 208:  # Q8_0 row bytes of the part's 256-value chunks
+        CS = K // 256 // S
+        pe = tl.multiple_of((sk * CS + CS) * 272, 16)  # the masks stay constant over 16-byte segments
         acc = tl.zeros([BN, NB, 16], tl.float32)
-        for p0 in range(0, RB, NB * 16):
-            acc += _q8_seg(xb, p0, wb, wh, row_off, rmask, RB, rs, nw_ptr, NB, NORM)
+        for p0 in range(sk * CS * 272, pe, NB * 16):
+            p0 = tl.multiple_of(p0, 16)  # 272 = 17·16: the compiler does not see it through the start
+            acc += _q8_seg(xb, p0, wb, wh, row_off, rmask, pe, rs, nw_ptr, NB, NORM)
         y = tl.sum(tl.sum(acc, axis=2), axis=1)
     else:
         BK: tl.constexpr = NB * VB
+        IS = K // BK // S
         acc = tl.zeros([BN, NB, VA], tl.float32)
-        for k0 in range(0, K, BK):
-            acc += _mv_step(xb, k0, wb, wh, wf, gridp, ksigns, row_off, rmask, rs, nw_ptr, TYPE, NB, VB, NORM)
+        for i in range(sk * IS, sk * IS + IS):
+            acc += _mv_step(xb, i * BK, wb, wh, wf, gridp, ksigns, row_off, rmask, rs, nw_ptr, TYPE, NB, VB, NORM)
         y = tl.sum(tl.sum(acc, axis=2), axis=1)
     return y
 
 
 @triton.jit
-def matvec_kernel(x_ptr, sx_t, sx_g, nw_ptr, wb, wh, wf, gridp, ksigns, out_ptr, so_t,
+def _split_store(y, out_ptr, rows, rmask, ws_ptr, cnt_ptr, tile, sk, N, S: tl.constexpr):
+    """Store y [BN] (rows of one output tile) or, split over K in S parts (grid axis 2 = sk),
+    its part (ws_ptr: this token's [S, N] workspace): each program writes its partial sum to the workspace, and the tile's last program
+    to arrive (a ticket from an acq_rel counter) adds the S partials in order 0..S−1 (the same
+    result whatever order the programs ran in) and resets the counter for the next launch."""
+    if S == 1:
+        tl.store(out_ptr + rows, y, mask=rmask)
+    else:
+        tl.store(ws_ptr + sk * N + rows, y, mask=rmask)
+        tl.debug_barrier()  # every thread's partial is written before the ticket is taken
+        ticket = tl.atomic_add(cnt_ptr + tile, 1, sem="acq_rel", scope="gpu")
+        if ticket == S - 1:
+            tot = tl.zeros(y.shape, tl.float32)
+            for j in tl.static_range(S):
+                tot += tl.load(ws_ptr + j * N + rows, mask=rmask, other=0.0, cache_modifier=".cg")
+            tl.store(out_ptr + rows, tot, mask=rmask)
+            tl.atomic_xchg(cnt_ptr + tile, 0, sem="relaxed", scope="gpu")
+
+
+@triton.jit
+def matvec_kernel(x_ptr, sx_t, sx_g, nw_ptr, wb, wh, wf, gridp, ksigns, out_ptr, so_t, ws_ptr, cnt_ptr,
                   N, K, RB, GROUP_ROWS, eps,
                   TYPE: tl.constexpr, BN: tl.constexpr, NB: tl.constexpr, VB: tl.constexpr,
-                  VA: tl.constexpr, NORM: tl.constexpr):
-    """out[t, r] = W[r] · x̂[t] for a few tokens t (grid axis 1). NORM 1/2 applies the weighted /
-    unweighted RMSNorm to x first (each program recomputes it: x is small, the weight is not).
-    Rows r of group g = r // GROUP_ROWS read x at column offset g·sx_g (grouped projections)."""
+                  VA: tl.constexpr, NORM: tl.constexpr, S: tl.constexpr = 1):
+    """out[t, r] = W[r] · x̂[t] for a few tokens t (grid axis 1), K split in S parts (grid axis
+    2, _split_store) where the rows alone make too few programs to keep enough bytes in flight.
+    NORM 1/2 applies the weighted / unweighted RMSNorm to x first (each program recomputes its
+    scale over the whole of x: x is small, the weight is not). Rows r of group g = r // GROUP_ROWS
+    read x at column offset g·sx_g (grouped projections)."""
     pid = tl.program_id(0)
     t = tl.program_id(1)
+    sk = tl.program_id(2)
     rows = pid * BN + tl.arange(0, BN)
     rmask = rows < N
     row_off = rows.to(tl.int64) * RB
     xb = x_ptr + t * sx_t + ((pid * BN) // GROUP_ROWS) * sx_g
-    BK: tl.constexpr = NB * VB
     rs = 1.0
-    if NORM != 0:
-        kv = tl.arange(0, NB)[None, :, None] * VB + tl.arange(0, VB)[None, None, :]
-        ss = tl.zeros([1, NB, VB], tl.float32)
-        for k0 in range(0, K, BK):
-            xv = tl.load(xb + k0 + kv, mask=k0 + kv < K, other=0.0)  # 208's BK may exceed K
+    if NORM != 0:  # 2048 values per step: a few independent loads, not one per K-step
+        kv = tl.arange(0, 2048)
+        ss = tl.zeros([2048], tl.float32)
+        for k0 in range(0, K, 2048):
+            xv = tl.load(xb + k0 + kv, mask=k0 + kv < K, other=0.0)
             ss += xv * xv
         rs = tl.sqrt_rn(tl.sum(ss) / K + eps)
-    y = _mv_rows(xb, wb, wh, wf, gridp, ksigns, row_off, rmask, K, RB, rs, nw_ptr, BN, TYPE, NB, VB, VA, NORM)
-    tl.store(out_ptr + t * so_t + rows, y, mask=rmask)
+    y = _mv_rows(xb, wb, wh, wf, gridp, ksigns, row_off, rmask, K, sk, rs, nw_ptr, BN, TYPE, NB, VB, VA, NORM, S)
+    _split_store(y, out_ptr + t * so_t, rows, rmask, ws_ptr + t * S * N, cnt_ptr, t * tl.num_programs(0) + pid,
+                 sk, N, S)
 
 
 @triton.jit
@@ -642,14 +675,17 @@ def matmul_kernel(x_ptr, sx_t, sx_g, wb, wh, wf, gridp, ksigns, out_ptr, so_t,
 
 @triton.jit
 def moe_gateup_mv_kernel(x_ptr, sx_t, ids_ptr, wts_ptr,
-                         gb, gh, gf, ub, uh, uf, gridp, ksigns, h_ptr,
+                         gb, gh, gf, ub, uh, uf, gridp, ksigns, h_ptr, ws_ptr, cnt_ptr,
                          F, K, RB, EXP_BYTES, KSLOTS, clamp,
                          TYPE: tl.constexpr, BN: tl.constexpr, NB: tl.constexpr, VB: tl.constexpr,
-                         VA: tl.constexpr, ROUTED: tl.constexpr):
+                         VA: tl.constexpr, ROUTED: tl.constexpr, S: tl.constexpr = 1):
     """h[s, r] = w_s · swiglu(gate_e[r]·x, up_e[r]·x) for slot s = t·KSLOTS + j of expert
-    e = ids[s] (ROUTED), or the shared expert (e = 0, no weight)."""
+    e = ids[s] (ROUTED), or the shared expert (e = 0, no weight); K split in S parts as in
+    matvec_kernel (the last program of a tile adds the partial gate and up sums, then applies
+    the SwiGLU)."""
     pid = tl.program_id(0)
     s = tl.program_id(1)
+    sk = tl.program_id(2)
     t = s // KSLOTS
     if ROUTED:
         e = tl.load(ids_ptr + s).to(tl.int64)
@@ -659,22 +695,40 @@ def moe_gateup_mv_kernel(x_ptr, sx_t, ids_ptr, wts_ptr,
     rmask = rows < F
     row_off = e * EXP_BYTES + rows.to(tl.int64) * RB
     xb = x_ptr + t * sx_t
-    g = _mv_rows(xb, gb, gh, gf, gridp, ksigns, row_off, rmask, K, RB, 1.0, xb, BN, TYPE, NB, VB, VA, 0)
-    u = _mv_rows(xb, ub, uh, uf, gridp, ksigns, row_off, rmask, K, RB, 1.0, xb, BN, TYPE, NB, VB, VA, 0)
-    h = _swiglu(g, u, clamp)
-    if ROUTED:
-        h = h * tl.load(wts_ptr + s)
-    tl.store(h_ptr + s * F + rows, h, mask=rmask)
+    g = _mv_rows(xb, gb, gh, gf, gridp, ksigns, row_off, rmask, K, sk, 1.0, xb, BN, TYPE, NB, VB, VA, 0, S)
+    u = _mv_rows(xb, ub, uh, uf, gridp, ksigns, row_off, rmask, K, sk, 1.0, xb, BN, TYPE, NB, VB, VA, 0, S)
+    done = True
+    if S > 1:  # partial sums to this slot's [S, 2, F] workspace; the tile's last program goes on
+        wsl = ws_ptr + s * (S * 2 * F)
+        tl.store(wsl + sk * 2 * F + rows, g, mask=rmask)
+        tl.store(wsl + sk * 2 * F + F + rows, u, mask=rmask)
+        tl.debug_barrier()
+        tile = s * tl.num_programs(0) + pid
+        done = tl.atomic_add(cnt_ptr + tile, 1, sem="acq_rel", scope="gpu") == S - 1
+        if done:
+            g = tl.zeros([BN], tl.float32)
+            u = tl.zeros([BN], tl.float32)
+            for j in tl.static_range(S):
+                g += tl.load(wsl + j * 2 * F + rows, mask=rmask, other=0.0, cache_modifier=".cg")
+                u += tl.load(wsl + j * 2 * F + F + rows, mask=rmask, other=0.0, cache_modifier=".cg")
+            tl.atomic_xchg(cnt_ptr + tile, 0, sem="relaxed", scope="gpu")
+    if done:
+        h = _swiglu(g, u, clamp)
+        if ROUTED:
+            h = h * tl.load(wts_ptr + s)
+        tl.store(h_ptr + s * F + rows, h, mask=rmask)
 
 
 @triton.jit
-def moe_down_mv_kernel(h_ptr, ids_ptr, db, dh, df, gridp, ksigns, out_ptr,
+def moe_down_mv_kernel(h_ptr, ids_ptr, db, dh, df, gridp, ksigns, out_ptr, ws_ptr, cnt_ptr,
                        E, F, RB, EXP_BYTES,
                        KSLOTS: tl.constexpr, TYPE: tl.constexpr, BN: tl.constexpr,
-                       NB: tl.constexpr, VB: tl.constexpr, VA: tl.constexpr):
-    """out[t, r] = Σ_j down_{ids[t,j]}[r] · h[t·KSLOTS + j], summed in slot order."""
+                       NB: tl.constexpr, VB: tl.constexpr, VA: tl.constexpr, S: tl.constexpr = 1):
+    """out[t, r] = Σ_j down_{ids[t,j]}[r] · h[t·KSLOTS + j], summed in slot order; F split in S
+    parts as in matvec_kernel."""
     pid = tl.program_id(0)
     t = tl.program_id(1)
+    sk = tl.program_id(2)
     rows = pid * BN + tl.arange(0, BN)
     rmask = rows < E
     out = tl.zeros([BN], tl.float32)
@@ -683,8 +737,9 @@ def moe_down_mv_kernel(h_ptr, ids_ptr, db, dh, df, gridp, ksigns, out_ptr,
         e = tl.load(ids_ptr + s).to(tl.int64)
         row_off = e * EXP_BYTES + rows.to(tl.int64) * RB
         hb = h_ptr + s * F
-        out += _mv_rows(hb, db, dh, df, gridp, ksigns, row_off, rmask, F, RB, 1.0, hb, BN, TYPE, NB, VB, VA, 0)
-    tl.store(out_ptr + t * E + rows, out, mask=rmask)
+        out += _mv_rows(hb, db, dh, df, gridp, ksigns, row_off, rmask, F, sk, 1.0, hb, BN, TYPE, NB, VB, VA, 0, S)
+    _split_store(out, out_ptr + t * E, rows, rmask, ws_ptr + t * S * E, cnt_ptr, t * tl.num_programs(0) + pid,
+                 sk, E, S)
 
 
 @triton.jit
