@@ -17,7 +17,6 @@ pytest.importorskip("triton")
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"  # cpu: the interpreter (conftest.py)
 
 from ds4.backends.reference.backend import ReferenceBackend, rope_tail  # noqa: E402
-from ds4.backends.reference.backend import _swiglu as ref_swiglu  # noqa: E402
 from ds4.backends.triton.backend import TritonBackend  # noqa: E402
 from ds4.core import numerics as nx  # noqa: E402
 from ds4.core.gguf_model import GGUFModel, Tensor  # noqa: E402
@@ -113,61 +112,6 @@ def test_linear_reads_every_block_format(ttype, rng):
     assert _rel(y, xn @ dense.T) < 2e-6, (ttype.name, "fused norm")
 
 
-def test_q8_decode_on_tensor_cores(rng):
-    """The Q8_0 tensor-core decode path (508, kernels_mv16.py): several 272-byte groups with their
-    16-byte tails, the fused RMSNorm (weighted, unweighted), grouped rows and a few tokens, and the
-    gate/up pair (routed and shared) against numpy decode + float64 products; the launches are
-    checked to be the tensor-core kernels, so a fallback cannot pass for them."""
-    cfg = _cfg()
-    tri = TritonBackend(cfg, device=DEVICE)
-    tri.mv_types[int(T.Q8_0)] = 508
-    N, K = 48, 1024
-    raw = random_blocks(T.Q8_0, N * K, rng, scale=0.05)
-    w = tri.upload(Tensor("w", T.Q8_0, (K, N), raw))
-    dense = dequantize_rows(raw.reshape(N, row_bytes(T.Q8_0, K)), T.Q8_0, K).astype(np.float64)
-    nwv = rng.uniform(0.5, 1.5, K).astype(np.float32)
-    nw = tri.upload(Tensor("nw", T.F32, (K,), nwv.view(np.uint8)))
-    tri.ledger = []
-    for n in (1, 2):
-        # values spread over six decades: the power-of-two scale and the fp16 split must hold them
-        x = (rng.standard_normal((n, K)) * 10.0 ** rng.uniform(-3, 3, (n, K))).astype(np.float32)
-        xd = x.astype(np.float64)
-        for G in (1, 4):  # 256-value groups per K-step
-            tri.tc_tile = (64, G, 4, 3, 264)
-            y = tri.to_numpy(tri.linear(_t(tri, x), w))
-            assert _rel(y, xd @ dense.T) < 2e-6, (n, G)
-        ms = np.sqrt((xd ** 2).mean(axis=1, keepdims=True) + cfg.rms_eps)
-        for wt, scale in ((nw, nwv), (None, 1.0)):
-            y = tri.to_numpy(tri.linear(tri.rms_norm(_t(tri, x), wt), w))
-            assert _rel(y, (xd / ms * scale) @ dense.T) < 2e-6, (n, wt is None)
-        # three groups of 16 rows, group g reading columns [g·K, (g+1)·K) of x
-        xg = rng.standard_normal((n, 3 * K)).astype(np.float64)
-        y = tri.to_numpy(tri._linear(_t(tri, xg.astype(np.float32)), w, group_rows=16, group_stride=K))
-        want = np.concatenate([xg[:, g * K:(g + 1) * K] @ dense[16 * g:16 * (g + 1)].T for g in range(3)], axis=1)
-        assert _rel(y, want) < 2e-6, n
-    # gate/up: 3 experts of F = 32 rows; routed slots and the shared expert
-    NE, F = 3, 32
-    gr = random_blocks(T.Q8_0, NE * F * K, rng, scale=0.05)
-    ur = random_blocks(T.Q8_0, NE * F * K, rng, scale=0.05)
-    gate = tri.upload(Tensor("g", T.Q8_0, (K, F, NE), gr))
-    up = tri.upload(Tensor("u", T.Q8_0, (K, F, NE), ur))
-    gd = dequantize_rows(gr.reshape(NE * F, -1), T.Q8_0, K).astype(np.float64).reshape(NE, F, K)
-    ud = dequantize_rows(ur.reshape(NE * F, -1), T.Q8_0, K).astype(np.float64).reshape(NE, F, K)
-    x = rng.standard_normal((1, K)).astype(np.float32)
-    ids = np.array([2, 0], np.int32)
-    wts = rng.uniform(0.1, 1, 2).astype(np.float32)
-    h = tri.to_numpy(tri._gateup_mv(_t(tri, x), gate, up, _t(tri, ids[None], torch.int32), _t(tri, wts[None]),
-                                    2, 2, 10.0))
-    for j, e in enumerate(ids):
-        g_, u_ = x[0].astype(np.float64) @ gd[e].T, x[0].astype(np.float64) @ ud[e].T
-        want = wts[j] * ref_swiglu(g_, u_, 10.0)
-        assert _rel(h[j], want) < 2e-6, j
-    h = tri.to_numpy(tri._gateup_mv(_t(tri, x), gate, up, None, None, 1, 1, 10.0))
-    assert _rel(h[0], ref_swiglu(x[0].astype(np.float64) @ gd[0].T, x[0].astype(np.float64) @ ud[0].T, 10.0)) < 2e-6
-    names = {k for k, _ in tri.ledger}
-    assert {"q8_mv16_kernel", "q8_gateup_mv16_kernel"} <= names and "matvec_kernel" not in names, names
-
-
 def test_split_k_and_the_per_shape_table(rng, tmp_path):
     """Decode products with K split over programs (matvec_kernel's split-K: partial sums added
     by the last program of each tile, in a fixed order) for the FMA decoders, with the fused
@@ -183,6 +127,16 @@ def test_split_k_and_the_per_shape_table(rng, tmp_path):
                                             f"linear,{int(T.F16)},{N},{K}": [int(T.F16), 256, 16, 4, 2]}}))
     tri.mv_shapes = load_mv_shapes(str(table))
     assert tri.mv_shapes[("linear", int(T.Q8_0), N, K)] == (108, 128, 16, 4, 4)
+    bad = tmp_path / "bad.json"
+    bad.write_text(json.dumps({"shapes": {"lineer,8,48,1024": [108, 128, 16, 4]}}))
+    with pytest.raises(ValueError, match="lineer"):
+        load_mv_shapes(str(bad))
+    os.environ["DS4_TRITON_MV_SHAPES"] = str(tmp_path / "missing.json")
+    try:
+        with pytest.raises(ValueError, match="DS4_TRITON_MV_SHAPES"):
+            TritonBackend(cfg, device=DEVICE)
+    finally:
+        del os.environ["DS4_TRITON_MV_SHAPES"]
     nwv = rng.uniform(0.5, 1.5, K).astype(np.float32)
     nw = tri.upload(Tensor("nw", T.F32, (K,), nwv.view(np.uint8)))
     for ttype, splits in ((T.Q8_0, ((108, 128, 16, 4, 4), (208, 256, 16, 4, 2))), (T.F16, ((int(T.F16), 256, 16, 4, 2),))):

@@ -34,6 +34,7 @@ def record(preset: str, prefill: int, out: str) -> None:
     cfg = preset_config(preset)
     be = B.TritonBackend(cfg, device="cpu")
     be.interpret = False  # GPU heuristics (block sizes), interpreter imports
+    be.mv_shapes = B.load_mv_shapes(os.path.join(os.path.dirname(B.__file__), "mv_shapes_h200.json"))  # as on the GPU
     # the GPU's defaults: the constructor saw the interpreter and chose ieee for float tiles
     be.prec = os.environ.get("DS4_TRITON_DOT", "bf16x3")
     be.prec_f = "tf32x3" if be.prec == "bf16x3" else be.prec
@@ -108,13 +109,12 @@ def compile_all(path: str, arch: int) -> int:
 
     from ds4.backends.triton import kernels as K
     from ds4.backends.triton import kernels_mm16 as K16
-    from ds4.backends.triton import kernels_mv16 as KV
 
     configs = json.load(open(path))
     bad = 0
     print(f"{'kernel':24s} {'warps':>5s} {'st':>2s} {'regs':>5s} {'spill':>6s} {'smem':>7s} {'s':>5s}  constexprs")
     for name, sig, const, warps, stages, aligned, count in sorted(configs, key=lambda c: c[0]):
-        fn = getattr(K, name, None) or getattr(K16, name, None) or getattr(KV, name)
+        fn = getattr(K, name, None) or getattr(K16, name)
         t0 = time.time()
         try:
             attrs = {(i,): [["tt.divisibility", 16]] for i in aligned}

@@ -6,10 +6,11 @@ quant pairs (108); routed-expert gate/up in IQ2_XXS as packed-byte groups (216) 
 rows per thread sharing x (416); Q2_K down as unrolled runs (110).
 Each point replays a CUDA graph of 8 calls over rotating weight copies / expert choices, so
 neither Python launches nor L2 hits flatter it.
-`dec` times every decode product shape of the model through its decoder variants (FMA decoders
-with their K-steps, rows, warps and pipelined K-steps; Q8_0 also on fp16 tensor cores, 508,
-kernels_mv16.py), set through the backend's per-shape table, and --pick writes the fastest as
-that table (ds4/backends/triton/mv_shapes_h200.json).
+`dec` (and `decmoe`, the routed experts) times every decode product shape of the model through its
+decoder variants (K-step, rows per program, warps, K split in parts), set through the backend's
+per-shape table, and --pick writes the fastest as that table
+(ds4/backends/triton/mv_shapes_h200.json). `rows` reads matrices in the access pattern of a
+matrix-vector kernel (rows × bytes per K-step) without its arithmetic.
 Prefill (2048 tokens): dense Q8_0 and grouped-expert products: float32-decoded tiles on tf32×3,
 Q8_0 blocks as bf16 integers (x in three bf16 terms), and exact integers on fp16 tensor cores
 with x in two fp16 terms (fp16x2, kernels_mm16.py: Q8_0 blocks, IQ2_XXS / Q2_K super-blocks).
@@ -197,12 +198,10 @@ def pick(rows, path):
     print(f"picked {len(table)} shapes -> {path}")
 
 
-# (decoder, K-step, rows per program, warps, K split) for the FMA decoders; 508: (rows, groups per
-# K-step, warps per 64 rows, stages, grid under which rows shrink)
+# (decoder, K-step, rows per program, warps, K split)
 Q8_VARIANTS = ([(108, 256, 16, 4, sp) for sp in (1, 2, 4, 8)] + [(108, 512, 16, 4, 4), (108, 256, 32, 4, 4), (108, 256, 8, 4, 8)]
                + [(208, 512, 8, 4, sp) for sp in (1, 2, 4, 8)] + [(208, 1024, 4, 4, 4), (208, 2048, 1, 4, 1),
-                                                                   (208, 2048, 2, 4, 2)]
-               + [(508, 64, 1, 8, 3, 132), (508, 32, 2, 8, 3, 264)])
+                                                                   (208, 2048, 2, 4, 2)])
 F16_VARIANTS = [(1, c, b, w, sp) for c, b, w, sp in ((512, 4, 4, 1), (512, 4, 4, 2), (512, 4, 4, 4), (512, 8, 4, 4),
                                                      (1024, 4, 4, 4), (256, 16, 4, 8), (1024, 2, 4, 1))]
 GATEUP_VARIANTS = [(416, 1024, 32, 4, sp) for sp in (1, 2, 4)]

@@ -35,7 +35,6 @@ from ...core.rope import layer_inv_freq  # noqa: E402
 from ..base import Backend  # noqa: E402
 from . import kernels as K  # noqa: E402
 from . import kernels_mm16 as K16  # noqa: E402
-from . import kernels_mv16 as KV  # noqa: E402
 
 MM_MIN = 16  # tokens from which linear layers use the matrix-matrix kernels (tl.dot needs 16)
 
@@ -209,8 +208,7 @@ def _op(fn):
 class TritonBackend(Backend):
     name = "triton"
     # the specialised matrix-vector decoders of each block format (mv_types picks one)
-    # (508: Q8_0 on fp16 tensor cores, kernels_mv16.py, where K % 256 == 0; else 108)
-    MV_PATHS = {int(K.Q8_0): (108, 208, 508), int(K.IQ2_XXS): (216, 416), int(K.Q2_K): (110,)}
+    MV_PATHS = {int(K.Q8_0): (108, 208), int(K.IQ2_XXS): (216, 416), int(K.Q2_K): (110,)}
 
     @staticmethod
     def runs_here() -> bool:
@@ -299,21 +297,22 @@ class TritonBackend(Backend):
         if os.environ.get("DS4_TRITON_MV_PLAIN") == "1":
             self.mv_types = {}
         # matrix-vector tiling per decoded type: (K-step values, rows per program, warps), from
-        # bench/triton/tune_mv.py and the decode benchmark on an H200
+        # bench/triton/tune_mv.py and the decode benchmark on an H200; a fourth value splits K in that
+        # many parts (_split_store)
         self.mv_tune = {"default": (256, 8, 4), 108: (256, 16, 4), 110: (1024, 8, 4), 208: (512, 8, 4),
                         216: (512, 16, 4), 416: (1024, 32, 4), int(K.F16): (512, 4, 4)}
         self.mv_tune.update({int(k): tuple(v) for k, v in
                              json.loads(os.environ.get("DS4_TRITON_MV_TUNE", "{}")).items()})
-        # Q8_0 decode on tensor cores (508): rows per program at most, 256-value groups per K-step,
-        # warps per 64 rows, pipeline stages, and the grid size under which programs get fewer rows
-        # (down to 16)
-        self.tc_tile = tuple(int(v) for v in os.environ.get("DS4_TRITON_TC", "64,1,4,3,264").split(","))
         # per-shape decoder choices, (kind, GGUF type, rows, K) -> (decoder, its tuning), measured on
         # the H200 (bench/triton/tune_paths.py --pick writes the table); DS4_TRITON_MV_SHAPES names
         # another table (a JSON file), "" none
         self.mv_shapes: dict[tuple, tuple] = {}
-        table = os.environ.get("DS4_TRITON_MV_SHAPES", os.path.join(os.path.dirname(__file__), "mv_shapes_h200.json"))
-        if table and os.path.exists(table) and not self.interpret:
+        table = os.environ.get("DS4_TRITON_MV_SHAPES")
+        if table is None:
+            table = os.path.join(os.path.dirname(__file__), "mv_shapes_h200.json")
+        elif table and not os.path.exists(table):
+            raise ValueError(f"DS4_TRITON_MV_SHAPES: expected a JSON file or \"\", got {table!r} (no such file)")
+        if table and not self.interpret:  # (the interpreter's tests use small shapes of their own)
             self.mv_shapes = load_mv_shapes(table)
         self._synth = None
 
@@ -463,7 +462,7 @@ class TritonBackend(Backend):
         t = self.mv_types.get(int(ttype), int(ttype))
         if t == 108 and K_ >= self.q8_segments_from:
             t = 208
-        return t, (self.tc_tile if t == 508 else self.mv_tune.get(t, self.mv_tune["default"]))
+        return t, self.mv_tune.get(t, self.mv_tune["default"])
 
     def _mv_cfg(self, ttype: int, N: int, K_: int, slots: int = 1, norm: int = 0, kind: str = "linear") -> dict:
         """Launch parameters of a matrix-vector kernel: decoded type (108 / 208 = Q8_0 as 16-bit
@@ -473,8 +472,6 @@ class TritonBackend(Backend):
         flight."""
         ttype = int(ttype)
         t, tune = self._mv_path(kind, ttype, N, K_)
-        if t == 508:  # the tensor-core path did not apply (K % 256 != 0, or a routed down product)
-            t, tune = 108, self.mv_tune[108]
         if norm and t in (110, 216, 416):  # these decoders have no fused RMSNorm: the generic one has
             t, tune = ttype, self.mv_tune.get(ttype, self.mv_tune["default"])
         cap, BN, warps = tune[:3]
@@ -510,26 +507,6 @@ class TritonBackend(Backend):
         """The largest power of two <= S that splits K_ into whole K-steps."""
         return _largest_pow2_divisor(max(1, K_ // step), max(1, S))
 
-    def _tc(self, w: QWeight, group_rows: int = 0, kind: str = "linear") -> bool:
-        """Whether a decode product with w takes the Q8_0 tensor-core path (kernels_mv16.py)."""
-        return (int(w.type) == int(K.Q8_0) and self._mv_path(kind, w.type, w.N, w.K)[0] == 508
-                and w.K % 256 == 0 and group_rows % 16 == 0)
-
-    def _tc_cfg(self, N: int, K_: int, slots: int, group_rows: int = 0,
-                kind: str = "linear") -> tuple[int, int, int, int]:
-        """(rows per program, groups per K-step, warps, stages) of a kernels_mv16 launch over N rows
-        of K_ values × slots."""
-        BN, G, warps, stages, min_grid = self._mv_path(kind, K.Q8_0, N, K_)[1]
-        G = _largest_pow2_divisor(K_ // 256, G)
-        if self.interpret:
-            BN = min(64, max(16, _pow2(N)))
-        else:
-            while BN > 16 and _cdiv(N, BN) * slots < min_grid:
-                BN //= 2
-        if group_rows:
-            BN = min(BN, _largest_pow2_divisor(group_rows, BN))
-        return BN, G, max(1, warps * BN // 64), stages
-
     # ---- linear layers --------------------------------------------------------------------------
 
     def _linear(self, x, w: QWeight, group_rows: int = 0, group_stride: int = 0):
@@ -547,12 +524,7 @@ class TritonBackend(Backend):
         n = src.shape[0]
         sx_t = src.stride(0)
         out = self._new((n, N))
-        if n < MM_MIN and self._tc(w, group_rows):
-            BN, G, warps, stages = self._tc_cfg(N, Kd, n, group_rows)
-            self._launch(KV.q8_mv16_kernel, (_cdiv(N, BN), n), src, sx_t, group_stride, nw, w.u8, w.i16, out,
-                         N, N, w.RB, gr, self.cfg.rms_eps, NG=Kd // 256, G=G, BN=BN, NORM=norm, num_warps=warps,
-                         num_stages=stages, nbytes=w.RB * N + 4 * n * (Kd + N))
-        elif n < MM_MIN:
+        if n < MM_MIN:
             c = self._mv_cfg(w.type, N, Kd, n, norm)
             if group_rows:
                 c["BN"] = min(c["BN"], _largest_pow2_divisor(group_rows, c["BN"]))
@@ -907,14 +879,6 @@ class TritonBackend(Backend):
         E, F = gate.K, gate.N
         h = self._new((slots, F))
         routed = ids is not None
-        if self._tc(gate, kind="gateup") and up.type == gate.type:
-            BN, G, warps, stages = self._tc_cfg(F, E, slots, kind="gateup")
-            self._launch(KV.q8_gateup_mv16_kernel, (_cdiv(F, BN), slots), x, x.stride(0),
-                         ids if routed else self._dummy_i, wts if routed else self._dummy_f,
-                         gate.u8, gate.i16, up.u8, up.i16, h, F, gate.RB, F * gate.RB, kslots, float(clamp),
-                         NG=E // 256, G=G, BN=BN, ROUTED=routed, num_warps=warps, num_stages=stages,
-                         nbytes=slots * (2 * F * gate.RB + 4 * (E + F)))
-            return h
         c = self._mv_cfg(gate.type, F, E, slots, kind="gateup")
         S = c["S"]
         self._tiles_ok(_cdiv(F, c["BN"]) * slots, S)
@@ -1092,8 +1056,14 @@ def load_mv_shapes(path: str) -> dict[tuple, tuple]:
         raw = json.load(f)
     out = {}
     for key, val in raw.get("shapes", raw).items():
-        kind, ttype, n, k = key.split(",")
-        out[(kind, int(ttype), int(n), int(k))] = tuple(int(v) for v in val)
+        try:
+            kind, ttype, n, k = key.split(",")
+            if kind not in ("linear", "gateup", "down"):
+                raise ValueError(kind)
+            out[(kind, int(ttype), int(n), int(k))] = tuple(int(v) for v in val)
+        except ValueError:
+            raise ValueError(f"{path}: shape {key!r}: expected \"linear|gateup|down,type,rows,K\": "
+                             f"[decoder, K-step, rows, warps(, K parts)], got {val!r}") from None
     return out
 
 
