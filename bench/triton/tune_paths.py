@@ -104,6 +104,18 @@ def rel(a, b) -> float:
     return float((a - b).abs().max() / b.abs().max().clamp_min(1e-30))
 
 
+def try_variant(fn, ref, label):
+    """(output of fn(0), seconds per call of fn in a CUDA graph, the reference output: the first
+    variant's), or None where the variant fails to build or run (printed)."""
+    try:
+        y = fn(0)
+        ref = y.clone() if ref is None else ref
+        return y, graph_time(fn), ref
+    except Exception as e:  # noqa: BLE001
+        print(f"  {label}: {type(e).__name__} {str(e)[:300]}")
+        return None
+
+
 def decode_linear(be, rows, name, t, N, Kd, types, caps, bns, warps):
     ws = qweight(t, (Kd, N), 8)
     x = torch.randn(1, Kd, device=dev)
@@ -112,14 +124,10 @@ def decode_linear(be, rows, name, t, N, Kd, types, caps, bns, warps):
     for ty, cap, BN, nw in itertools.product(types, caps, bns, warps):
         be.mv_types = {int(t): ty}
         be.mv_tune[ty] = (cap, BN, nw)
-        try:
-            y = be.linear(x, ws[0])
-            if ref is None:
-                ref = y.clone()
-            s = graph_time(lambda i: be.linear(x, ws[i]))
-        except Exception as e:  # noqa: BLE001
-            print(f"  {name} {ty} {cap} {BN} {nw}: {type(e).__name__} {str(e)[:200]}")
+        r = try_variant(lambda i: be.linear(x, ws[i]), ref, f"{name} {ty} {cap} {BN} {nw}")
+        if r is None:
             continue
+        y, s, ref = r
         emit(rows, dict(part="decode", op=name, type=ty, cap=cap, BN=BN, warps=nw, us=s * 1e6,
                          GBps=nbytes / s / 1e9, err=rel(y, ref)))
 
@@ -172,14 +180,10 @@ def decode_variants(be, rows, kind, ttype, N, Kd, variants, copies=8, group_rows
     name = f"{kind} {ttype.name} {N}x{Kd}"
     for v in variants:
         be.mv_shapes[key] = tuple(v)
-        try:
-            y = fn(0)
-            if ref is None:
-                ref = y.clone()
-            s = graph_time(fn)
-        except Exception as e:  # noqa: BLE001
-            print(f"  {name} {v}: {type(e).__name__} {str(e)[:300]}")
+        r = try_variant(fn, ref, f"{name} {v}")
+        if r is None:
             continue
+        y, s, ref = r
         emit(rows, dict(part="decode", op=name, key=",".join(str(k) for k in key), type=v[0], cap=0,
                         BN=list(v[1:]), warps=0, us=s * 1e6, GBps=nbytes / s / 1e9, err=rel(y, ref)))
     del be.mv_shapes[key]
@@ -265,20 +269,16 @@ def decode_moe(be, rows, kind, types, caps, bns, warps, NE=256):
     for ty, cap, BN, nw in itertools.product(types, caps, bns, warps):
         be.mv_types = {**base, tt: ty}
         be.mv_tune[ty] = (cap, BN, nw)
-        try:
-            if kind == "gateup":
-                def fn(i):
-                    return be._gateup_mv(x, gate, up, ids[i], wts, 6, 6, 10.0)
-            else:
-                def fn(i):
-                    return be._down_mv(h, ids[i], down, 1, 6)
-            y = fn(0)
-            if ref is None:
-                ref = y.clone()
-            s = graph_time(fn)
-        except Exception as e:  # noqa: BLE001
-            print(f"  moe {kind} {ty} {cap} {BN} {nw}: {type(e).__name__} {str(e)[:200]}")
+        if kind == "gateup":
+            def fn(i):
+                return be._gateup_mv(x, gate, up, ids[i], wts, 6, 6, 10.0)
+        else:
+            def fn(i):
+                return be._down_mv(h, ids[i], down, 1, 6)
+        r = try_variant(fn, ref, f"moe {kind} {ty} {cap} {BN} {nw}")
+        if r is None:
             continue
+        y, s, ref = r
         emit(rows, dict(part="decode", op=f"moe_{kind}", type=ty, cap=cap, BN=BN, warps=nw, us=s * 1e6,
                          GBps=nbytes / s / 1e9, err=rel(y, ref)))
 

@@ -255,7 +255,8 @@ class TritonBackend(Backend):
         self._tok_t = None
         self._dummy_f = torch.zeros(16, dtype=torch.float32, device=d)
         self._dummy_i = torch.zeros(16, dtype=torch.int32, device=d)
-        # split-K tickets of matvec_kernel, one per output tile; each launch leaves them at zero
+        # split-K tickets of the matrix-vector kernels, one per output tile (_split_store); each
+        # launch leaves them at zero
         self._split_cnt = torch.zeros(1 << 16, dtype=torch.int32, device=d)
         self._step: _Step | None = None
         self._graphs: OrderedDict[int, _GraphEntry] = OrderedDict()
@@ -468,8 +469,7 @@ class TritonBackend(Backend):
         """Launch parameters of a matrix-vector kernel: decoded type (108 / 208 = Q8_0 as 16-bit
         pairs / raw segments, 216 / 416 = IQ2_XXS groups (one / four rows per thread), 110 = Q2_K
         runs, else the generic decoder),
-        rows per program, units per K-step, values per unit, accumulator width, warps, K-steps in
-        flight."""
+        rows per program, units per K-step, values per unit, accumulator width, warps, K parts."""
         ttype = int(ttype)
         t, tune = self._mv_path(kind, ttype, N, K_)
         if norm and t in (110, 216, 416):  # these decoders have no fused RMSNorm: the generic one has

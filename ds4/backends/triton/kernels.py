@@ -433,9 +433,9 @@ def _mv_step(xb, k0, wb, wh, wf, gridp, ksigns, row_off, rmask, rs, nw_ptr,
 def _q8_seg(xb, p0, wb, wh, row_off, rmask, PE, rs, nw_ptr, NB: tl.constexpr, NORM: tl.constexpr):
     """One step of a Q8_0 matrix-vector product read as raw 16-byte row segments (TYPE 208), over
     the row bytes below PE: a row is a stream of 34-byte blocks, so a segment holds bytes of at
-    most two blocks. The weight
-    bytes come in 16-byte vector loads; which value of x a byte multiplies (none for the two scale
-    bytes) depends only on its offset, so that gather is shared by all the rows of a thread."""
+    most two blocks. The weight bytes come in 16-byte vector loads; which value of x a byte
+    multiplies (none for the two scale bytes) depends only on its offset, so that gather is shared
+    by all the rows of a thread."""
     s = tl.arange(0, NB)[None, :, None]
     j = tl.arange(0, 16)[None, None, :]
     P = p0 + s * 16 + j  # byte offset in the row
@@ -581,10 +581,11 @@ def _mv_rows(xb, wb, wh, wf, gridp, ksigns, row_off, rmask, K, sk, rs, nw_ptr,
 
 @triton.jit
 def _split_store(y, out_ptr, rows, rmask, ws_ptr, cnt_ptr, tile, sk, N, S: tl.constexpr):
-    """Store y [BN] (rows of one output tile) or, split over K in S parts (grid axis 2 = sk),
-    its part (ws_ptr: this token's [S, N] workspace): each program writes its partial sum to the workspace, and the tile's last program
-    to arrive (a ticket from an acq_rel counter) adds the S partials in order 0..S−1 (the same
-    result whatever order the programs ran in) and resets the counter for the next launch."""
+    """Store y [BN] (rows of one output tile) or, with K split in S parts (grid axis 2 = sk), its
+    part: each program writes its partial sum to the workspace (ws_ptr: this token's [S, N]), and
+    the tile's last program to arrive (a ticket from an acq_rel counter) adds the S partials in the
+    order 0..S−1, so the result does not depend on the order the programs ran in, and resets the
+    counter for the next launch."""
     if S == 1:
         tl.store(out_ptr + rows, y, mask=rmask)
     else:
