@@ -27,7 +27,7 @@ DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 # Errors are measured against the first-order error scale of each output (for a product,
 # Σ|w|·|x|; through the SwiGLU, the same propagated): x in two fp16 terms holds it to 2^-22 and the
 # float32 accumulation adds a few 2^-24, so 2^-20 is the bound. (Against max |output| instead, a
-# row with cancellation can pass 2e-6 on the H200's tensor-core accumulation.)
+# row with cancellation exceeded 2e-6 on the H200's tensor-core accumulation.)
 TOL = 2.0 ** -20
 
 
@@ -62,7 +62,7 @@ def _activations(rows, K, rng):
 
 def _rel_rows(got, want, scale):
     """max |error| / max scale over each row with a non-zero scale (scale: the outputs' error
-    scale, _abs_dot / _swiglu_scale; rows with a zero reference must come out exactly zero)."""
+    scale, Σ|w|·|x| or _swiglu_scale; rows with a zero reference must come out exactly zero)."""
     got, want = np.asarray(got, np.float64), np.asarray(want, np.float64)
     assert np.isfinite(got).all()
     err = np.abs(got - want).max(axis=1)
