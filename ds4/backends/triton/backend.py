@@ -497,10 +497,9 @@ class TritonBackend(Backend):
         return dict(TYPE=t, BN=BN, NB=NB, VB=VB, VA=VB // 2 if t == 108 else VB, S=self._split(S, K_, NB * VB),
                     num_warps=warps)
 
-    def _tiles_ok(self, tiles: int, S: int) -> int:
+    def _tiles_ok(self, tiles: int, S: int) -> None:
         if S > 1 and tiles > self._split_cnt.numel():  # one split-K ticket per output tile
             raise ValueError(f"split-K tickets: {tiles} output tiles, {self._split_cnt.numel()} tickets")
-        return tiles
 
     @staticmethod
     def _split(S: int, K_: int, step: int) -> int:

@@ -590,14 +590,31 @@ def _split_store(y, out_ptr, rows, rmask, ws_ptr, cnt_ptr, tile, sk, N, S: tl.co
         tl.store(out_ptr + rows, y, mask=rmask)
     else:
         tl.store(ws_ptr + sk * N + rows, y, mask=rmask)
-        tl.debug_barrier()  # every thread's partial is written before the ticket is taken
-        ticket = tl.atomic_add(cnt_ptr + tile, 1, sem="acq_rel", scope="gpu")
-        if ticket == S - 1:
-            tot = tl.zeros(y.shape, tl.float32)
-            for j in tl.static_range(S):
-                tot += tl.load(ws_ptr + j * N + rows, mask=rmask, other=0.0, cache_modifier=".cg")
-            tl.store(out_ptr + rows, tot, mask=rmask)
-            tl.atomic_xchg(cnt_ptr + tile, 0, sem="relaxed", scope="gpu")
+        if _split_last(cnt_ptr, tile, S):
+            tl.store(out_ptr + rows, _split_sum(ws_ptr, rows, rmask, N, S), mask=rmask)
+            _split_reset(cnt_ptr, tile)
+
+
+@triton.jit
+def _split_last(cnt_ptr, tile, S: tl.constexpr):
+    """Whether this program is the last of the tile's S to arrive, once its partials are stored."""
+    tl.debug_barrier()  # every thread's partial is written before the ticket is taken
+    return tl.atomic_add(cnt_ptr + tile, 1, sem="acq_rel", scope="gpu") == S - 1
+
+
+@triton.jit
+def _split_sum(ws_ptr, rows, rmask, stride, S: tl.constexpr):
+    """The S partials at ws_ptr + j·stride, added in the order j = 0..S−1 (read from L2: other
+    SMs wrote them)."""
+    tot = tl.zeros(rows.shape, tl.float32)
+    for j in tl.static_range(S):
+        tot += tl.load(ws_ptr + j * stride + rows, mask=rmask, other=0.0, cache_modifier=".cg")
+    return tot
+
+
+@triton.jit
+def _split_reset(cnt_ptr, tile):
+    tl.atomic_xchg(cnt_ptr + tile, 0, sem="relaxed", scope="gpu")  # ready for the next launch
 
 
 @triton.jit
@@ -703,16 +720,12 @@ def moe_gateup_mv_kernel(x_ptr, sx_t, ids_ptr, wts_ptr,
         wsl = ws_ptr + s * (S * 2 * F)
         tl.store(wsl + sk * 2 * F + rows, g, mask=rmask)
         tl.store(wsl + sk * 2 * F + F + rows, u, mask=rmask)
-        tl.debug_barrier()
         tile = s * tl.num_programs(0) + pid
-        done = tl.atomic_add(cnt_ptr + tile, 1, sem="acq_rel", scope="gpu") == S - 1
+        done = _split_last(cnt_ptr, tile, S)
         if done:
-            g = tl.zeros([BN], tl.float32)
-            u = tl.zeros([BN], tl.float32)
-            for j in tl.static_range(S):
-                g += tl.load(wsl + j * 2 * F + rows, mask=rmask, other=0.0, cache_modifier=".cg")
-                u += tl.load(wsl + j * 2 * F + F + rows, mask=rmask, other=0.0, cache_modifier=".cg")
-            tl.atomic_xchg(cnt_ptr + tile, 0, sem="relaxed", scope="gpu")
+            g = _split_sum(wsl, rows, rmask, 2 * F, S)
+            u = _split_sum(wsl + F, rows, rmask, 2 * F, S)
+            _split_reset(cnt_ptr, tile)
     if done:
         h = _swiglu(g, u, clamp)
         if ROUTED:
