@@ -76,22 +76,27 @@ def _states(ref, tri, cfg, il, ctx=128, rng=None):
 
 # ---- block formats ------------------------------------------------------------------------------
 
-LINEAR_TYPES = [T.F32, T.F16, T.BF16, T.Q8_0, T.Q2_K, T.Q4_K, T.IQ2_XXS]
+# (type, row length): Q8_0 rows of 512 go to the device as Q8C chunks, rows of 160 stay GGUF blocks
+LINEAR_TYPES = [(T.F32, 512), (T.F16, 512), (T.BF16, 512), (T.Q8_0, 512), (T.Q8_0, 160), (T.Q2_K, 512),
+                (T.Q4_K, 512), (T.IQ2_XXS, 512)]
 
 
-@pytest.mark.parametrize("ttype", LINEAR_TYPES, ids=lambda t: t.name)
-def test_linear_reads_every_block_format(ttype, rng):
-    """Matrix-vector (decode) and matrix-matrix (prefill) products on the raw GGUF blocks equal
-    the numpy decode followed by a float64 product."""
+@pytest.mark.parametrize("ttype,K", LINEAR_TYPES, ids=lambda v: v.name if isinstance(v, T) else str(v))
+def test_linear_reads_every_block_format(ttype, K, rng):
+    """Matrix-vector (decode) and matrix-matrix (prefill) products on the uploaded blocks equal
+    the numpy decode of the GGUF bytes followed by a float64 product."""
+    from ds4.backends.triton.layout import Q8C
+
     cfg = _cfg()
     tri = TritonBackend(cfg, device=DEVICE)
-    N, K = 40, 512
+    N = 40
     raw = random_blocks(ttype, N * K, rng, scale=0.05)
     w = tri.upload(Tensor("w", ttype, (K, N), raw))
+    assert w.kt == (Q8C if ttype == T.Q8_0 and K % 256 == 0 else int(ttype))
     dense = dequantize_rows(raw.reshape(N, row_bytes(ttype, K)), ttype, K).astype(np.float64)
     # decode: the generic and every specialised block decoder; prefill: float32-decoded tiles,
     # and (Q8_0, Q2_K, IQ2_XXS) integer units on bf16 tensor cores, x in three bf16 terms
-    paths = [{int(ttype): p} for p in TritonBackend.MV_PATHS.get(int(ttype), ())]
+    paths = [{w.kt: p} for p in TritonBackend.MV_PATHS.get(w.kt, ())]
     cases = [(1, {}, None)] + [(n, p, None) for p in paths for n in (1, 3)]
     for n, mv_types, prec in cases + [(19, {}, "ieee"), (19, {}, "bf16x3")]:
         tri.mv_types = mv_types
@@ -123,12 +128,14 @@ def test_split_k_and_the_per_shape_table(rng, tmp_path):
     tri = TritonBackend(cfg, device=DEVICE)
     N, K = 48, 1024
     table = tmp_path / "shapes.json"
-    table.write_text(json.dumps({"shapes": {f"linear,{int(T.Q8_0)},{N},{K}": [108, 128, 16, 4, 4],
+    from ds4.backends.triton.layout import Q8C
+
+    table.write_text(json.dumps({"shapes": {f"linear,{Q8C},{N},{K}": [308, 256, 16, 4, 4, 4],
                                             f"linear,{int(T.F16)},{N},{K}": [int(T.F16), 256, 16, 4, 2]}}))
     tri.mv_shapes = load_mv_shapes(str(table))
-    assert tri.mv_shapes[("linear", int(T.Q8_0), N, K)] == (108, 128, 16, 4, 4)
+    assert tri.mv_shapes[("linear", Q8C, N, K)] == (308, 256, 16, 4, 4, 4)
     bad = tmp_path / "bad.json"
-    bad.write_text(json.dumps({"shapes": {"lineer,8,48,1024": [108, 128, 16, 4]}}))
+    bad.write_text(json.dumps({"shapes": {"lineer,80,48,1024": [308, 256, 16, 4]}}))
     with pytest.raises(ValueError, match="lineer"):
         load_mv_shapes(str(bad))
     os.environ["DS4_TRITON_MV_SHAPES"] = str(tmp_path / "missing.json")
@@ -139,12 +146,18 @@ def test_split_k_and_the_per_shape_table(rng, tmp_path):
         del os.environ["DS4_TRITON_MV_SHAPES"]
     nwv = rng.uniform(0.5, 1.5, K).astype(np.float32)
     nw = tri.upload(Tensor("nw", T.F32, (K,), nwv.view(np.uint8)))
-    for ttype, splits in ((T.Q8_0, ((108, 128, 16, 4, 4), (208, 256, 16, 4, 2))), (T.F16, ((int(T.F16), 256, 16, 4, 2),))):
+    # 308: K in 4 parts, one chunk per step, four rows per thread; in 2 parts, two chunks per
+    # step, one and two rows per thread
+    q8 = ((308, 256, 16, 4, 4, 4), (308, 512, 16, 4, 2, 1), (308, 512, 8, 4, 2, 2))
+    for ttype, splits in ((T.Q8_0, q8), (T.F16, ((int(T.F16), 256, 16, 4, 2),))):
         raw = random_blocks(ttype, N * K, rng, scale=0.05)
         w = tri.upload(Tensor("w", ttype, (K, N), raw))
         dense = dequantize_rows(raw.reshape(N, row_bytes(ttype, K)), ttype, K).astype(np.float64)
+        tri.mv_shapes[("linear", w.kt, N, K)] = (416, 1024, 32, 4)  # another layout's decoder
+        with pytest.raises(ValueError, match="decoder 416"):
+            tri.linear(_t(tri, rng.standard_normal((1, K)).astype(np.float32)), w)
         for entry in splits:
-            tri.mv_shapes[("linear", int(ttype), N, K)] = entry
+            tri.mv_shapes[("linear", w.kt, N, K)] = entry
             for n in (1, 3):
                 x = rng.standard_normal((n, K)).astype(np.float64)
                 tri.ledger = []
@@ -414,7 +427,7 @@ def test_split_k_experts(pair, rng):
     saved = dict(tri.mv_shapes)
     tri.mv_shapes = {("gateup", int(g.type), g.N, g.K): (416, 128, 16, 4, 2),
                      ("down", int(d.type), d.N, d.K): (110, 128, 16, 4, 2),
-                     ("gateup", int(sg.type), sg.N, sg.K): (108, 128, 16, 4, 2)}
+                     ("gateup", sg.kt, sg.N, sg.K): (308, 256, 16, 4, 2, 4)}
     try:
         for n in (1, 3):
             f = rng.standard_normal((n, cfg.n_embd)).astype(np.float32)
@@ -449,11 +462,19 @@ def test_embed_and_output_head(pair, rng):
 
 
 def test_weights_stay_quantized(pair, model):
-    """Every uploaded tensor holds exactly the GGUF bytes (no dequantized copy)."""
+    """Every uploaded tensor holds its GGUF bytes (no dequantized copy): as they are, or for Q8_0
+    rows of a multiple of 256 values the same bytes rearranged into Q8C chunks."""
+    from ds4.backends.triton.layout import Q8C, q8_chunks
+
     _, _, tri, wt = pair
     for name in ("blk.3.ffn_down_exps.weight", "blk.2.attn_q_b.weight", "output.weight"):
         src = model.tensor(name)
         got = {"blk.3.ffn_down_exps.weight": wt.layers[3].ffn_down_exps,
                "blk.2.attn_q_b.weight": wt.layers[2].attn_q_b, "output.weight": wt.output}[name]
         assert got.u8.dtype == torch.uint8 and got.nbytes == src.n_bytes
-        assert np.array_equal(got.u8.cpu().numpy(), np.asarray(src.raw))
+        raw = torch.from_numpy(np.array(src.raw, dtype=np.uint8).reshape(-1))
+        chunked = src.type == T.Q8_0 and src.dims[0] % 256 == 0
+        assert got.kt == (Q8C if chunked else int(src.type)), name
+        want = q8_chunks(raw, src.dims[0]) if chunked else raw
+        assert np.array_equal(got.u8.cpu().numpy(), want.numpy()), name
+    assert wt.output.kt == Q8C and wt.layers[2].attn_q_b.kt == int(T.Q8_0)  # both layouts are here

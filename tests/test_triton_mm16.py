@@ -25,9 +25,11 @@ from ds4.core.tiny import preset_config  # noqa: E402
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 # Errors are measured against the first-order error scale of each output (for a product,
-# Σ|w|·|x|; through the SwiGLU, the same propagated): x in two fp16 terms holds it to 2^-22 and the
-# float32 accumulation adds a few 2^-24, so 2^-20 is the bound. (Against max |output| instead, a
-# row with cancellation exceeded 2e-6 on the H200's tensor-core accumulation.)
+# Σ|w|·|x| over the terms the kernel multiplies: for Q2_K the two of w = d·sc·q − dmin·m; through
+# the SwiGLU, the same propagated): x in two fp16 terms holds it to 2^-22 and the float32
+# accumulation adds a few 2^-24, so 2^-20 is the bound. (Against max |output| instead, a row with
+# cancellation exceeded 2e-6 on the H200's tensor-core accumulation; Q2_K against Σ|w|·|x|, where
+# w's two terms cancel, reached 1.1e-6 > 2^-20 there.)
 TOL = 2.0 ** -20
 
 
@@ -43,12 +45,23 @@ def tri():
     return be
 
 
-def _experts(tri, ttype, K, N, NE, rng):
+def _experts(tri, ttype, K, N, NE, rng, terms=False):
     """NE experts of N rows × K values of random valid blocks: (device weight, float64 [NE, N, K])
-    decoded by gguf-py (the independent reference)."""
+    decoded by gguf-py (the independent reference). terms (Q2_K): also the magnitudes the kernel
+    adds, |d·sc·q| + |dmin·m| per value (its error scale: the two terms are products of their own
+    and w = d·sc·q − dmin·m may cancel), with dmin·m read from each 84-byte block's bytes
+    (scales[16]: m in the high nibbles | qs[64] | f16 d | f16 dmin)."""
     raw = random_blocks(ttype, NE * N * K, rng, scale=0.05)
     dense = np.asarray(gq.dequantize(raw, GQT(int(ttype))), dtype=np.float64).reshape(NE, N, K)
-    return tri.upload(Tensor("w", ttype, (K, N, NE), raw)), dense
+    w = tri.upload(Tensor("w", ttype, (K, N, NE), raw))
+    if not terms:
+        return w, dense
+    assert ttype == T.Q2_K
+    b = np.asarray(raw, np.uint8).reshape(-1, 84)
+    dmin = b[:, 82:84].copy().view(np.float16).astype(np.float64)  # [blocks, 1]
+    mins = dmin * (b[:, :16] >> 4).astype(np.float64)  # [blocks, 16 sub-blocks]
+    mins = np.repeat(mins, 16, axis=1).reshape(NE, N, K)  # per value
+    return w, dense, np.abs(dense + mins) + np.abs(mins)
 
 
 def _activations(rows, K, rng):
@@ -157,7 +170,7 @@ def test_down_q2k(tri, rng):
     """out[a] = down_e·h[a] for expert-sorted assignments (the min term through the sub-block
     sums), E not a multiple of the row block."""
     NE, F, E, n, k = 3, 512, 80, 30, 3
-    down, D = _experts(tri, T.Q2_K, F, E, NE, rng)
+    down, D, Dm = _experts(tri, T.Q2_K, F, E, NE, rng, terms=True)
     h = _activations(n * k, F, rng)
     ids = np.stack([rng.choice(NE, k, replace=False) for _ in range(n)])
     order, T_, te, tr0, tend = _schedule(tri, ids, NE)
@@ -170,7 +183,7 @@ def test_down_q2k(tri, rng):
                 BM=tri.moe16_bm, BN=BN, KS=KS, num_warps=warps, num_stages=stages)
     e = ids.reshape(-1)[order]
     want = np.einsum("aek,ak->ae", D[e], hs.astype(np.float64))
-    assert _rel_rows(out.cpu().numpy(), want, np.einsum("aek,ak->ae", np.abs(D[e]), np.abs(hs.astype(np.float64)))) < TOL
+    assert _rel_rows(out.cpu().numpy(), want, np.einsum("aek,ak->ae", Dm[e], np.abs(hs.astype(np.float64)))) < TOL
 
 
 def test_moe_prefill_end_to_end(tri, rng):
@@ -179,7 +192,7 @@ def test_moe_prefill_end_to_end(tri, rng):
     NE, F, E, n, k, il = 5, 256, 512, 20, 2, 4
     gate, G = _experts(tri, T.IQ2_XXS, E, F, NE, rng)
     up, U = _experts(tri, T.IQ2_XXS, E, F, NE, rng)
-    down, D = _experts(tri, T.Q2_K, F, E, NE, rng)
+    down, D, Dm = _experts(tri, T.Q2_K, F, E, NE, rng, terms=True)
     x = _below_clamp(_activations(n, E, rng), rng)
     ids = np.stack([rng.choice(NE, k, replace=False) for _ in range(n)])
     wts = rng.uniform(0.1, 1.0, (n, k)).astype(np.float32)
@@ -196,7 +209,7 @@ def test_moe_prefill_end_to_end(tri, rng):
         hv = _swiglu64(g, u, clamp)
         sh = _swiglu_scale(g, u, np.einsum("tfk,tk->tf", np.abs(G[e]), ax), np.einsum("tfk,tk->tf", np.abs(U[e]), ax), clamp)
         want += wts[:, j, None].astype(np.float64) * np.einsum("tef,tf->te", D[e], hv)
-        scale += wts[:, j, None].astype(np.float64) * np.einsum("tef,tf->te", np.abs(D[e]), np.abs(hv) + sh)
+        scale += wts[:, j, None].astype(np.float64) * np.einsum("tef,tf->te", Dm[e], np.abs(hv) + sh)
     assert _rel_rows(got, want, scale) < TOL
 
 

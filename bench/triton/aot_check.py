@@ -25,6 +25,7 @@ def record(preset: str, prefill: int, out: str) -> None:
     import torch
 
     from ds4.backends.triton import backend as B
+    from ds4.backends.triton.layout import q8_chunked
     from ds4.core.graph import forward_chunk
     from ds4.core.layout import expected_tensors
     from ds4.core.state import FILL, SessionLayout, layer_state_shapes
@@ -85,9 +86,10 @@ def record(preset: str, prefill: int, out: str) -> None:
         def get(self, name):
             return Stub(specs[name]) if name in specs else None
 
-    def upload(t):
+    def upload(t):  # the device layout's type (Q8C for chunked Q8_0) over a stand-in buffer
         n = 64
-        return B.QWeight(t.name, t.type, t.dims, torch.zeros(n, dtype=torch.uint8))
+        kt = B.K.Q8C if q8_chunked(t.type, t.dims[0]) else int(t.type)
+        return B.QWeight(t.name, t.type, t.dims, torch.zeros(n, dtype=torch.uint8), kt)
 
     w: ModelWeights = bind_weights(FakeModel(), upload)
     layout = SessionLayout.create(cfg, max(4096, prefill + 64))

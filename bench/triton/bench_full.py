@@ -224,7 +224,7 @@ def main() -> None:
                     help="JSON {name: {backend attribute: value}}: the first prefill size also measured with each")
     ap.add_argument("--variants", default="{}",
                     help='JSON {name: {backend attribute: value}}: decode also measured with each, same run '
-                         '(e.g. {"gateup_216": {"mv_types": {"8": 108, "16": 216, "10": 110}}}: an attribute is replaced whole)')
+                         '(e.g. {"gateup_216": {"mv_types": {"80": 308, "16": 216, "10": 110}}}: an attribute is replaced whole)')
     a = ap.parse_args()
     T0 = time.time()
     os.makedirs(a.out, exist_ok=True)

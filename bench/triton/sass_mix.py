@@ -56,9 +56,8 @@ def hot_loop(txt: str) -> list[str]:
 
 def main() -> None:
     cases = [  # (label, kernel, constexprs, warps, values per K-step)
-        ("Q8_0 108 (16-bit pairs)", K.matvec_kernel, dict(TYPE=108, BN=16, NB=8, VB=32, VA=16, NORM=0, S=1), 4, 16 * 8 * 32),
-        ("Q8_0 208 (16-byte segments)", K.matvec_kernel, dict(TYPE=208, BN=8, NB=32, VB=16, VA=16, NORM=0, S=1), 4,
-         8 * 32 * 16 * 32 // 34),
+        ("Q8C 308 (four rows per thread)", K.matvec_kernel, dict(TYPE=308, BN=4, NB=2, VB=256, VA=4, NORM=0, S=1), 2,
+         4 * 2 * 256),
         ("IQ2_XXS 216 (one row per thread)", K.moe_gateup_mv_kernel,
          dict(TYPE=216, BN=16, NB=16, VB=32, VA=1, ROUTED=True), 4, 16 * 16 * 32),
         ("IQ2_XXS 416 (four rows per thread)", K.moe_gateup_mv_kernel,

@@ -1,13 +1,14 @@
 """Sweep of the Triton backend's linear-layer paths on the GPU, at the decode and prefill shapes of
 DS4 Flash, through the backend's own ops (so the numbers are what a forward pass gets).
 
-Decode (one token): Q8_0 matrix-vector products as raw 16-byte segments (208) against 16-bit
-quant pairs (108); routed-expert gate/up in IQ2_XXS as packed-byte groups (216) or with four
-rows per thread sharing x (416); Q2_K down as unrolled runs (110).
+Decode (one token): Q8_0 matrix-vector products on the Q8C chunk layout (308, ds4/backends/triton/
+layout.py); routed-expert gate/up in IQ2_XXS as packed-byte groups (216) or with four rows per
+thread sharing x (416); Q2_K down as unrolled runs (110).
 Each point replays a CUDA graph of 8 calls over rotating weight copies / expert choices, so
 neither Python launches nor L2 hits flatter it.
 `dec` (and `decmoe`, the routed experts) times every decode product shape of the model through its
-decoder variants (K-step, rows per program, warps, K split in parts), set through the backend's
+decoder variants (K-step, rows per program, warps, K split in parts, 308's rows per thread), set
+through the backend's
 per-shape table, and --pick writes the fastest as that table
 (ds4/backends/triton/mv_shapes_h200.json). `rows` reads matrices in the access pattern of a
 matrix-vector kernel (rows × bytes per K-step) without its arithmetic.
@@ -55,7 +56,7 @@ def qweight(t: T, dims, copies=1):
             return (torch.randn(n, device=dev, generator=g) / np.sqrt(dims[0])).half().view(torch.uint8)
         return _quant_blocks(t, n, 1.0 / np.sqrt(dims[0]), dev, g)
 
-    return [QWeight(f"w{i}", t, dims, data()) for i in range(copies)]
+    return [QWeight.place(f"w{i}", t, dims, data()) for i in range(copies)]
 
 
 def graph_time(fn, calls: int = 8, reps: int = 20) -> float:
@@ -122,7 +123,7 @@ def decode_linear(be, rows, name, t, N, Kd, types, caps, bns, warps):
     nbytes = row_bytes(t, Kd) * N
     ref = None
     for ty, cap, BN, nw in itertools.product(types, caps, bns, warps):
-        be.mv_types = {int(t): ty}
+        be.mv_types = {ws[0].kt: ty}
         be.mv_tune[ty] = (cap, BN, nw)
         r = try_variant(lambda i: be.linear(x, ws[i]), ref, f"{name} {ty} {cap} {BN} {nw}")
         if r is None:
@@ -153,10 +154,10 @@ def decode_variants(be, rows, kind, ttype, N, Kd, variants, copies=8, group_rows
     """One decode product shape through every (decoder, tuning) variant, set in the backend's
     per-shape table exactly as the forward pass looks it up. kind: linear (group_rows: grouped
     rows), gateup (Q8_0: the shared expert; else 6 routed experts of NE), down (6 routed)."""
-    key = (kind, int(ttype), N, Kd)
     routed = kind == "down" or (kind == "gateup" and ttype != T.Q8_0)
     ne = NE if routed else 1
     ws = qweight(ttype, (Kd, N, ne) if routed else (Kd, N), copies)
+    key = (kind, ws[0].kt, N, Kd)
     us = qweight(ttype, (Kd, N, ne) if routed else (Kd, N), copies) if kind == "gateup" else ws
     x = torch.randn(1, Kd * (N // group_rows if group_rows else 1), device=dev)
     h = torch.randn(6, Kd, device=dev)
@@ -202,10 +203,13 @@ def pick(rows, path):
     print(f"picked {len(table)} shapes -> {path}")
 
 
-# (decoder, K-step, rows per program, warps, K split)
-Q8_VARIANTS = ([(108, 256, 16, 4, sp) for sp in (1, 2, 4, 8)] + [(108, 512, 16, 4, 4), (108, 256, 32, 4, 4), (108, 256, 8, 4, 8)]
-               + [(208, 512, 8, 4, sp) for sp in (1, 2, 4, 8)] + [(208, 1024, 4, 4, 4), (208, 2048, 1, 4, 1),
-                                                                   (208, 2048, 2, 4, 2)])
+# (decoder, K-step, rows per program, warps, K split(, rows per thread)); the Q8C points are those
+# that won some shape in the probe (q8_rows_probe.py), and K splits of them for the few-row shapes
+Q8_VARIANTS = ([(308, 256, 8, 4, 1, 1), (308, 256, 16, 4, 1, 2), (308, 256, 16, 4, 1, 4), (308, 512, 4, 2, 1, 4),
+                (308, 512, 8, 4, 1, 4), (308, 1024, 4, 4, 1, 4), (308, 1024, 2, 4, 1, 2), (308, 2048, 2, 4, 1, 2),
+                (308, 4096, 2, 8, 1, 2)]
+               + [(308, 512, 4, 2, sp, 4) for sp in (2, 4)] + [(308, 1024, 4, 4, sp, 4) for sp in (2, 4)]
+               + [(308, 256, 8, 4, 4, 1), (308, 1024, 2, 4, 2, 2)])
 F16_VARIANTS = [(1, c, b, w, sp) for c, b, w, sp in ((512, 4, 4, 1), (512, 4, 4, 2), (512, 4, 4, 4), (512, 8, 4, 4),
                                                      (1024, 4, 4, 4), (256, 16, 4, 8), (1024, 2, 4, 1))]
 GATEUP_VARIANTS = [(416, 1024, 32, 4, sp) for sp in (1, 2, 4)]
@@ -367,7 +371,6 @@ def main():
     a = ap.parse_args()
     cfg = preset_config("flash")
     be = TritonBackend(cfg, numerics="exact", cuda_graphs=False)
-    be.q8_segments_from = 1 << 30  # the sweep picks 108 or 208 itself
     be.mv_shapes = {}
     rows: list[dict] = []
     parts = a.parts.split(",")
@@ -377,8 +380,7 @@ def main():
     if "q8" in parts:
         for name, N, Kd in (("q8 wo_b 4096x8192", 4096, 8192), ("q8 wq_b 32768x1024", 32768, 1024),
                             ("q8 wo_a 8192x4096", 8192, 4096)):
-            decode_linear(be, rows, name, T.Q8_0, N, Kd, [108], [256], [16, 32], [4, 8])
-            decode_linear(be, rows, name, T.Q8_0, N, Kd, [208], [256, 512], [8, 32], [4, 8])
+            decode_linear(be, rows, name, T.Q8_0, N, Kd, [308], [256, 512, 1024], [4, 8, 16], [2, 4])
             print(f"[{time.time() - T0:.0f}s] {name}", flush=True)
             save()
     if "dec" in parts:  # every decode product shape of the model, each through its variants

@@ -1,7 +1,8 @@
 """The Triton backend: every op of ds4/backends/base.py as Triton kernels (kernels.py); torch
 only allocates, holds CUDA graphs and does the little glue of the prefill MoE grouping.
 
-Weights stay GGUF blocks on the device (the kernels decode them in registers). Activations and
+Weights stay quantized on the device: GGUF blocks, with Q8_0 rows rearranged into 256-value chunks
+(layout.py); the kernels decode them in registers. Activations and
 the session state are float32 torch tensors laid out as ds4/core/state.py says, so
 state_to_numpy / state_from_numpy are exact copies and a session moves between backends.
 
@@ -35,6 +36,7 @@ from ...core.rope import layer_inv_freq  # noqa: E402
 from ..base import Backend  # noqa: E402
 from . import kernels as K  # noqa: E402
 from . import kernels_mm16 as K16  # noqa: E402
+from .layout import device_layout  # noqa: E402
 
 MM_MIN = 16  # tokens from which linear layers use the matrix-matrix kernels (tl.dot needs 16)
 
@@ -55,10 +57,13 @@ def _largest_pow2_divisor(k: int, cap: int) -> int:
 
 
 class QWeight:
-    """A tensor as it lives on the device: its GGUF bytes, unchanged, plus typed views."""
+    """A tensor as it lives on the device: its bytes in the kernels' layout (layout.py: GGUF's,
+    or Q8C chunks for Q8_0; kt says which, as the kernels' type id), plus typed views.
+    QWeight.place builds one from GGUF bytes."""
 
-    def __init__(self, name: str, ttype: GGMLType, dims: tuple[int, ...], u8: torch.Tensor):
+    def __init__(self, name: str, ttype: GGMLType, dims: tuple[int, ...], u8: torch.Tensor, kt: int | None = None):
         self.name, self.type, self.dims = name, GGMLType(int(ttype)), tuple(dims)
+        self.kt = int(self.type) if kt is None else int(kt)
         self.K = dims[0]
         self.N = dims[1] if len(dims) > 1 else 1
         self.n_exp = dims[2] if len(dims) > 2 else 1
@@ -69,6 +74,12 @@ class QWeight:
         self.f32 = (u8.view(torch.float32) if self.type == GGMLType.F32 else
                     u8.view(torch.int32) if u8.numel() % 4 == 0 else self.i16)
         self.i32 = u8.view(torch.int32) if self.type == GGMLType.I32 else None
+
+    @classmethod
+    def place(cls, name: str, ttype: GGMLType, dims: tuple[int, ...], u8: torch.Tensor) -> "QWeight":
+        """From a tensor's GGUF bytes (on the device), rearranged where layout.py says so."""
+        u8, kt = device_layout(ttype, dims[0], u8)
+        return cls(name, ttype, dims, u8, kt)
 
     @property
     def vec(self) -> torch.Tensor:
@@ -207,8 +218,8 @@ def _op(fn):
 
 class TritonBackend(Backend):
     name = "triton"
-    # the specialised matrix-vector decoders of each block format (mv_types picks one)
-    MV_PATHS = {int(K.Q8_0): (108, 208), int(K.IQ2_XXS): (216, 416), int(K.Q2_K): (110,)}
+    # the specialised matrix-vector decoders of each layout (mv_types picks one)
+    MV_PATHS = {K.Q8C: (308,), int(K.IQ2_XXS): (216, 416), int(K.Q2_K): (110,)}
 
     @staticmethod
     def runs_here() -> bool:
@@ -288,19 +299,18 @@ class TritonBackend(Backend):
         self.q8_int16 = os.environ.get("DS4_TRITON_Q8_16", "0") == "1"
         self.q8_16_tile = {"linear": (64, 64, 4, 1), "gateup": (64, 64, 8, 1)}
         self.topk_reg_max = 16384  # indexer rows that top-k keeps in registers
-        # decoded type per GGUF type in matrix-vector kernels: Q8_0 as 16-bit quant pairs (108),
-        # or as raw 16-byte row segments (208) for rows of 8192 values and more, where that
-        # measured faster; IQ2_XXS in 32-value groups, four rows per thread sharing each x load,
-        # levels and signs as packed bytes (416; 216 = one row per thread); Q2_K with the 64
-        # values of a 16-byte run unrolled
-        self.mv_types = {int(K.Q8_0): 108, int(K.IQ2_XXS): 416, int(K.Q2_K): 110}
-        self.q8_segments_from = 8192
+        # decoder per layout in matrix-vector kernels: Q8C chunks with R rows per thread sharing
+        # each x load (308); IQ2_XXS in 32-value groups, four rows per thread sharing each x
+        # load, levels and signs as packed bytes (416; 216 = one row per thread); Q2_K with the
+        # 64 values of a 16-byte run unrolled; anything else (GGUF-layout Q8_0 included) the
+        # generic block decoder
+        self.mv_types = {K.Q8C: 308, int(K.IQ2_XXS): 416, int(K.Q2_K): 110}
         if os.environ.get("DS4_TRITON_MV_PLAIN") == "1":
             self.mv_types = {}
-        # matrix-vector tiling per decoded type: (K-step values, rows per program, warps), from
-        # bench/triton/tune_mv.py and the decode benchmark on an H200; a fourth value splits K in that
-        # many parts (_split_store)
-        self.mv_tune = {"default": (256, 8, 4), 108: (256, 16, 4), 110: (1024, 8, 4), 208: (512, 8, 4),
+        # matrix-vector tiling per decoder: (K-step values, rows per program, warps), from
+        # bench/triton/tune_paths.py and the decode benchmark on an H200; a fourth
+        # value splits K in that many parts (_split_store), a fifth is 308's rows per thread
+        self.mv_tune = {"default": (256, 8, 4), 308: (1024, 4, 4, 1, 4), 110: (1024, 8, 4),
                         216: (512, 16, 4), 416: (1024, 32, 4), int(K.F16): (512, 4, 4)}
         self.mv_tune.update({int(k): tuple(v) for k, v in
                              json.loads(os.environ.get("DS4_TRITON_MV_TUNE", "{}")).items()})
@@ -335,7 +345,7 @@ class TritonBackend(Backend):
         else:
             host = torch.from_numpy(np.array(tensor.raw, dtype=np.uint8, copy=True).reshape(-1))
             u8 = host.to(self.dev) if self.dev.type != "cpu" else host
-        return QWeight(tensor.name, tensor.type, tensor.dims, u8)
+        return QWeight.place(tensor.name, tensor.type, tensor.dims, u8)
 
     def alloc_state(self, shapes, fill):
         return {k: torch.full(s, float(fill[k]), dtype=torch.float32, device=self.dev)
@@ -446,56 +456,61 @@ class TritonBackend(Backend):
         NB = _largest_pow2_divisor(K_ // VB, max(1, cap // VB))
         return NB, VB
 
-    def _mm_cfg(self, ttype: int, K_: int) -> dict:
+    def _mm_cfg(self, kt: int, K_: int) -> dict:
         """K-step of a matrix-matrix kernel: integer units (U values, NB per step) or float tiles."""
-        if self.prec == "bf16x3" and int(ttype) == K.Q8_0:
+        ttype = int(kt)
+        if self.prec == "bf16x3" and ttype in (K.Q8_0, K.Q8C):
             NB = _largest_pow2_divisor(K_ // 32, self.units_per_step)
             return dict(NB=NB, VB=32, U=32, PREC=self.prec_f)
         NB, VB = self._blocks(ttype, K_, 64 if not self.interpret else 128)
         return dict(NB=NB, VB=VB, U=0, PREC=self.prec_f)
 
-    def _mv_path(self, kind: str, ttype: int, N: int, K_: int) -> tuple[int, tuple]:
+    def _mv_path(self, kind: str, kt: int, N: int, K_: int) -> tuple[int, tuple]:
         """(decoder, its tuning) of a decode product of `kind` (linear, gateup, down) with N rows of
-        K_ values: the per-shape table (mv_shapes), else the per-type defaults."""
-        e = self.mv_shapes.get((kind, int(ttype), int(N), int(K_)))
+        K_ values in layout kt (QWeight.kt): the per-shape table (mv_shapes), else the per-layout
+        defaults."""
+        e = self.mv_shapes.get((kind, int(kt), int(N), int(K_)))
         if e is not None:
             return int(e[0]), tuple(e[1:])
-        t = self.mv_types.get(int(ttype), int(ttype))
-        if t == 108 and K_ >= self.q8_segments_from:
-            t = 208
+        t = self.mv_types.get(int(kt), int(kt))
         return t, self.mv_tune.get(t, self.mv_tune["default"])
 
-    def _mv_cfg(self, ttype: int, N: int, K_: int, slots: int = 1, norm: int = 0, kind: str = "linear") -> dict:
-        """Launch parameters of a matrix-vector kernel: decoded type (108 / 208 = Q8_0 as 16-bit
-        pairs / raw segments, 216 / 416 = IQ2_XXS groups (one / four rows per thread), 110 = Q2_K
-        runs, else the generic decoder),
-        rows per program, units per K-step, values per unit, accumulator width, warps, K parts."""
-        ttype = int(ttype)
+    def _mv_cfg(self, kt: int, N: int, K_: int, slots: int = 1, norm: int = 0, kind: str = "linear") -> dict:
+        """Launch parameters of a matrix-vector kernel: decoder (308 = Q8C chunks, 216 / 416 =
+        IQ2_XXS groups (one / four rows per thread), 110 = Q2_K runs, else the generic decoder
+        of layout kt), rows per program, units per K-step, values per unit, accumulator width
+        (308: rows per thread), warps, K parts."""
+        ttype = int(kt)
         t, tune = self._mv_path(kind, ttype, N, K_)
+        if t != ttype and t not in self.MV_PATHS.get(ttype, ()):
+            raise ValueError(f"decoder {t} for {kind} {N}x{K_}: expected one of layout {ttype}'s "
+                             f"{self.MV_PATHS.get(ttype, ())} or the generic {ttype}")
         if norm and t in (110, 216, 416):  # these decoders have no fused RMSNorm: the generic one has
             t, tune = ttype, self.mv_tune.get(ttype, self.mv_tune["default"])
         cap, BN, warps = tune[:3]
         S = tune[3] if len(tune) > 3 else 1  # K split in S parts (_split_store)
+        R = tune[4] if len(tune) > 4 and t == 308 else 4 if t == 308 else 1  # 308's rows per thread
         if self.interpret:  # few, large programs (a per-shape entry keeps its K-step: tests split K)
             cap = cap if (kind, ttype, int(N), int(K_)) in self.mv_shapes else 1024
             BN = min(64, _pow2(N))
         else:
-            while BN > (4 if t == 416 else 1) and _cdiv(N, BN) * slots * S < 264:  # two programs per SM
+            while BN > (4 if t == 416 else R) and _cdiv(N, BN) * slots * S < 264:  # two programs per SM
                 BN //= 2
         if t == 416:  # four row sets of BN/4 rows × NB groups; no more threads than set elements
             NB = _largest_pow2_divisor(K_ // 32, max(1, cap // 32))
             BN = max(BN, 4)
             warps = max(1, min(warps, (BN // 4) * NB // 32))
             return dict(TYPE=t, BN=BN, NB=NB, VB=32, VA=1, S=self._split(S, K_, NB * 32), num_warps=warps)
-        if t == 208:  # K-step in row bytes: NB segments of 16
-            return dict(TYPE=t, BN=BN, NB=max(1, cap // 16), VB=16, VA=16, S=self._split(S, K_, 256), num_warps=warps)
+        if t == 308:  # NB 256-value chunks per K-step, R rows per thread
+            NB = _largest_pow2_divisor(K_ // 256, max(1, cap // 256))
+            BN = max(BN, R)
+            return dict(TYPE=t, BN=BN, NB=NB, VB=256, VA=R, S=self._split(S, K_, NB * 256), num_warps=warps)
         if t in (110, 216):  # unrolled units: 32 (IQ2_XXS) or 64 (Q2_K) values per tile element
             VB = {216: 32, 110: 64}[t]
             NB = _largest_pow2_divisor(K_ // VB, max(1, cap // VB))
             return dict(TYPE=t, BN=BN, NB=NB, VB=VB, VA=1, S=self._split(S, K_, NB * VB), num_warps=warps)
         NB, VB = self._blocks(ttype, K_, cap)
-        return dict(TYPE=t, BN=BN, NB=NB, VB=VB, VA=VB // 2 if t == 108 else VB, S=self._split(S, K_, NB * VB),
-                    num_warps=warps)
+        return dict(TYPE=t, BN=BN, NB=NB, VB=VB, VA=VB, S=self._split(S, K_, NB * VB), num_warps=warps)
 
     def _tiles_ok(self, tiles: int, S: int) -> None:
         if S > 1 and tiles > self._split_cnt.numel():  # one split-K ticket per output tile
@@ -524,7 +539,7 @@ class TritonBackend(Backend):
         sx_t = src.stride(0)
         out = self._new((n, N))
         if n < MM_MIN:
-            c = self._mv_cfg(w.type, N, Kd, n, norm)
+            c = self._mv_cfg(w.kt, N, Kd, n, norm)
             if group_rows:
                 c["BN"] = min(c["BN"], _largest_pow2_divisor(group_rows, c["BN"]))
             S = c["S"]
@@ -544,13 +559,13 @@ class TritonBackend(Backend):
                          w.i16, out, N, n, N, Kd, w.RB, gr, group_stride, BM=BM, BN=BN,
                          num_warps=warps, num_stages=stages, nbytes=w.RB * N + 4 * n * (Kd + N))
         else:
-            mc = self._mm_cfg(w.type, Kd)
+            mc = self._mm_cfg(w.kt, Kd)
             BM, BN, warps = self.mm_tile_q8 if mc["U"] and not self.interpret else self.mm_tile
             if group_rows:
                 BN = min(BN, _largest_pow2_divisor(group_rows, BN))
             self._launch(K.matmul_kernel, (_cdiv(n, BM), _cdiv(N, BN)), src, sx_t, group_stride,
                          w.u8, w.i16, w.f32, self._gridp, self._ksigns, out, N,
-                         n, N, Kd, w.RB, gr, TYPE=int(w.type), BM=BM, BN=BN, **mc,
+                         n, N, Kd, w.RB, gr, TYPE=w.kt, BM=BM, BN=BN, **mc,
                          num_warps=warps, num_stages=2, nbytes=w.RB * N + 4 * n * (Kd + N))
         return out
 
@@ -633,9 +648,9 @@ class TritonBackend(Backend):
         n, E, HC = len(tokens), cfg.n_embd, cfg.n_hc
         tok = self._tokens_dev(tokens)
         X = self._new((n, HC, E))
-        NB, VB = self._blocks(token_embd.type, E, 1024)
+        NB, VB = self._blocks(token_embd.kt, E, 1024)
         self._launch(K.embed_kernel, (n, E // (NB * VB)), tok, token_embd.u8, token_embd.i16, token_embd.f32,
-                     self._gridp, self._ksigns, X, E, token_embd.RB, HC=HC, TYPE=int(token_embd.type),
+                     self._gridp, self._ksigns, X, E, token_embd.RB, HC=HC, TYPE=token_embd.kt,
                      NB=NB, VB=VB, nbytes=n * (token_embd.RB + 4 * HC * E))
         return X
 
@@ -646,7 +661,7 @@ class TritonBackend(Backend):
         fn = hc.fn
         NR = fn.N
         NM = _pow2(NR)
-        NB, VB = self._blocks(fn.type, Kd, 128 if not self.interpret else 1024)
+        NB, VB = self._blocks(fn.kt, Kd, 128 if not self.interpret else 1024)
         BK = NB * VB
         split = 1 if self.interpret else max(1, min(64, 128 // max(1, n)))
         split = min(split, Kd // BK)
@@ -654,7 +669,7 @@ class TritonBackend(Backend):
         part = self._new((n, split, NM))
         ss = self._new((n, split))
         self._launch(K.hc_mix_kernel, (n, split), X, fn.u8, fn.i16, fn.f32, self._gridp, self._ksigns,
-                     part, ss, NR, Kd, fn.RB, Kd // split, NM=NM, TYPE=int(fn.type), NB=NB, VB=VB,
+                     part, ss, NR, Kd, fn.RB, Kd // split, NM=NM, TYPE=fn.kt, NB=NB, VB=VB,
                      num_warps=4, nbytes=fn.RB * NR + 4 * X.numel())
         x_in = self._new((n, E))
         post = self._dummy_f if head else self._new((n, HC))
@@ -878,7 +893,7 @@ class TritonBackend(Backend):
         E, F = gate.K, gate.N
         h = self._new((slots, F))
         routed = ids is not None
-        c = self._mv_cfg(gate.type, F, E, slots, kind="gateup")
+        c = self._mv_cfg(gate.kt, F, E, slots, kind="gateup")
         S = c["S"]
         self._tiles_ok(_cdiv(F, c["BN"]) * slots, S)
         self._launch(K.moe_gateup_mv_kernel, (_cdiv(F, c["BN"]), slots, S), x, x.stride(0),
@@ -893,7 +908,7 @@ class TritonBackend(Backend):
         """Decode down products: out[t] = Σ_j down_{ids[t, j]} · h[t·k + j], in slot order."""
         F, E = down.K, down.N
         out = self._new((n, E))
-        c = self._mv_cfg(down.type, E, F, n, kind="down")
+        c = self._mv_cfg(down.kt, E, F, n, kind="down")
         S = c["S"]
         self._tiles_ok(_cdiv(E, c["BN"]) * n, S)
         self._launch(K.moe_down_mv_kernel, (_cdiv(E, c["BN"]), n, S), h, ids, down.u8, down.i16, down.f32,
@@ -957,7 +972,7 @@ class TritonBackend(Backend):
             self._launch(K.moe_gateup_mm_kernel, (T, _cdiv(F, BN)), x, x.stride(0), tok_sorted, w_sorted,
                          tile_e, tile_r0, tile_end, gate.u8, gate.i16, gate.f32, up.u8, up.i16, up.f32,
                          self._gridp, self._ksigns, h, F, E, gate.RB, F * gate.RB, float(clamp),
-                         TYPE=int(gate.type), BM=BM, BN=BN, ROUTED=True, **self._mm_cfg(gate.type, E),
+                         TYPE=gate.kt, BM=BM, BN=BN, ROUTED=True, **self._mm_cfg(gate.kt, E),
                          num_warps=warps, num_stages=2, nbytes=2 * gate.nbytes + 4 * n * k * (E + F))
         osort = torch.empty((n * k, E), dtype=torch.float32, device=self.dev)
         if dn16:
@@ -970,7 +985,7 @@ class TritonBackend(Backend):
             BN, warps = self.moe_tile["down"]
             self._launch(K.moe_down_mm_kernel, (T, _cdiv(E, BN)), h, tile_e, tile_r0, tile_end,
                          down.u8, down.i16, down.f32, self._gridp, self._ksigns, osort, E, F, down.RB,
-                         E * down.RB, TYPE=int(down.type), BM=BM, BN=BN, **self._mm_cfg(down.type, F),
+                         E * down.RB, TYPE=down.kt, BM=BM, BN=BN, **self._mm_cfg(down.kt, F),
                          num_warps=warps, num_stages=2, nbytes=down.nbytes + 4 * n * k * (E + F))
         out = self._new((n, E))
         BE = min(1024, _pow2(E))
@@ -985,7 +1000,7 @@ class TritonBackend(Backend):
     def _q8_16(self, w: QWeight, x: torch.Tensor, group_stride: int = 0) -> bool:
         """Whether a Q8_0 product with x [n, columns] takes the fp16 integer path: whole 256-value
         chunks of x (split16_kernel) and groups starting on chunk boundaries."""
-        return (self.q8_int16 and self.prec == "bf16x3" and int(w.type) == int(K.Q8_0) and w.K % 256 == 0
+        return (self.q8_int16 and self.prec == "bf16x3" and w.kt == K.Q8C
                 and x.shape[1] % 256 == 0 and group_stride % 256 == 0 and x.stride(1) == 1)
 
     def _split16(self, x: torch.Tensor, sums: bool):
@@ -1033,7 +1048,7 @@ class TritonBackend(Backend):
             self._launch(K.moe_gateup_mm_kernel, (T, _cdiv(F, BN)), x, x.stride(0), self._dummy_i, self._dummy_f,
                          tile_e, tile_r0, tile_end, gate.u8, gate.i16, gate.f32, up.u8, up.i16, up.f32,
                          self._gridp, self._ksigns, h, F, E, gate.RB, 0, float(clamp),
-                         TYPE=int(gate.type), BM=BM, BN=BN, ROUTED=False, **self._mm_cfg(gate.type, E),
+                         TYPE=gate.kt, BM=BM, BN=BN, ROUTED=False, **self._mm_cfg(gate.kt, E),
                          num_warps=warps, num_stages=2, nbytes=2 * gate.nbytes + 4 * n * (E + F))
         return self._linear(h, down)
 

@@ -5,8 +5,9 @@ Every kernel reads GGUF weight blocks as they are stored (no dequantized copy of
 rows in registers, where a "unit" is the group of values that shares one scale (a Q8_0 block, a
 Q2_K sub-block, one IQ2_XXS grid entry). Matrix-vector kernels (decode) multiply that tile by the
 activation with FMAs; matrix-matrix kernels (prefill) reshape it to [rows, K-block] for `tl.dot`.
-Specialised decoders (`_mv_step`, `_q8_seg`) serve the decode shapes of the shipped formats, and
-Q8_0 prefill products run as exact integers on bf16 tensor cores (`_dot_units`).
+Specialised decoders (`_mv_step`, `_q8c_rows`, `_iq2_group_rows`) serve the decode shapes of the
+shipped formats, and Q8_0 prefill products run as exact integers on bf16 tensor cores
+(`_dot_units`).
 
 Positions never come from the host: kernels read the chunk's first position p0 from a device
 scalar, so a decode step can be captured once in a CUDA graph and replayed. Kernels that depend
@@ -14,7 +15,15 @@ on the position (which compressor window closes, how many compressed rows a quer
 it themselves, and programs with nothing to do exit.
 
 A weight is passed as three views of one byte buffer: `wb` (uint8), `wh` (int16: f16 scales and
-16-bit words, which sit at even offsets in every DS4 block format) and `wf` (float32, F32 only).
+16-bit words, which sit at even offsets in every DS4 block format) and `wf` (float32 for F32, else
+int32 words).
+
+One format is rearranged at upload, not decoded: Q8_0 rows whose length is a multiple of 256 are
+stored as 256-value chunks (layout Q8C, `ds4.backends.triton.layout`): the chunk's 8 f16 scales
+(16 bytes), then its 256 quants as bytes q + 128, the 32 of each block ordered so that byte j of
+the block's word w holds value 8j + w. The bytes of a row and their count are the same (34 per 32
+values); every quant word is 4-byte aligned and each chunk 16-byte aligned, where GGUF's 34-byte
+blocks only align to 2 bytes.
 """
 
 from __future__ import annotations
@@ -60,10 +69,11 @@ else:  # the interpreter gives scalars shape (1,), which numpy >= 2 refuses to i
 
         _ti.InterpreterBuilder.create_dot = _create_dot
 
-# GGML type ids (ds4.core.quants.GGMLType)
+# GGML type ids (ds4.core.quants.GGMLType), and Q8C: Q8_0 rows in 256-value chunks (above)
 F32, F16, Q8_0, Q2_K, Q4_K, IQ2_XXS, BF16 = 0, 1, 8, 10, 12, 16, 30
+Q8C = 80
 # values per unit (values sharing one scale) in the decoded tiles
-UNIT = {F32: 32, F16: 32, BF16: 32, Q8_0: 32, Q2_K: 16, Q4_K: 32, IQ2_XXS: 8}
+UNIT = {F32: 32, F16: 32, BF16: 32, Q8_0: 32, Q2_K: 16, Q4_K: 32, IQ2_XXS: 8, Q8C: 32}
 
 _NEG = tl.constexpr(-1.0e30)  # "minus infinity" for running maxima (exp(_NEG - m) == 0, never NaN)
 
@@ -105,6 +115,19 @@ def _u8f(b):
 def _s8f(b):
     """Signed int8 in the low byte of b -> float32 (_u8f of the byte offset by 128)."""
     return ((b & 0xFF) ^ 0x4B000080).to(tl.float32, bitcast=True) - 8388736.0
+
+
+@triton.jit
+def _q8c_block(row_off, u):
+    """Byte offsets of Q8C block u of the rows at row_off: (its f16 scale, its first quant)."""
+    c = row_off + (u // 8) * 272
+    return c + (u % 8) * 2, c + 16 + (u % 8) * 32
+
+
+@triton.jit
+def _q8c_value(p):
+    """The value (0..31 in its block) of Q8C quant byte p: byte j of word w holds value 8j + w."""
+    return (p % 4) * 8 + p // 4
 
 
 @triton.jit
@@ -234,6 +257,11 @@ def _wtile(wb, wh, wf, gridp, ksigns, row_off, rmask, u0,
         d = _ld_f16(wh, base, m)
         q = tl.load(wb + base + 2 + iv, mask=m, other=0).to(tl.int8, bitcast=True).to(tl.float32)
         w = q * d
+    elif TYPE == 80:  # Q8C: the values of block u in K order, gathered from their bytes
+        so, qo = _q8c_block(ro, u)
+        d = _ld_f16(wh, so, m)
+        q = tl.load(wb + qo + (iv % 8) * 4 + iv // 8, mask=m, other=128).to(tl.int32)
+        w = (q - 128).to(tl.float32) * d
     elif TYPE == 10:  # Q2_K: scales[16] | qs[64] | f16 d | f16 dmin; unit = 16-value sub-block
         blk = u // 16
         s = u % 16
@@ -286,25 +314,35 @@ def _wtile(wb, wh, wf, gridp, ksigns, row_off, rmask, u0,
 
 
 @triton.jit
-def _wint(wb, wh, row_off, rmask, u):
-    """Q8_0 block u of the rows at byte offsets row_off [BN]: its quants as exact float32
-    integers [BN, 32] and its scale [BN] (W = scale · q)."""
+def _wint(wb, wh, row_off, rmask, u, TYPE: tl.constexpr):
+    """Q8_0 (TYPE 8) or Q8C (80) block u of the rows at byte offsets row_off [BN]: its quants as
+    exact float32 integers [BN, 32] in K order and its scale [BN] (W = scale · q). Q8C's 32
+    bytes load contiguously and are put in K order in registers ([word, byte] -> [byte, word]);
+    gathered in K order from memory instead, they made a 2048-token prefill 1.5× slower
+    (bench/triton/results_h200/q8c_gathered/)."""
+    p = tl.arange(0, 32)[None, :]
+    if TYPE == 80:
+        so, qo = _q8c_block(row_off, u)
+        qb = tl.load(wb + qo[:, None] + p, mask=rmask[:, None], other=128)
+        BN: tl.constexpr = qb.shape[0]
+        q = tl.reshape(tl.permute(tl.reshape(qb, [BN, 8, 4]), (0, 2, 1)), [BN, 32]).to(tl.int32)
+        return _u8f(q) - 128.0, _ld_f16(wh, so, rmask)
     base = row_off + u * 34
-    q = _s8f(tl.load(wb + base[:, None] + 2 + tl.arange(0, 32)[None, :], mask=rmask[:, None], other=0).to(tl.int32))
+    q = _s8f(tl.load(wb + base[:, None] + 2 + p, mask=rmask[:, None], other=0).to(tl.int32))
     return q, _ld_f16(wh, base, rmask)
 
 
 @triton.jit
-def _dot_units(x_ptr, sx_t, tm, mm, k0, wb, wh, row_off, rmask, acc, NU: tl.constexpr):
-    """acc[BM, BN] += x[tm, k0 : k0 + 32·NU] · Wᵀ over NU Q8_0 blocks on bf16 tensor cores: the
-    quants are exact in bf16 and x is split exactly into three bf16 terms (8 + 8 + 8 significant
-    bits), so each block's product has float32 accuracy before its scale is applied."""
+def _dot_units(x_ptr, sx_t, tm, mm, k0, wb, wh, row_off, rmask, acc, NU: tl.constexpr, TYPE: tl.constexpr):
+    """acc[BM, BN] += x[tm, k0 : k0 + 32·NU] · Wᵀ over NU Q8_0 / Q8C blocks on bf16 tensor cores:
+    the quants are exact in bf16 and x is split exactly into three bf16 terms (8 + 8 + 8
+    significant bits), so each block's product has float32 accuracy before its scale is applied."""
     U: tl.constexpr = 32
     ku = tl.arange(0, U)
     for i in tl.static_range(NU):
         kb = k0 + i * U
         xt = tl.load(x_ptr + tm[:, None].to(tl.int64) * sx_t + kb + ku[None, :], mask=mm[:, None], other=0.0)
-        q, sc = _wint(wb, wh, row_off, rmask, kb // U)
+        q, sc = _wint(wb, wh, row_off, rmask, kb // U, TYPE)
         x1 = xt.to(tl.bfloat16)
         r1 = xt - x1.to(tl.float32)
         x2 = r1.to(tl.bfloat16)
@@ -331,9 +369,8 @@ def _dot_units(x_ptr, sx_t, tm, mm, k0, wb, wh, row_off, rmask, acc, NU: tl.cons
 def _mv_step(xb, k0, wb, wh, wf, gridp, ksigns, row_off, rmask, rs, nw_ptr,
              TYPE: tl.constexpr, NB: tl.constexpr, VB: tl.constexpr, NORM: tl.constexpr):
     """One K-step of a matrix-vector product: W[rows, k0 : k0 + NB·VB] ⊙ x̂, as a tile whose sum
-    is the step's contribution. TYPE 108 is Q8_0 read as 16-bit pairs of quants (half the load
-    instructions of byte loads), x split into even / odd values; its tile is [BN, NB, VB/2].
-    216 (IQ2_XXS) and 110 (Q2_K) unroll the values of a unit and return [BN, NB, 1]."""
+    is the step's contribution. 216 (IQ2_XXS) and 110 (Q2_K) unroll the values of a unit and
+    return [BN, NB, 1]; the generic decoder (_wtile) returns [BN, NB, VB]."""
     if TYPE == 216:  # IQ2_XXS, one 32-value group per tile element, levels and signs as bytes
         u = k0 // 32 + tl.arange(0, NB)[None, :]  # group index in the row
         m = rmask[:, None]
@@ -403,22 +440,6 @@ def _mv_step(xb, k0, wb, wh, wf, gridp, ksigns, row_off, rmask, rs, nw_ptr,
                 xs += xv
             part += dl * acc_q - ml * xs
         return part[:, :, None]
-    elif TYPE == 108:
-        j = tl.arange(0, VB // 2)[None, None, :]
-        kx = k0 + tl.arange(0, NB)[None, :, None] * VB + 2 * j
-        xe = tl.load(xb + kx)
-        xo = tl.load(xb + kx + 1)
-        if NORM != 0:
-            xe = xe / rs
-            xo = xo / rs
-            if NORM == 1:
-                xe = xe * tl.load(nw_ptr + kx)
-                xo = xo * tl.load(nw_ptr + kx + 1)
-        m = rmask[:, None, None]
-        base = row_off[:, None, None] + (k0 // VB + tl.arange(0, NB)[None, :, None]) * 34
-        d = _ld_f16(wh, base, m)
-        h = tl.load(wh + base // 2 + 1 + j, mask=m, other=0).to(tl.int32)
-        return d * (_s8f(h) * xe + _s8f(h >> 8) * xo)
     else:
         kv = tl.arange(0, NB)[None, :, None] * VB + tl.arange(0, VB)[None, None, :]
         xv = tl.load(xb + k0 + kv)
@@ -427,35 +448,6 @@ def _mv_step(xb, k0, wb, wh, wf, gridp, ksigns, row_off, rmask, rs, nw_ptr,
             if NORM == 1:
                 xv = xv * tl.load(nw_ptr + k0 + kv)
         return _wtile(wb, wh, wf, gridp, ksigns, row_off, rmask, k0 // VB, TYPE, NB, VB) * xv
-
-
-@triton.jit
-def _q8_seg(xb, p0, wb, wh, row_off, rmask, PE, rs, nw_ptr, NB: tl.constexpr, NORM: tl.constexpr):
-    """One step of a Q8_0 matrix-vector product read as raw 16-byte row segments (TYPE 208), over
-    the row bytes below PE: a row is a stream of 34-byte blocks, so a segment holds bytes of at
-    most two blocks. The weight bytes come in 16-byte vector loads; which value of x a byte
-    multiplies (none for the two scale bytes) depends only on its offset, so that gather is shared
-    by all the rows of a thread."""
-    s = tl.arange(0, NB)[None, :, None]
-    j = tl.arange(0, 16)[None, None, :]
-    P = p0 + s * 16 + j  # byte offset in the row
-    pm = P < PE
-    b = P // 34
-    r = P - b * 34
-    valid = pm & (r >= 2)
-    e = b * 32 + r - 2
-    xv = tl.load(xb + e, mask=valid, other=0.0)
-    if NORM != 0:
-        xv = xv / rs
-        if NORM == 1:
-            xv = xv * tl.load(nw_ptr + e, mask=valid, other=0.0)
-    ro = row_off[:, None, None]
-    m = rmask[:, None, None]
-    q = _s8f(tl.load(wb + ro + P, mask=m & pm, other=0).to(tl.int32))
-    ba = (p0 + s * 16) // 34  # first block of the segment
-    sa = _ld_f16(wh, ro + ba * 34, m & (ba * 34 < PE))  # past the end: 0, never NaN
-    sb = _ld_f16(wh, ro + ba * 34 + 34, m & (ba * 34 + 34 < PE))
-    return q * xv * tl.where(b == ba, sa, sb)
 
 
 @triton.jit
@@ -553,22 +545,87 @@ def _iq2_group_rows(xb, wh, gridp, ksigns, row_off, rmask, K, sk, BN: tl.constex
 
 
 @triton.jit
+def _row_sets(v, R: tl.constexpr):
+    """[BN] -> a tuple of R row sets [BN/R, 1, 1, 1] (R = 1, 2 or 4): a thread holds one row of
+    each, so what it loads once (x) serves R rows. _row_join is the inverse."""
+    BN: tl.constexpr = v.shape[0]
+    if R == 4:
+        v0, v1, v2, v3 = _split4(v, BN)
+        return v0[:, None, None, None], v1[:, None, None, None], v2[:, None, None, None], v3[:, None, None, None]
+    elif R == 2:
+        v0, v1 = tl.split(tl.reshape(v, [BN // 2, 2]))
+        return v0[:, None, None, None], v1[:, None, None, None]
+    else:
+        return (v[:, None, None, None],)
+
+
+@triton.jit
+def _row_join(ys, R: tl.constexpr, BN: tl.constexpr):
+    if R == 4:
+        return _join4(ys[0], ys[1], ys[2], ys[3], BN)
+    elif R == 2:
+        return tl.reshape(tl.join(ys[0], ys[1]), [BN])
+    else:
+        return ys[0]
+
+
+@triton.jit
+def _q8c_rows(xb, ww, wh, row_off, rmask, K, sk, rs, nw_ptr, BN: tl.constexpr, NC: tl.constexpr,
+              R: tl.constexpr, NORM: tl.constexpr, S: tl.constexpr):
+    """TYPE 308: W[rows]·x̂ for Q8C rows over part sk of S of K, NC 256-value chunks per K-step,
+    R rows per thread. A step's tile is [rows, chunk, block, word] int32 (a chunk's 64 quant words
+    are contiguous: 16-byte loads); byte j of every word meets x at 8j + w, a contiguous slice of
+    x loaded once for the R rows; each word's 4 values become floats by _b2f (the bytes are
+    already biased by 128) and its sum takes the block scale."""
+    ro = _row_sets(tl.multiple_of(row_off // 4, 4), R)  # in words (rows start on 16 bytes)
+    m = _row_sets(rmask, R)
+    c = tl.arange(0, NC)[None, :, None, None]
+    b = tl.arange(0, 8)[None, None, :, None]
+    w = tl.arange(0, 8)[None, None, None, :]
+    xo = c * 256 + b * 32 + w  # x of byte 0 of each word
+    acc = ()
+    for r in tl.static_range(R):
+        acc = acc + (tl.zeros([BN // R, NC, 8, 8], tl.float32),)
+    IS = K // (256 * NC) // S
+    for i in range(sk * IS, sk * IS + IS):
+        c0 = i * NC
+        ws = ()
+        for r in tl.static_range(R):
+            ws = ws + (tl.load(ww + ro[r] + (c0 + c) * 68 + 4 + b * 8 + w, mask=m[r], other=0),)
+        ps = ()
+        for r in tl.static_range(R):
+            ps = ps + (tl.zeros([BN // R, NC, 8, 8], tl.float32),)
+        for j in tl.static_range(4):
+            xv = tl.load(xb + c0 * 256 + xo + 8 * j)
+            if NORM != 0:
+                xv = xv / rs
+                if NORM == 1:
+                    xv = xv * tl.load(nw_ptr + c0 * 256 + xo + 8 * j)
+            nps = ()
+            for r in tl.static_range(R):
+                nps = nps + (ps[r] + _b2f(ws[r], j) * xv,)
+            ps = nps
+        nacc = ()
+        for r in tl.static_range(R):
+            d = tl.load(wh + ro[r] * 2 + (c0 + c) * 136 + b, mask=m[r], other=0).to(tl.float16, bitcast=True)
+            nacc = nacc + (acc[r] + ps[r] * d.to(tl.float32),)
+        acc = nacc
+    ys = ()
+    for r in tl.static_range(R):
+        ys = ys + (tl.sum(tl.sum(tl.sum(acc[r], axis=3), axis=2), axis=1),)
+    return _row_join(ys, R, BN)
+
+
+@triton.jit
 def _mv_rows(xb, wb, wh, wf, gridp, ksigns, row_off, rmask, K, sk, rs, nw_ptr,
              BN: tl.constexpr, TYPE: tl.constexpr, NB: tl.constexpr, VB: tl.constexpr,
              VA: tl.constexpr, NORM: tl.constexpr, S: tl.constexpr = 1):
     """W[rows] · x̂ for BN rows over part sk of S equal parts of K: the K loop of every
-    matrix-vector kernel. The parts start on multiples of the K-step (208: of 256 values, 272
-    row bytes), written so that the compiler sees it and keeps its wide loads."""
+    matrix-vector kernel (308: VA is the rows per thread, NB the chunks per K-step)."""
     if TYPE == 416:  # no fused norm (nor in 216, 110: _mv_cfg picks the generic decoder then)
         y = _iq2_group_rows(xb, wh, gridp, ksigns, row_off, rmask, K, sk, BN, NB, S)
-    elif TYPE == 208:  # Q8_0 row bytes of the part's 256-value chunks
-        CS = K // 256 // S
-        pe = tl.multiple_of((sk * CS + CS) * 272, 16)  # the masks stay constant over 16-byte segments
-        acc = tl.zeros([BN, NB, 16], tl.float32)
-        for p0 in range(sk * CS * 272, pe, NB * 16):
-            p0 = tl.multiple_of(p0, 16)  # 272 = 17·16: the compiler does not see it through the start
-            acc += _q8_seg(xb, p0, wb, wh, row_off, rmask, pe, rs, nw_ptr, NB, NORM)
-        y = tl.sum(tl.sum(acc, axis=2), axis=1)
+    elif TYPE == 308:
+        y = _q8c_rows(xb, wf, wh, row_off, rmask, K, sk, rs, nw_ptr, BN, NB, VA, NORM, S)
     else:
         BK: tl.constexpr = NB * VB
         IS = K // BK // S
@@ -656,7 +713,7 @@ def _mm_rows(x_ptr, sx_t, tm, mm, K, wb, wh, wf, gridp, ksigns, row_off, rmask,
     acc = tl.zeros([BM, BN], tl.float32)
     if U > 0:
         for k0 in range(0, K, NB * U):
-            acc = _dot_units(x_ptr, sx_t, tm, mm, k0, wb, wh, row_off, rmask, acc, NB)
+            acc = _dot_units(x_ptr, sx_t, tm, mm, k0, wb, wh, row_off, rmask, acc, NB, TYPE)
     else:
         BK: tl.constexpr = NB * VB
         kk = tl.arange(0, BK)
@@ -785,8 +842,8 @@ def moe_gateup_mm_kernel(x_ptr, sx_t, tok_ptr, wts_ptr, tile_e_ptr, tile_r0_ptr,
         acc_u = tl.zeros([BM, BN], tl.float32)
         if U > 0:
             for k0 in range(0, K, NB * U):
-                acc_g = _dot_units(x_ptr, sx_t, tok, am, k0, gb, gh, row_off, rmask, acc_g, NB)
-                acc_u = _dot_units(x_ptr, sx_t, tok, am, k0, ub, uh, row_off, rmask, acc_u, NB)
+                acc_g = _dot_units(x_ptr, sx_t, tok, am, k0, gb, gh, row_off, rmask, acc_g, NB, TYPE)
+                acc_u = _dot_units(x_ptr, sx_t, tok, am, k0, ub, uh, row_off, rmask, acc_u, NB, TYPE)
         else:
             for k0 in range(0, K, BK):
                 xt = tl.load(x_ptr + tok[:, None] * sx_t + k0 + kk[None, :], mask=am[:, None], other=0.0)

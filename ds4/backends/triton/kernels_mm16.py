@@ -1,5 +1,6 @@
 """Prefill products as exact integers on fp16 tensor cores: the routed experts (IQ2_XXS gate/up,
-Q2_K down) and, optionally (backend.q8_int16), Q8_0 linears and the shared expert's gate/up.
+Q2_K down) and, optionally (backend.q8_int16), Q8_0 linears and the shared expert's gate/up (in
+the Q8C chunk layout, kernels.py).
 
 The expert weights are block formats whose values are small integers times a few float scales.
 Regrouped so that one float scale covers a whole 256-value super-block of a row, the integers stay
@@ -10,7 +11,7 @@ exact in fp16 (11 significant bits):
 * Q2_K: W = d·sc·q − dmin·m per 16-value sub-block, so W·x = d·Σ (sc·q)·x − dmin·Σ_s m_s·X_s with
   X_s the sum of x over sub-block s: a K = 256 product of the integers sc·q <= 45 and a K = 16
   product of the integers m <= 15 with the sub-block sums (1/16 of the K = 256 work).
-* Q8_0: W = d·q, |q| <= 128, a scale per 32 values; the products run as W·xᵀ tiles so that d is
+* Q8_0 (Q8C): W = d·q, |q| <= 128, a scale per 32 values; the products run as W·xᵀ tiles so that d is
   a per-row factor of the accumulator (one value per row of a thread).
 
 The activations are split once per chunk (split16_kernel): each token row is scaled per 256-value
@@ -32,7 +33,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from .kernels import _INTERP, _ld_f16, _s8f, _swiglu, _u8f
+from .kernels import _INTERP, _ld_f16, _q8c_block, _q8c_value, _swiglu, _u8f
 
 _MAGIC = tl.constexpr(8388608.0)  # 2^23: an integer OR-ed into its mantissa is exact (see _u8f)
 
@@ -269,15 +270,15 @@ def _q2k_mins(ww, bo, rmask):
 
 
 @triton.jit
-def _q8_tile(wh, bo, rmask):
-    """The Q8_0 blocks at byte offsets bo [BN] of wh -> (q [BN, 32] fp16, d [BN]), W = d·q: the
-    quants are exact in fp16. They come as 16 halfwords (34-byte blocks keep 2-byte alignment),
-    two quants per load, joined back in K order."""
-    BN: tl.constexpr = bo.shape[0]
-    h = tl.load(wh + ((bo[:, None] + 2) >> 1) + tl.arange(0, 16)[None, :], mask=rmask[:, None], other=0)
+def _q8_tile(wh, so, qo, rmask):
+    """The Q8C blocks (kernels.py) with scales at byte offsets so and quants at qo [BN] of wh ->
+    (q [BN, 32] fp16 in byte order, d [BN]), W = d·q: the quants are exact in fp16. They come
+    as 16 halfwords, two biased quants per load."""
+    BN: tl.constexpr = qo.shape[0]
+    h = tl.load(wh + (qo[:, None] >> 1) + tl.arange(0, 16)[None, :], mask=rmask[:, None], other=-32640)
     h = h.to(tl.int32)
-    q = tl.join(_s8f(h), _s8f(h >> 8))  # [BN, 16, 2]: value 2·j + byte
-    return tl.reshape(q, [BN, 32]).to(tl.float16), _ld_f16(wh, bo, rmask)
+    q = tl.join(_u8f(h), _u8f(h >> 8)) - 128.0  # [BN, 16, 2]: byte 2·i + j
+    return tl.reshape(q, [BN, 32]).to(tl.float16), _ld_f16(wh, so, rmask)
 
 
 @triton.jit
@@ -295,17 +296,19 @@ def _dot16t(w, xh, xl, acc):
 
 @triton.jit
 def _q8_chunk(xh_ptr, xl_ptr, xrow, am, c0, wh, ro, rmask, BM: tl.constexpr):
-    """Σ over the 8 Q8_0 blocks of the 256-value chunk from column c0: d_b · q_b·(xh + xl)_bᵀ,
+    """Σ over the 8 Q8C blocks of the 256-value chunk from column c0: d_b · q_b·(xh + xl)_bᵀ,
     [BN, BM] (W rows on the accumulator's rows, so d is one value per row of a thread). Each
-    block's exact product runs on fp16 tensor cores (K = 32) before its scale. xrow [BM, 1] are
-    the element offsets of the x rows, ro [BN] the byte offsets of the W rows."""
+    block's exact product runs on fp16 tensor cores (K = 32) before its scale; x's columns are
+    taken in the quants' byte order. xrow [BM, 1] are the element offsets of the x rows, ro [BN]
+    the byte offsets of the W rows."""
     BN: tl.constexpr = ro.shape[0]
-    kk = tl.arange(0, 32)[None, :]
+    kk = _q8c_value(tl.arange(0, 32))[None, :]
     pc = tl.zeros([BN, BM], tl.float32)
     for kb in range(c0, c0 + 256, 32):
         xh = tl.load(xh_ptr + xrow + kb + kk, mask=am[:, None], other=0.0)
         xl = tl.load(xl_ptr + xrow + kb + kk, mask=am[:, None], other=0.0)
-        q, d = _q8_tile(wh, ro + (kb // 32) * 34, rmask)
+        so, qo = _q8c_block(ro, kb // 32)
+        q, d = _q8_tile(wh, so, qo, rmask)
         pc += _dot16t(q, xh, xl, tl.zeros([BN, BM], tl.float32)) * d[:, None]
     return pc
 
@@ -313,7 +316,7 @@ def _q8_chunk(xh_ptr, xl_ptr, xrow, am, c0, wh, ro, rmask, BM: tl.constexpr):
 @triton.jit
 def matmul_q8_16_kernel(xh_ptr, xl_ptr, xi_ptr, SX, wh, out_ptr, so_t, M, N, K, RB, GROUP_ROWS, sx_g,
                         BM: tl.constexpr, BN: tl.constexpr):
-    """out[M, N] = x[M, K] · W[N, K]ᵀ for Q8_0 rows W, x given split by split16_kernel (rows of
+    """out[M, N] = x[M, K] · W[N, K]ᵀ for Q8C rows W, x given split by split16_kernel (rows of
     SX values), as outᵀ = W·xᵀ per [BN, BM] tile; the chunks' 1/s apply once per 256 values.
     Rows of group g = r // GROUP_ROWS read x at column offset g·sx_g (a multiple of 256)."""
     pm = tl.program_id(0)
@@ -398,7 +401,7 @@ def moe_gateup_mm16_kernel(xh_ptr, xl_ptr, xi_ptr, tok_ptr, wts_ptr, tile_e_ptr,
 def moe_gateup_q8_mm16_kernel(xh_ptr, xl_ptr, xi_ptr, tok_ptr, wts_ptr, tile_e_ptr, tile_r0_ptr, tile_end_ptr,
                               gh, uh, h_ptr, F, K, RB, EXP_BYTES, clamp,
                               BM: tl.constexpr, BN: tl.constexpr, ROUTED: tl.constexpr):
-    """moe_gateup_mm16_kernel for Q8_0 weights (the shared expert): the products as
+    """moe_gateup_mm16_kernel for Q8C weights (the shared expert): the products as
     [BN, BM] tiles (_q8_chunk), the chunks' 1/s once per 256 values."""
     tile = tl.program_id(0)
     pn = tl.program_id(1)

@@ -1,0 +1,47 @@
+"""How weights are laid out on the device: GGUF's bytes as they are, except Q8_0 rows whose
+length is a multiple of 256, which are rearranged (not decoded) into 256-value chunks (Q8C):
+
+    chunk = f16 d[8] (16 bytes) | 256 bytes, block b's 32 at 32·b, quant q of value v as the
+            byte q + 128 at 4·(v % 8) + v // 8
+
+so byte j of the block's word w holds value 8j + w. A row keeps its 34·K/32 bytes and its place
+in the tensor. Why: GGUF's 34-byte blocks align to 2 bytes, so a decoder either loads two quants
+at a time or unpicks 16-byte segments that straddle blocks; in chunks every quant word is aligned,
+a chunk's 64 words load as 16-byte vectors, a word's 4 values meet a contiguous slice of x
+(values 8j..8j+7 of the block for byte j), and the biased bytes become floats with one byte
+permute and one subtraction each (kernels._b2f), no sign handling.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ...core.quants import GGMLType
+
+Q8C = 80  # kernels.Q8C
+
+
+def q8_chunked(ttype: GGMLType, K: int) -> bool:
+    """Whether a tensor of this type and row length goes to the device as Q8C chunks."""
+    return int(ttype) == int(GGMLType.Q8_0) and K % 256 == 0
+
+
+def q8_chunks(u8: torch.Tensor, K: int) -> torch.Tensor:
+    """GGUF Q8_0 rows of K values (bytes, any number of rows) -> the same rows as Q8C chunks."""
+    if K % 256:
+        raise ValueError(f"Q8C chunks: expected a row length that is a multiple of 256, got {K}")
+    rb = K // 32 * 34
+    if u8.dtype != torch.uint8 or u8.numel() % rb:
+        raise ValueError(f"Q8C chunks: expected uint8 rows of {rb} bytes, got {u8.numel()} {u8.dtype} values")
+    b = u8.reshape(-1, K // 256, 8, 34)
+    d = b[..., :2].reshape(b.shape[0], K // 256, 16)
+    # quants [row, chunk, block, value j·8 + w] -> bytes [.., w, j]: byte 4w + j holds value 8j + w
+    q = (b[..., 2:] ^ 0x80).reshape(b.shape[0], K // 256, 8, 4, 8).transpose(-1, -2)
+    return torch.cat([d, q.reshape(b.shape[0], K // 256, 256)], dim=-1).reshape(-1)
+
+
+def device_layout(ttype: GGMLType, K: int, u8: torch.Tensor) -> tuple[torch.Tensor, int]:
+    """(bytes as the kernels read them, the kernels' type id: Q8C or the GGUF type)."""
+    if q8_chunked(ttype, K):
+        return q8_chunks(u8, K), Q8C
+    return u8, int(ttype)
