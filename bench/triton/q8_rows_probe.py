@@ -7,8 +7,10 @@ holds values w, w+8, w+16, w+24 (byte j of the block's 8 words = values 8j..8j+7
 slice of x), then its K/32 f16 scales: the same bytes per row (34·K/32), every quant word 4-byte
 aligned. A word becomes 4 floats by one byte permute and one subtraction each (K._b2f).
 
-This times that decoder against the backend's current decode path (GGUF layout, the shipped
-per-shape table) on every Q8_0 decode shape, in CUDA graphs of 8 calls over rotating copies.
+This times that decoder against the backend's decode path of the time (GGUF layout, 108 / 208
+and their per-shape table) on every Q8_0 decode shape, in CUDA graphs of 8 calls over rotating
+copies. The design went into the backend as layout Q8C and decoder 308 (`current` is now that);
+the probe's kernels stay as the record of results_h200/tune_paths/q8_rows_probe.json.
 
     PYTHONPATH=. python bench/triton/q8_rows_probe.py --out q8_rows_probe.json
 """

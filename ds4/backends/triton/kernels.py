@@ -1,8 +1,8 @@
 """The Triton kernels of the DS4 forward pass.
 
-Every kernel reads GGUF weight blocks as they are stored (no dequantized copy of any weight):
-`_wtile` decodes a [rows, units, values-per-unit] tile of F32/F16/BF16/Q8_0/Q2_K/Q4_K/IQ2_XXS
-rows in registers, where a "unit" is the group of values that shares one scale (a Q8_0 block, a
+Every kernel reads quantized weight blocks (no dequantized copy of any weight), as GGUF stores
+them or, for Q8_0, as the Q8C chunks below: `_wtile` decodes a [rows, units, values-per-unit]
+tile of F32/F16/BF16/Q8_0/Q8C/Q2_K/Q4_K/IQ2_XXS rows in registers, where a "unit" is the group of values that shares one scale (a Q8_0 block, a
 Q2_K sub-block, one IQ2_XXS grid entry). Matrix-vector kernels (decode) multiply that tile by the
 activation with FMAs; matrix-matrix kernels (prefill) reshape it to [rows, K-block] for `tl.dot`.
 Specialised decoders (`_mv_step`, `_q8c_rows`, `_iq2_group_rows`) serve the decode shapes of the
