@@ -18,6 +18,7 @@ DEVICE = "cuda" if torch.cuda.is_available() else "cpu"  # cpu: the interpreter 
 
 from ds4.backends.reference.backend import ReferenceBackend, rope_tail  # noqa: E402
 from ds4.backends.triton.backend import TritonBackend  # noqa: E402
+from ds4.backends.triton.layout import Q8C, q8_chunks  # noqa: E402
 from ds4.core import numerics as nx  # noqa: E402
 from ds4.core.gguf_model import GGUFModel, Tensor  # noqa: E402
 from ds4.core.quants import GGMLType as T  # noqa: E402
@@ -85,8 +86,6 @@ LINEAR_TYPES = [(T.F32, 512), (T.F16, 512), (T.BF16, 512), (T.Q8_0, 512), (T.Q8_
 def test_linear_reads_every_block_format(ttype, K, rng):
     """Matrix-vector (decode) and matrix-matrix (prefill) products on the uploaded blocks equal
     the numpy decode of the GGUF bytes followed by a float64 product."""
-    from ds4.backends.triton.layout import Q8C
-
     cfg = _cfg()
     tri = TritonBackend(cfg, device=DEVICE)
     N = 40
@@ -128,8 +127,6 @@ def test_split_k_and_the_per_shape_table(rng, tmp_path):
     tri = TritonBackend(cfg, device=DEVICE)
     N, K = 48, 1024
     table = tmp_path / "shapes.json"
-    from ds4.backends.triton.layout import Q8C
-
     table.write_text(json.dumps({"shapes": {f"linear,{Q8C},{N},{K}": [308, 256, 16, 4, 4, 4],
                                             f"linear,{int(T.F16)},{N},{K}": [int(T.F16), 256, 16, 4, 2]}}))
     tri.mv_shapes = load_mv_shapes(str(table))
@@ -464,8 +461,6 @@ def test_embed_and_output_head(pair, rng):
 def test_weights_stay_quantized(pair, model):
     """Every uploaded tensor holds its GGUF bytes (no dequantized copy): as they are, or for Q8_0
     rows of a multiple of 256 values the same bytes rearranged into Q8C chunks."""
-    from ds4.backends.triton.layout import Q8C, q8_chunks
-
     _, _, tri, wt = pair
     for name in ("blk.3.ffn_down_exps.weight", "blk.2.attn_q_b.weight", "output.weight"):
         src = model.tensor(name)

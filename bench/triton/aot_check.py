@@ -25,7 +25,7 @@ def record(preset: str, prefill: int, out: str) -> None:
     import torch
 
     from ds4.backends.triton import backend as B
-    from ds4.backends.triton.layout import q8_chunked
+    from ds4.backends.triton.layout import kernel_type
     from ds4.core.graph import forward_chunk
     from ds4.core.layout import expected_tensors
     from ds4.core.state import FILL, SessionLayout, layer_state_shapes
@@ -88,8 +88,7 @@ def record(preset: str, prefill: int, out: str) -> None:
 
     def upload(t):  # the device layout's type (Q8C for chunked Q8_0) over a stand-in buffer
         n = 64
-        kt = B.K.Q8C if q8_chunked(t.type, t.dims[0]) else int(t.type)
-        return B.QWeight(t.name, t.type, t.dims, torch.zeros(n, dtype=torch.uint8), kt)
+        return B.QWeight(t.name, t.type, t.dims, torch.zeros(n, dtype=torch.uint8), kernel_type(t.type, t.dims[0]))
 
     w: ModelWeights = bind_weights(FakeModel(), upload)
     layout = SessionLayout.create(cfg, max(4096, prefill + 64))

@@ -8,8 +8,7 @@ Each point replays a CUDA graph of 8 calls over rotating weight copies / expert 
 neither Python launches nor L2 hits flatter it.
 `dec` (and `decmoe`, the routed experts) times every decode product shape of the model through its
 decoder variants (K-step, rows per program, warps, K split in parts, 308's rows per thread), set
-through the backend's
-per-shape table, and --pick writes the fastest as that table
+through the backend's per-shape table, and --pick writes the fastest as that table
 (ds4/backends/triton/mv_shapes_h200.json). `rows` reads matrices in the access pattern of a
 matrix-vector kernel (rows × bytes per K-step) without its arithmetic.
 Prefill (2048 tokens): dense Q8_0 and grouped-expert products: float32-decoded tiles on tf32×3,

@@ -489,7 +489,7 @@ class TritonBackend(Backend):
             t, tune = ttype, self.mv_tune.get(ttype, self.mv_tune["default"])
         cap, BN, warps = tune[:3]
         S = tune[3] if len(tune) > 3 else 1  # K split in S parts (_split_store)
-        R = tune[4] if len(tune) > 4 and t == 308 else 4 if t == 308 else 1  # 308's rows per thread
+        R = (tune[4] if len(tune) > 4 else 4) if t == 308 else 1  # 308's rows per thread
         if self.interpret:  # few, large programs (a per-shape entry keeps its K-step: tests split K)
             cap = cap if (kind, ttype, int(N), int(K_)) in self.mv_shapes else 1024
             BN = min(64, _pow2(N))

@@ -2,8 +2,8 @@
 
 Every kernel reads quantized weight blocks (no dequantized copy of any weight), as GGUF stores
 them or, for Q8_0, as the Q8C chunks below: `_wtile` decodes a [rows, units, values-per-unit]
-tile of F32/F16/BF16/Q8_0/Q8C/Q2_K/Q4_K/IQ2_XXS rows in registers, where a "unit" is the group of values that shares one scale (a Q8_0 block, a
-Q2_K sub-block, one IQ2_XXS grid entry). Matrix-vector kernels (decode) multiply that tile by the
+tile of F32/F16/BF16/Q8_0/Q8C/Q2_K/Q4_K/IQ2_XXS rows in registers, where a "unit" is the group
+of values that shares one scale (a Q8_0 block, a Q2_K sub-block, one IQ2_XXS grid entry). Matrix-vector kernels (decode) multiply that tile by the
 activation with FMAs; matrix-matrix kernels (prefill) reshape it to [rows, K-block] for `tl.dot`.
 Specialised decoders (`_mv_step`, `_q8c_rows`, `_iq2_group_rows`) serve the decode shapes of the
 shipped formats, and Q8_0 prefill products run as exact integers on bf16 tensor cores
@@ -32,6 +32,8 @@ import os
 
 import triton
 import triton.language as tl
+
+from .layout import Q8C
 
 INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
 _INTERP = tl.constexpr(INTERPRET)
@@ -71,7 +73,6 @@ else:  # the interpreter gives scalars shape (1,), which numpy >= 2 refuses to i
 
 # GGML type ids (ds4.core.quants.GGMLType), and Q8C: Q8_0 rows in 256-value chunks (above)
 F32, F16, Q8_0, Q2_K, Q4_K, IQ2_XXS, BF16 = 0, 1, 8, 10, 12, 16, 30
-Q8C = 80
 # values per unit (values sharing one scale) in the decoded tiles
 UNIT = {F32: 32, F16: 32, BF16: 32, Q8_0: 32, Q2_K: 16, Q4_K: 32, IQ2_XXS: 8, Q8C: 32}
 

@@ -18,12 +18,17 @@ import torch
 
 from ...core.quants import GGMLType
 
-Q8C = 80  # kernels.Q8C
+Q8C = 80  # the kernels' type id of this layout (beside the GGUF type ids they take for the others)
 
 
 def q8_chunked(ttype: GGMLType, K: int) -> bool:
     """Whether a tensor of this type and row length goes to the device as Q8C chunks."""
     return int(ttype) == int(GGMLType.Q8_0) and K % 256 == 0
+
+
+def kernel_type(ttype: GGMLType, K: int) -> int:
+    """The kernels' type id of a tensor of this type and row length on the device."""
+    return Q8C if q8_chunked(ttype, K) else int(ttype)
 
 
 def q8_chunks(u8: torch.Tensor, K: int) -> torch.Tensor:
@@ -42,6 +47,5 @@ def q8_chunks(u8: torch.Tensor, K: int) -> torch.Tensor:
 
 def device_layout(ttype: GGMLType, K: int, u8: torch.Tensor) -> tuple[torch.Tensor, int]:
     """(bytes as the kernels read them, the kernels' type id: Q8C or the GGUF type)."""
-    if q8_chunked(ttype, K):
-        return q8_chunks(u8, K), Q8C
-    return u8, int(ttype)
+    kt = kernel_type(ttype, K)
+    return (q8_chunks(u8, K) if kt == Q8C else u8), kt
