@@ -412,6 +412,19 @@ def test_moe_and_shared_expert(pair, n, rng):
     assert _rel(got, want) < 1e-5
 
 
+def test_iq2_nibble_table():
+    """The 416 decoder's level table (gridp[768:1024]): nibble j of entry e holds the code of
+    value j (levels 8, 25, 43 -> 0, 1, 2) and leaves bits 2-3 clear for the sign it ORs in."""
+    from ds4.backends.triton.backend import _grid_table
+    from ds4.core.quants import IQ2XXS_GRID
+
+    nib = _grid_table()[768:1024].view(np.uint32).astype(np.int64)
+    assert nib.shape == (256,)
+    codes = (nib[:, None] >> (4 * np.arange(8))) & 15  # [entry, value]
+    assert (codes <= 2).all()
+    assert np.array_equal(np.array([8.0, 25.0, 43.0])[codes], IQ2XXS_GRID)
+
+
 def test_split_k_experts(pair, rng):
     """The routed gate/up (IQ2_XXS, 416), down (Q2_K, 110) and shared-expert products of a decode
     step with K split in two (the tile's last program adds the partials, then the SwiGLU) match

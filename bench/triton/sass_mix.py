@@ -59,10 +59,10 @@ def main() -> None:
         ("Q8C 308 (four rows per thread)", K.matvec_kernel, dict(TYPE=308, BN=4, NB=2, VB=256, VA=4, NORM=0, S=1), 2,
          4 * 2 * 256),
         ("IQ2_XXS 216 (one row per thread)", K.moe_gateup_mv_kernel,
-         dict(TYPE=216, BN=16, NB=16, VB=32, VA=1, ROUTED=True), 4, 16 * 16 * 32),
+         dict(TYPE=216, BN=16, NB=16, VB=32, VA=1, ROUTED=True, S=1), 4, 16 * 16 * 32),
         ("IQ2_XXS 416 (four rows per thread)", K.moe_gateup_mv_kernel,
-         dict(TYPE=416, BN=32, NB=32, VB=32, VA=1, ROUTED=True), 4, 32 * 32 * 32),
-        ("Q2_K 110", K.moe_down_mv_kernel, dict(TYPE=110, BN=8, NB=16, VB=64, VA=1, KSLOTS=6), 4, 8 * 16 * 64),
+         dict(TYPE=416, BN=32, NB=32, VB=32, VA=1, ROUTED=True, S=1), 4, 32 * 32 * 32),
+        ("Q2_K 110", K.moe_down_mv_kernel, dict(TYPE=110, BN=8, NB=16, VB=64, VA=1, KSLOTS=6, S=1), 4, 8 * 16 * 64),
     ]
     print(f"{'decoder':36s} {'instr/value':>11s}  most frequent")
     for label, kern, const, warps, values in cases:

@@ -301,7 +301,8 @@ class TritonBackend(Backend):
         self.topk_reg_max = 16384  # indexer rows that top-k keeps in registers
         # decoder per layout in matrix-vector kernels: Q8C chunks with R rows per thread sharing
         # each x load (308); IQ2_XXS in 32-value groups, four rows per thread sharing each x
-        # load, levels and signs as packed bytes (416; 216 = one row per thread); Q2_K with the
+        # load, levels as nibbles from one lookup, signs computed (416; 216 = one row per thread,
+        # levels and signs as looked-up bytes); Q2_K with the
         # 64 values of a 16-byte run unrolled; anything else (GGUF-layout Q8_0 included) the
         # generic block decoder
         self.mv_types = {K.Q8C: 308, int(K.IQ2_XXS): 416, int(K.Q2_K): 110}
@@ -1084,11 +1085,12 @@ def load_mv_shapes(path: str) -> dict[tuple, tuple]:
 def _grid_table() -> np.ndarray:
     """The IQ2_XXS grid for the kernels: [0, 256) the entries as two-bit level codes (the block
     decoder), then [256, 768) each entry's 8 levels as int8 bytes in two little-endian words,
-    then [768, 1280) the same as bytes 128 + level (the biased bytes of the 416 decoder)."""
+    then [768, 1024) its 8 codes as nibbles, value j's in bits 4j..4j+1 (the 416 decoder)."""
     levels = IQ2XXS_GRID.astype(np.uint8).reshape(256, 2, 4)  # levels 8, 25, 43 fit a byte
     words = (levels.astype(np.int64) << (8 * np.arange(4))).sum(axis=2).astype(np.uint32)
-    biased = ((levels.astype(np.int64) + 128) << (8 * np.arange(4))).sum(axis=2).astype(np.uint32)
-    return np.concatenate([_grid_codes(), words.reshape(-1).view(np.int32), biased.reshape(-1).view(np.int32)])
+    codes = (_grid_codes().astype(np.int64)[:, None] >> (2 * np.arange(8))) & 3
+    nibbles = (codes << (4 * np.arange(8))).sum(axis=1).astype(np.uint32)
+    return np.concatenate([_grid_codes(), words.reshape(-1).view(np.int32), nibbles.view(np.int32)])
 
 
 def _ksign_table() -> np.ndarray:

@@ -479,11 +479,58 @@ def _join4(y0, y1, y2, y3, BN: tl.constexpr):
 
 
 @triton.jit
+def _popc(v):
+    """Set bits of each int32 (the interpreter: of its low 8 bits, all that the callers pass)."""
+    if _INTERP:
+        p = v & 255
+        p = (p & 0x55) + ((p >> 1) & 0x55)
+        p = (p & 0x33) + ((p >> 2) & 0x33)
+        return (p & 0x0F) + (p >> 4)
+    else:
+        return tl.inline_asm_elementwise("popc.b32 $0, $1;", "=r,r", [v], dtype=tl.int32, is_pure=True, pack=1)
+
+
+_LVL_POS = tl.constexpr(0x00AB9988)  # bytes 128 + 8, 128 + 25, 128 + 43: the biased IQ2_XXS levels
+_LVL_NEG = tl.constexpr(0x00556778)  # bytes 128 - 8, 128 - 25, 128 - 43 (codes 0, 1, 2)
+
+
+@triton.jit
+def _iq2_lut(sel):
+    """Nibble i of sel (code | sign << 2) -> byte i = 128 + level, or 128 - level where signed:
+    one byte permute over the 8 bytes of _LVL_POS (selectors 0-2) and _LVL_NEG (4-6)."""
+    if _INTERP:
+        out = sel & 0
+        for i in tl.static_range(4):
+            n = (sel >> (4 * i)) & 7
+            src = tl.where(n < 4, _LVL_POS, _LVL_NEG)
+            out = out | (((src >> (8 * (n & 3))) & 255) << (8 * i))
+        return out
+    else:
+        return tl.inline_asm_elementwise(  # the two constants are _LVL_POS and _LVL_NEG
+            "{ .reg .b32 a; mov.b32 a, 0x00AB9988; prmt.b32 $0, a, 0x00556778, $1; }",
+            "=r,r", [sel], dtype=tl.int32, is_pure=True, pack=1)
+
+
+@triton.jit
+def _iq2_sign_nibbles(s7):
+    """The 8 signs of sign index s7 (the 8th is the parity of the 7) at bit 2 of 8 nibbles."""
+    s8 = s7 | ((_popc(s7) & 1) << 7)
+    p = (s8 | (s8 << 12)) & 0x000F000F
+    q = (p | (p << 6)) & 0x03030303
+    r = (q | (q << 3)) & 0x11111111
+    return r << 2
+
+
+@triton.jit
 def _iq2_group_step(xu, wh, gridp, ksigns, ro, m, u):
     """TYPE 416, one K-step: for each of the four row sets (ro, m: tuples of [BN/4, 1] byte
     offsets / masks) W·x over the 32-value IQ2_XXS groups u [1, NB]. Every x value is loaded
-    once for the four rows; a group's 8-value runs come as 4 biased level bytes (128 ± level,
-    from the level table with the sign mask applied bytewise) turned into floats by _b2f."""
+    once for the four rows. A grid entry's 8 level codes come as nibbles from one 4-byte lookup
+    (gridp[768:1024]); its signs are computed (parity, then spread to bit 2 of each nibble), not
+    looked up; one byte permute per 4 values gives the biased bytes 128 ± level (_iq2_lut) and
+    _b2f the floats. (Looking up 8-byte levels and 8-byte sign masks instead, two gathers per entry
+    and row, kept the L1 busy: 52.8 against 42.5 µs for the Flash routed gate/up,
+    bench/triton/results_h200/tune_paths/iq2_rows_probe_g.json.)"""
     gs = ()
     for r in tl.static_range(4):
         base = ro[r] + (u // 8) * 66
@@ -495,8 +542,6 @@ def _iq2_group_step(xu, wh, gridp, ksigns, ro, m, u):
             (tl.load(wh + gh + 3, mask=m[r], other=0).to(tl.int32) << 16)
         db = d * (0.5 + ((aux >> 28) & 15).to(tl.float32)) * 0.25
         gs = gs + ((g01, g23, aux, db, tl.zeros(d.shape, tl.float32)),)
-    lv8 = (gridp + 768).to(tl.pointer_type(tl.int64), bitcast=True)  # 8 biased levels per entry
-    mk8 = (ksigns + 128).to(tl.pointer_type(tl.int64), bitcast=True)  # 8 sign bytes per mask
     for sub in tl.static_range(4):
         xs = ()
         for j in tl.static_range(8):
@@ -508,12 +553,9 @@ def _iq2_group_step(xu, wh, gridp, ksigns, ro, m, u):
                 gi = (g01 >> (8 * sub)) & 255
             else:
                 gi = (g23 >> (8 * (sub - 2))) & 255
-            lv = tl.load(lv8 + gi)  # bytes 128 + level
-            mk = tl.load(mk8 + ((aux >> (7 * sub)) & 127))  # 0xFF bytes where the value is negative
+            sel = tl.load(gridp + 768 + gi) | _iq2_sign_nibbles((aux >> (7 * sub)) & 127)
             for h in tl.static_range(2):
-                lvh = (lv >> (32 * h)).to(tl.int32)
-                mkh = (mk >> (32 * h)).to(tl.int32)
-                qx = (lvh ^ mkh) + (mkh & 0x01010101)  # 128 - level there (no carry: 85 <= byte <= 171)
+                qx = _iq2_lut(sel >> (16 * h))
                 for j in tl.static_range(4):
                     part += _b2f(qx, j) * xs[4 * h + j]
             nxt = nxt + ((g01, g23, aux, db, part),)
