@@ -325,9 +325,12 @@ def check_compressor_step(cfg, numerics, il, indexer, p0, n, before, after_r, un
     """Compare one compressor call; return the number of certified rounding flips.
 
     The frontier is continuous (close); the compressed rows are ds4-rounded: MLX's unrounded rows
-    must match the reference's, and MLX's rounded rows must be numpy's rounding of its own
-    unrounded rows bit for bit, so any difference from the reference's rounded rows is a value on
-    the other side of a rounding boundary."""
+    must match the reference's, and each side's rounded rows must be numpy's rounding of its own
+    unrounded rows bit for bit, so any difference between the rounded rows is a value on the
+    other side of a rounding boundary. Each such flip is certified on its own: the two values
+    that were rounded there (after the indexer's Hadamard transform) agree within float32 error
+    of the op (OP_TOL of the rows' largest value). A fixed cap on the number of flips per run
+    would not certify anything more, and flips grow with the number of rounded values."""
     prefix = "index" if indexer else "comp"
     for name in (prefix + "_kv", prefix + "_score"):
         got, want = npy(after_m[name]), after_r[name]
@@ -345,8 +348,17 @@ def check_compressor_step(cfg, numerics, il, indexer, p0, n, before, after_r, un
         return 0
     u_r, u_m = unrounded_r[prefix][new], npy(unrounded_m[prefix])[new]
     assert rel(u_m, u_r) <= PIN_TOL, (prefix, WHY)
-    assert np.array_equal(bits(rows_m[new]), bits(_rounding(cfg, numerics, indexer)(u_m))), prefix
-    return int((rows_m[new] != rows_r[new]).sum()) if numerics == "ds4" else 0
+    rounding = _rounding(cfg, numerics, indexer)
+    assert np.array_equal(bits(rows_m[new]), bits(rounding(u_m))), prefix
+    assert np.array_equal(bits(rows_r[new]), bits(rounding(u_r))), prefix
+    if numerics != "ds4":
+        return 0
+    flip = rows_m[new] != rows_r[new]
+    if flip.any():
+        t_r, t_m = (nx.hadamard(u_r), nx.hadamard(u_m)) if indexer else (u_r, u_m)
+        gap = float(np.abs(t_m[flip] - t_r[flip]).max() / max(np.abs(t_r).max(), 1e-30))
+        assert gap <= OP_TOL, (f"{prefix}: a rounding flip away from a near-tie ({gap:.2g})", WHY)
+    return int(flip.sum())
 
 
 @pytest.mark.parametrize("il, indexer", [(2, False), (2, True), (3, False)])
@@ -357,7 +369,7 @@ def test_compressor(ops, il, indexer):
     w_r = ops.wr.layers[il].indexer.compressor if indexer else ops.wr.layers[il].compressor
     w_m = ops.wm.layers[il].indexer.compressor if indexer else ops.wm.layers[il].compressor
     rng = rng_for(22, il, indexer)
-    p, flips = 0, 0
+    p = 0
     for n in (1, 2, 5, 1, 3, 9, 16, 4, 7):
         a = rng.standard_normal((n, cfg.n_embd)).astype(np.float32)
         before = dict(st_m)
@@ -367,11 +379,10 @@ def test_compressor(ops, il, indexer):
         u_m = dict(st_m)
         ops.M0.compressor(u_m, mx.array(a), w_m, p, il, indexer)
         ops.M.compressor(st_m, mx.array(a), w_m, p, il, indexer)
-        flips += check_compressor_step(cfg, ops.R.numerics, il, indexer, p, n, before, st_r, u_r, st_m, u_m)
+        check_compressor_step(cfg, ops.R.numerics, il, indexer, p, n, before, st_r, u_r, st_m, u_m)
         for k in st_m:  # continue from the same state
             ops.M.state_from_numpy(st_m, k, st_r[k])
         p += n
-    assert flips <= 4, WHY
 
 
 def index_scores(R, st, qr, a, w, p0, il) -> np.ndarray:
