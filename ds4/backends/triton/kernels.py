@@ -492,6 +492,8 @@ def _popc(v):
 
 _LVL_POS = tl.constexpr(0x00AB9988)  # bytes 128 + 8, 128 + 25, 128 + 43: the biased IQ2_XXS levels
 _LVL_NEG = tl.constexpr(0x00556778)  # bytes 128 - 8, 128 - 25, 128 - 43 (codes 0, 1, 2)
+_LVL_PRMT = tl.constexpr(f"{{ .reg .b32 a; mov.b32 a, {_LVL_POS.value:#010x}; "
+                         f"prmt.b32 $0, a, {_LVL_NEG.value:#010x}, $1; }}")
 
 
 @triton.jit
@@ -506,9 +508,7 @@ def _iq2_lut(sel):
             out = out | (((src >> (8 * (n & 3))) & 255) << (8 * i))
         return out
     else:
-        return tl.inline_asm_elementwise(  # the two constants are _LVL_POS and _LVL_NEG
-            "{ .reg .b32 a; mov.b32 a, 0x00AB9988; prmt.b32 $0, a, 0x00556778, $1; }",
-            "=r,r", [sel], dtype=tl.int32, is_pure=True, pack=1)
+        return tl.inline_asm_elementwise(_LVL_PRMT, "=r,r", [sel], dtype=tl.int32, is_pure=True, pack=1)
 
 
 @triton.jit
@@ -522,7 +522,7 @@ def _iq2_sign_nibbles(s7):
 
 
 @triton.jit
-def _iq2_group_step(xu, wh, gridp, ksigns, ro, m, u):
+def _iq2_group_step(xu, wh, gridp, ro, m, u):
     """TYPE 416, one K-step: for each of the four row sets (ro, m: tuples of [BN/4, 1] byte
     offsets / masks) W·x over the 32-value IQ2_XXS groups u [1, NB]. Every x value is loaded
     once for the four rows. A grid entry's 8 level codes come as nibbles from one 4-byte lookup
@@ -564,7 +564,7 @@ def _iq2_group_step(xu, wh, gridp, ksigns, ro, m, u):
 
 
 @triton.jit
-def _iq2_group_rows(xb, wh, gridp, ksigns, row_off, rmask, K, sk, BN: tl.constexpr, NB: tl.constexpr,
+def _iq2_group_rows(xb, wh, gridp, row_off, rmask, K, sk, BN: tl.constexpr, NB: tl.constexpr,
                     S: tl.constexpr):
     """TYPE 416: W[rows]·x for IQ2_XXS rows over part sk of S of K, NB 32-value groups per
     K-step, four rows per thread."""
@@ -579,7 +579,7 @@ def _iq2_group_rows(xb, wh, gridp, ksigns, row_off, rmask, K, sk, BN: tl.constex
     IS = K // (NB * 32) // S
     for i in range(sk * IS, sk * IS + IS):
         u = i * NB + tl.arange(0, NB)[None, :]
-        p0, p1, p2, p3 = _iq2_group_step(xb + u * 32, wh, gridp, ksigns, ro, m, u)
+        p0, p1, p2, p3 = _iq2_group_step(xb + u * 32, wh, gridp, ro, m, u)
         a0 += p0
         a1 += p1
         a2 += p2
@@ -666,7 +666,7 @@ def _mv_rows(xb, wb, wh, wf, gridp, ksigns, row_off, rmask, K, sk, rs, nw_ptr,
     """W[rows] · x̂ for BN rows over part sk of S equal parts of K: the K loop of every
     matrix-vector kernel (308: VA is the rows per thread, NB the chunks per K-step)."""
     if TYPE == 416:  # no fused norm (nor in 216, 110: _mv_cfg picks the generic decoder then)
-        y = _iq2_group_rows(xb, wh, gridp, ksigns, row_off, rmask, K, sk, BN, NB, S)
+        y = _iq2_group_rows(xb, wh, gridp, row_off, rmask, K, sk, BN, NB, S)
     elif TYPE == 308:
         y = _q8c_rows(xb, wf, wh, row_off, rmask, K, sk, rs, nw_ptr, BN, NB, VA, NORM, S)
     else:
