@@ -16,13 +16,15 @@ if not torch.cuda.is_available():
 pytest.importorskip("triton")
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"  # cpu: the interpreter (conftest.py)
 
+import gguf.quants as gq  # noqa: E402
+
 from ds4.backends.reference.backend import ReferenceBackend, rope_tail  # noqa: E402
 from ds4.backends.triton.backend import TritonBackend, _grid_table  # noqa: E402
 from ds4.backends.triton.layout import Q8C, q8_chunks  # noqa: E402
 from ds4.core import numerics as nx  # noqa: E402
 from ds4.core.gguf_model import GGUFModel, Tensor  # noqa: E402
 from ds4.core.quants import GGMLType as T  # noqa: E402
-from ds4.core.quants import IQ2XXS_GRID, dequantize_rows, random_blocks, row_bytes  # noqa: E402
+from ds4.core.quants import dequantize_rows, random_blocks, row_bytes  # noqa: E402
 from ds4.core.rope import layer_inv_freq  # noqa: E402
 from ds4.core.state import FILL, SessionLayout, layer_state_shapes  # noqa: E402
 from ds4.core.tiny import make_tiny  # noqa: E402
@@ -414,12 +416,14 @@ def test_moe_and_shared_expert(pair, n, rng):
 
 def test_iq2_nibble_table():
     """The 416 decoder's level table (gridp[768:1024]): nibble j of entry e holds the code of
-    value j (levels 8, 25, 43 -> 0, 1, 2) and leaves bits 2-3 clear for the sign it ORs in."""
+    value j (levels 8, 25, 43 -> 0, 1, 2) and leaves bits 2-3 clear for the sign it ORs in;
+    against gguf-py's IQ2_XXS grid."""
+    gq.IQ2_XXS.init_grid()
     nib = _grid_table()[768:1024].view(np.uint32).astype(np.int64)
     assert nib.shape == (256,)
     codes = (nib[:, None] >> (4 * np.arange(8))) & 15  # [entry, value]
     assert (codes <= 2).all()
-    assert np.array_equal(np.array([8.0, 25.0, 43.0])[codes], IQ2XXS_GRID)
+    assert np.array_equal(np.array([8.0, 25.0, 43.0])[codes], np.asarray(gq.IQ2_XXS.grid).reshape(256, 8))
 
 
 def test_split_k_experts(pair, rng):
