@@ -309,20 +309,24 @@ def main():
     nib, c16, sgn, lv8p = tables()
     out = torch.empty(2, k, F, device=dev)
     mk8p = be._ksigns[128:]
+    def measure(path: str, launch, **tile):
+        """Check launch(i) (it fills out) against the float64 g / u, then time it."""
+        try:
+            launch(0)
+            err = float(max((out[0].double() - ref_g).abs().max(), (out[1].double() - ref_u).abs().max())) / scale
+            s = graph_time(launch, calls=calls)
+        except Exception as e:  # noqa: BLE001
+            print(f"  {path} {tile}: {type(e).__name__} {str(e)[:300]}", flush=True)
+            return
+        emit(rows, dict(path=path, **tile, us=s * 1e6, GBps=nbytes / s / 1e9, err=err))
+
     for GT, ST in G_VARIANTS:
         for BN, NB, warps in G_TILES:
             def fn(i, BN=BN, NB=NB, warps=warps, GT=GT, ST=ST):
                 iq2g_gateup_kernel[(F // BN, k)](x, ids[i], gate.i16, up.i16, lv8p, nib, mk8p, sgn, out,
                                                  F, Kd, RB, F * RB, k, k, BN=BN, NB=NB, GT=GT, ST=ST, num_warps=warps)
                 return out
-            try:
-                fn(0)
-                err = float(max((out[0].double() - ref_g).abs().max(), (out[1].double() - ref_u).abs().max())) / scale
-                s = graph_time(fn, calls=calls)
-            except Exception as e:  # noqa: BLE001
-                print(f"  g GT{GT} ST{ST} {BN},{NB},{warps}: {type(e).__name__} {str(e)[:300]}", flush=True)
-                continue
-            emit(rows, dict(path=f"416 GT{GT} ST{ST}", BN=BN, NB=NB, warps=warps, us=s * 1e6, GBps=nbytes / s / 1e9, err=err))
+            measure(f"416 GT{GT} ST{ST}", fn, BN=BN, NB=NB, warps=warps)
     for GT, ST in VARIANTS:
         for BN, NB, warps, S in TILES:
             def fn(i, BN=BN, NB=NB, warps=warps, GT=GT, ST=ST, S=S):
@@ -331,15 +335,7 @@ def main():
                                                  uc.view(torch.int64), uc.view(torch.int16), nib, c16, sgn, out,
                                                  F, Kd, F * RB, k, k, BN=BN, NB=NB, GT=GT, ST=ST, S=S, num_warps=warps)
                 return out
-            try:
-                fn(0)
-                err = float(max((out[0].double() - ref_g).abs().max(), (out[1].double() - ref_u).abs().max())) / scale
-                s = graph_time(fn, calls=calls)
-            except Exception as e:  # noqa: BLE001
-                print(f"  GT{GT} ST{ST} {BN},{NB},{warps},{S}: {type(e).__name__} {str(e)[:300]}", flush=True)
-                continue
-            emit(rows, dict(path=f"iq2r GT{GT} ST{ST}", BN=BN, NB=NB, warps=warps, S=S,
-                            us=s * 1e6, GBps=nbytes / s / 1e9, err=err))
+            measure(f"iq2r GT{GT} ST{ST}", fn, BN=BN, NB=NB, warps=warps, S=S)
         json.dump(dict(device=torch.cuda.get_device_name(0), shape=[k, F, Kd], rows=rows), open(a.out, "w"), indent=1)
         print(f"[{time.time() - T0:.0f}s] GT{GT} ST{ST}", flush=True)
     print("\npath | best us | GB/s | tile (BN, NB, warps, S) | err")

@@ -80,16 +80,6 @@ def _sets(v, R: tl.constexpr):
 
 
 @triton.jit
-def _join(ys, R: tl.constexpr, BN: tl.constexpr):
-    if R == 4:
-        return K._join4(ys[0], ys[1], ys[2], ys[3], BN)
-    elif R == 2:
-        return tl.reshape(tl.join(ys[0], ys[1]), [BN])
-    else:
-        return ys[0]
-
-
-@triton.jit
 def _q2c_rows(xb, w32, wb, wh, roww, rmask, K_, BN: tl.constexpr, NB: tl.constexpr, R: tl.constexpr):
     nb = K_ // 256
     ro = _sets(roww, R)
@@ -131,7 +121,7 @@ def _q2c_rows(xb, w32, wb, wh, roww, rmask, K_, BN: tl.constexpr, NB: tl.constex
     ys = ()
     for r in tl.static_range(R):
         ys = ys + (tl.sum(tl.sum(acc[r], axis=2), axis=1),)
-    return _join(ys, R, BN)
+    return K._row_join(ys, R, BN)
 
 
 @triton.jit
