@@ -230,7 +230,7 @@ def test_indexer_qat_matches_numerics(pair, rng):
 def test_hc_pre_post(pair, rng):
     ref, wr, tri, wt = pair
     cfg = ref.cfg
-    for n in (1, 4):
+    for n in (1, 4, 20):  # 4 and 20: several tokens per mixing program (one partial)
         X = rng.standard_normal((n, cfg.n_hc, cfg.n_embd)).astype(np.float32)
         a = ref.hc_pre(X, wr.layers[1].hc_ffn)
         b = [tri.to_numpy(v) for v in tri.hc_pre(_t(tri, X), wt.layers[1].hc_ffn)]
@@ -321,8 +321,16 @@ def test_indexer_select(pair, rng):
 
 
 @pytest.mark.parametrize("il", [0, 2, 3], ids=["sliding", "csa", "hca"])
-def test_attention(pair, il, rng):
+def test_attention(pair, il, rng, monkeypatch):
+    """Both product paths against the reference: under ds4 numerics fp16 tensor cores (the
+    default) and tf32 pairs; exact numerics have only the tf32 one."""
     ref, wr, tri, wt = pair
+    for f16 in (True, False) if ref.ds4_numerics else (False,):
+        monkeypatch.setattr(tri, "attn_f16", f16)
+        _check_attention(ref, wr, tri, wt, il, rng)
+
+
+def _check_attention(ref, wr, tri, wt, il, rng):
     cfg = ref.cfg
     rs, ts = _states(ref, tri, cfg, il, rng=rng)
     sinks_r, sinks_t = wr.layers[il].attn_sinks, wt.layers[il].attn_sinks
@@ -348,7 +356,7 @@ def test_attention(pair, il, rng):
                 idx[i, : r.size], cnt[i] = r, r.size
             tsel = Selection(_t(tri, idx, torch.int32), _t(tri, cnt, torch.int32), cfg.indexer_top_k)
         got = tri.to_numpy(tri.attention(_t(tri, q), ts, sinks_t, p0, il, tsel))
-        assert _rel(got, want) < 1e-5, (p0, n)
+        assert _rel(got, want) < 1e-5, (p0, n, tri.attn_f16)
         if n == 1:  # the split decode path with the inverse RoPE fused into the merge
             want_inv = ref.rope(want, p0, il, inverse=True)
             got_inv = tri.to_numpy(tri.rope(tri.attention(_t(tri, q), ts, sinks_t, p0, il, tsel), p0, il, inverse=True))

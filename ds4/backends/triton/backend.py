@@ -252,7 +252,7 @@ class TritonBackend(Backend):
         if self.prec not in ("bf16x3", "tf32x3", "tf32", "ieee"):
             raise ValueError(f"DS4_TRITON_DOT: expected bf16x3, tf32x3, tf32 or ieee, got {self.prec!r}")
         self.prec_f = ("ieee" if self.interpret else "tf32x3") if self.prec == "bf16x3" else self.prec
-        self.units_per_step = int(os.environ.get("DS4_TRITON_UNITS", "2"))
+        self.units_per_step = int(os.environ.get("DS4_TRITON_UNITS", "1"))
         d = self.dev
         self._gridp = torch.tensor(_grid_table(), dtype=torch.int32, device=d)
         self._ksigns = torch.tensor(_ksign_table(), dtype=torch.int32, device=d)
@@ -279,10 +279,11 @@ class TritonBackend(Backend):
         self.mm_tile = tuple(int(v) for v in os.environ.get("DS4_TRITON_MM", "64,64,8").split(","))
         self.mm_tile_q8 = (64, 128, 4)  # the bf16x3 Q8_0 path (tune_paths.py)
         # grouped-expert tiles (prefill MoE): rows of W per program and warps, BM = 64 assignments
-        self.moe_tile = {"gateup": (32, 8), "down": (64, 8)}
+        # "shared": the shared expert's Q8_0 gate/up under bf16x3 (whole tokens, no grouping)
+        self.moe_tile = {"gateup": (32, 8), "down": (64, 8), "shared": (128, 4)}
         self.moe_tile.update({k: tuple(v) for k, v in json.loads(os.environ.get("DS4_TRITON_MOE", "{}")).items()})
         if self.interpret:
-            self.moe_tile = {"gateup": (64, 4), "down": (64, 4)}
+            self.moe_tile = {"gateup": (64, 4), "down": (64, 4), "shared": (64, 4)}
         # prefill experts in IQ2_XXS (gate/up) and Q2_K (down) under "bf16x3": exact integers on
         # fp16 tensor cores (kernels_mm16.py). moe16_bm assignments per tile; per kernel: rows of
         # W per program, K-step (a divisor of 256), warps, pipeline stages (1: the pipeliner
@@ -290,7 +291,7 @@ class TritonBackend(Backend):
         # overrides them, as JSON
         self.moe_int16 = os.environ.get("DS4_TRITON_MOE16", "1") == "1"
         self.moe16_bm = 64
-        self.moe16_tile = {"gateup": (64, 64, 4, 1), "down": (64, 64, 4, 1)}
+        self.moe16_tile = {"gateup": (64, 128, 4, 1), "down": (64, 128, 4, 1)}
         self.moe16_tile.update({k: tuple(v) for k, v in
                                 json.loads(os.environ.get("DS4_TRITON_MOE16_TILE", "{}")).items()})
         # Q8_0 prefill products (dense linears, shared-expert gate/up) the same way, x in two fp16
@@ -299,6 +300,14 @@ class TritonBackend(Backend):
         self.q8_int16 = os.environ.get("DS4_TRITON_Q8_16", "0") == "1"
         self.q8_16_tile = {"linear": (64, 64, 4, 1), "gateup": (64, 64, 8, 1)}
         self.topk_reg_max = 16384  # indexer rows that top-k keeps in registers
+        # prefill attention (one program per query and head group): heads per program, rows per
+        # step, warps, pipeline stages; attn_f16: both of its products on fp16 tensor cores
+        # (attn_kernel; ds4 numerics only, whose cache rows are f16 values), decode's too
+        self.attn_tile = (32, 32, 8, 2)
+        self.attn_f16 = True
+        # mHC mixing projections: (the chunk size from which a program takes several tokens, tokens
+        # per program); tl.dot needs 16 rows on a GPU
+        self.hc_mix_bt = (16, 64) if not self.interpret else (2, 16)
         # decoder per layout in matrix-vector kernels: Q8C chunks with R rows per thread sharing
         # each x load (308); IQ2_XXS in 32-value groups, four rows per thread sharing each x
         # load, levels as nibbles from one lookup, signs computed (416; 216 = one row per thread,
@@ -662,16 +671,19 @@ class TritonBackend(Backend):
         fn = hc.fn
         NR = fn.N
         NM = _pow2(NR)
-        NB, VB = self._blocks(fn.kt, Kd, 128 if not self.interpret else 1024)
+        # BT tokens per program share each weight tile on the tensor cores (hc_mix_kernel)
+        BT = 1 if n < self.hc_mix_bt[0] else min(self.hc_mix_bt[1], _pow2(n))
+        # (32-value K-steps for BT > 1: larger ones spill registers, sm_90 SASS)
+        NB, VB = self._blocks(fn.kt, Kd, 1024 if self.interpret else 32 if BT > 1 else 128)
         BK = NB * VB
-        split = 1 if self.interpret else max(1, min(64, 128 // max(1, n)))
+        split = 1 if self.interpret else max(1, min(64, 128 // _cdiv(n, BT)))
         split = min(split, Kd // BK)
         split = _largest_pow2_divisor(Kd // BK, split)
         part = self._new((n, split, NM))
         ss = self._new((n, split))
-        self._launch(K.hc_mix_kernel, (n, split), X, fn.u8, fn.i16, fn.f32, self._gridp, self._ksigns,
-                     part, ss, NR, Kd, fn.RB, Kd // split, NM=NM, TYPE=fn.kt, NB=NB, VB=VB,
-                     num_warps=4, nbytes=fn.RB * NR + 4 * X.numel())
+        self._launch(K.hc_mix_kernel, (_cdiv(n, BT), split), X, fn.u8, fn.i16, fn.f32, self._gridp, self._ksigns,
+                     part, ss, n, NR, Kd, fn.RB, Kd // split, NM=NM, TYPE=fn.kt, NB=NB, VB=VB, BT=BT,
+                     num_warps=4, nbytes=fn.RB * NR * _cdiv(n, BT) + 4 * X.numel())
         x_in = self._new((n, E))
         post = self._dummy_f if head else self._new((n, HC))
         comb = self._dummy_f if head else self._new((n, HC, HC))
@@ -836,12 +848,14 @@ class TritonBackend(Backend):
                   selected.idx if sel else self._dummy_i, selected.count if sel else self._dummy_i,
                   self._pos, sinks.vec)
         qscale = float(np.float32(np.sqrt(D)))
+        f16 = bool(self.attn_f16 and self.ds4_numerics)
         if n > 1:
             out = self._new((n, H, D))
-            self._launch(K.attn_kernel, (n, _cdiv(H, HB), 1), *common, self._dummy_f, self._dummy_f, out,
+            HBp, BR, warps, stages = self.attn_tile if not self.interpret else (16, 16, 8, 1)
+            self._launch(K.attn_kernel, (n, _cdiv(H, HBp), 1), *common, self._dummy_f, self._dummy_f, out,
                          H, W, raw.shape[0], max(m, 1), cfg.indexer_top_k, 1 << 30, qscale,
-                         D=D, HB=HB, BR=16, COMP=comp, SEL=sel, SINGLE=True, KEXACT=self.ds4_numerics,
-                         num_warps=8, nbytes=4 * n * (2 * H * D + (W + cfg.indexer_top_k) * D))
+                         D=D, HB=HBp, BR=BR, COMP=comp, SEL=sel, SINGLE=True, KEXACT=self.ds4_numerics,
+                         F16=f16, num_warps=warps, num_stages=stages, nbytes=4 * n * (2 * H * D + (W + cfg.indexer_top_k) * D))
             return out
         if self._step is not None:
             ncomp = (cfg.indexer_top_k if sel else st["comp"].shape[0]) if comp else 0
@@ -856,7 +870,7 @@ class TritonBackend(Backend):
         self._launch(K.attn_kernel, (n, _cdiv(H, HB), S), *common, mo, lo, ao,
                      H, W, raw.shape[0], max(m, 1), cfg.indexer_top_k, RS, qscale,
                      D=D, HB=HB, BR=16, COMP=comp, SEL=sel, SINGLE=False, KEXACT=self.ds4_numerics,
-                     num_warps=8, nbytes=4 * ((W + ncomp) * D * _cdiv(H, HB) + 2 * S * H * D))
+                     F16=f16, num_warps=8, nbytes=4 * ((W + ncomp) * D * _cdiv(H, HB) + 2 * S * H * D))
         return _AttnParts(mo, lo, ao, S, sinks, il, n, H, D)
 
     def _combine(self, x: _AttnParts, rope_inverse: bool):
@@ -949,7 +963,10 @@ class TritonBackend(Backend):
         NE = gate.n_exp
         flat = ids.reshape(-1).to(torch.int64)
         order = torch.sort(flat, stable=True).indices
-        counts = torch.bincount(flat, minlength=NE)
+        # assignments per expert without torch.bincount, which reads the largest id back to the
+        # host: a stream synchronisation per layer, and the GPU then idles while the host queues
+        # the next kernels (the 8192-token prefill's GPU was idle 6 % of the time with it)
+        counts = torch.zeros(NE, dtype=torch.int64, device=self.dev).index_add_(0, flat, torch.ones_like(flat))
         gu16 = self._moe16(gate, K.IQ2_XXS) and up.type == gate.type
         dn16 = self._moe16(down, K.Q2_K)
         BM = self.moe16_bm if gu16 or dn16 else 64
@@ -1040,7 +1057,7 @@ class TritonBackend(Backend):
                          nbytes=2 * gate.nbytes + 4 * n * (E + F))
         else:
             BM = 64
-            BN, warps = self.moe_tile["gateup"]
+            BN, warps = self.moe_tile["shared" if self._mm_cfg(gate.kt, E)["U"] else "gateup"]
             T = _cdiv(n, BM)
             tile_e = torch.zeros(T, dtype=torch.int32, device=self.dev)
             tile_r0 = torch.arange(0, n, BM, dtype=torch.int32, device=self.dev)

@@ -222,6 +222,42 @@ def _dot_f32(a, b, acc, B_EXACT: tl.constexpr):
 
 
 @triton.jit
+def _pow2_scale(mx):
+    """(s, 1/s), powers of two with mx·s in [2^14, 2^15) for a normal mx >= 0, from the exponent
+    bits (no rounding anywhere). s is capped at 2^126 so that 1/s stays normal: tiny or all-zero
+    chunks then scale to less than 2^14, which only costs precision below float32's reach."""
+    e = (mx.to(tl.int32, bitcast=True) >> 23) & 255
+    S = tl.minimum(141 - e, 126)
+    s = ((S + 127) << 23).to(tl.float32, bitcast=True)
+    inv = ((127 - S) << 23).to(tl.float32, bitcast=True)
+    return s, inv
+
+
+@triton.jit
+def _hi_lo(v):
+    """v ≈ hi + lo in fp16 for |v| < 2^15: hi is v rounded to fp16, v − hi is exact in float32
+    and is rounded once more, so the error is at most 2^-12·ulp(hi), 2^-22·|v| (or 2^-25 where
+    v − hi falls below fp16's normal range)."""
+    hi = v.to(tl.float16)
+    return hi, (v - hi.to(tl.float32)).to(tl.float16)
+
+
+@triton.jit
+def _dot16(xh, xl, w, acc):
+    """acc + (xh + xl)·wᵀ with float32 accumulation, the smaller term first. The fp16 products
+    are exact (11 × 11 significant bits), so only the accumulation rounds."""
+    if _INTERP:  # the interpreter's fp16 products are not trustworthy: the same terms in float32
+        wt = tl.trans(w.to(tl.float32))
+        acc = tl.dot(xl.to(tl.float32), wt, acc, input_precision="ieee")
+        acc = tl.dot(xh.to(tl.float32), wt, acc, input_precision="ieee")
+    else:
+        wt = tl.trans(w)
+        acc = tl.dot(xl, wt, acc)
+        acc = tl.dot(xh, wt, acc)
+    return acc
+
+
+@triton.jit
 def _f16_round(x):
     return x.to(tl.float16).to(tl.float32)
 
@@ -1015,26 +1051,47 @@ def add_kernel(a_ptr, b_ptr, out_ptr, n, BLOCK: tl.constexpr):
 
 
 @triton.jit
-def hc_mix_kernel(x_ptr, wb, wh, wf, gridp, ksigns, part_ptr, ss_ptr, NR, K, RB, KCHUNK,
-                  NM: tl.constexpr, TYPE: tl.constexpr, NB: tl.constexpr, VB: tl.constexpr):
-    """Partial mHC mixing projections fn[NR, K] · X[t] over one K chunk, and the partial Σ X²."""
-    t = tl.program_id(0)
+def hc_mix_kernel(x_ptr, wb, wh, wf, gridp, ksigns, part_ptr, ss_ptr, n, NR, K, RB, KCHUNK,
+                  NM: tl.constexpr, TYPE: tl.constexpr, NB: tl.constexpr, VB: tl.constexpr,
+                  BT: tl.constexpr = 1):
+    """Partial mHC mixing projections fn[NR, K] · X[t] over one K chunk, and the partial Σ X²,
+    for tokens [BT·program, +BT). BT = 1 (decode): FMAs. BT > 1 (prefill): tf32 tensor-core
+    products to float32 accuracy (_dot_f32; F16 weights are exact in tf32), so that a weight
+    tile read from L2 serves BT tokens instead of one (one token per program read all of fn,
+    0.8 MB, per token: 26 ms of a 2048-token prefill)."""
     sp = tl.program_id(1)
     nsp = tl.num_programs(1)
     rows = tl.arange(0, NM)
     rmask = rows < NR
     row_off = rows.to(tl.int64) * RB
     BK: tl.constexpr = NB * VB
-    kv = tl.arange(0, NB)[None, :, None] * VB + tl.arange(0, VB)[None, None, :]
-    acc = tl.zeros([NM, NB, VB], tl.float32)
-    ss = tl.zeros([1, NB, VB], tl.float32)
-    xb = x_ptr + t.to(tl.int64) * K
-    for k0 in range(sp * KCHUNK, sp * KCHUNK + KCHUNK, BK):
-        xv = tl.load(xb + k0 + kv)
-        ss += xv * xv
-        acc += _wtile(wb, wh, wf, gridp, ksigns, row_off, rmask, k0 // VB, TYPE, NB, VB) * xv
-    tl.store(part_ptr + (t * nsp + sp) * NM + rows, tl.sum(tl.sum(acc, axis=2), axis=1))
-    tl.store(ss_ptr + t * nsp + sp, tl.sum(ss))
+    if BT == 1:
+        t = tl.program_id(0)
+        kv = tl.arange(0, NB)[None, :, None] * VB + tl.arange(0, VB)[None, None, :]
+        acc = tl.zeros([NM, NB, VB], tl.float32)
+        ss = tl.zeros([1, NB, VB], tl.float32)
+        xb = x_ptr + t.to(tl.int64) * K
+        for k0 in range(sp * KCHUNK, sp * KCHUNK + KCHUNK, BK):
+            xv = tl.load(xb + k0 + kv)
+            ss += xv * xv
+            acc += _wtile(wb, wh, wf, gridp, ksigns, row_off, rmask, k0 // VB, TYPE, NB, VB) * xv
+        tl.store(part_ptr + (t * nsp + sp) * NM + rows, tl.sum(tl.sum(acc, axis=2), axis=1))
+        tl.store(ss_ptr + t * nsp + sp, tl.sum(ss))
+    else:
+        t = tl.program_id(0) * BT + tl.arange(0, BT)
+        tm = t < n
+        kk = tl.arange(0, BK)
+        acc = tl.zeros([BT, NM], tl.float32)
+        ss = tl.zeros([BT, BK], tl.float32)
+        xb = x_ptr + t[:, None].to(tl.int64) * K
+        for k0 in range(sp * KCHUNK, sp * KCHUNK + KCHUNK, BK):
+            xt = tl.load(xb + k0 + kk[None, :], mask=tm[:, None], other=0.0)
+            ss += xt * xt
+            w = tl.reshape(_wtile(wb, wh, wf, gridp, ksigns, row_off, rmask, k0 // VB, TYPE, NB, VB), [NM, BK])
+            acc = _dot_f32(xt, tl.trans(w), acc, TYPE == 1)
+        tp = (t * nsp + sp).to(tl.int64)
+        tl.store(part_ptr + tp[:, None] * NM + rows[None, :], acc, mask=tm[:, None])
+        tl.store(ss_ptr + tp, tl.sum(ss, axis=1), mask=tm)
 
 
 @triton.jit
@@ -1421,11 +1478,19 @@ def attn_kernel(q_ptr, raw_ptr, comp_ptr, sel_ptr, cnt_ptr, pos_ptr, sink_ptr,
                 mo_ptr, lo_ptr, ao_ptr,
                 H, W, RAWCAP, M, TOPK, RS, qscale,
                 D: tl.constexpr, HB: tl.constexpr, BR: tl.constexpr,
-                COMP: tl.constexpr, SEL: tl.constexpr, SINGLE: tl.constexpr, KEXACT: tl.constexpr):
+                COMP: tl.constexpr, SEL: tl.constexpr, SINGLE: tl.constexpr, KEXACT: tl.constexpr,
+                F16: tl.constexpr = False):
     """Heads [hg·HB, +HB) of query t over its candidate rows [sp·RS, +RS): the raw window
     (positions max(0, p−W+1)..p, ring rows) then the visible (COMP) or selected (SEL) compressed
     rows. K = V. SINGLE: all rows in one program, sink included, normalised output; otherwise
-    the running max, sum and unnormalised output of this split for attn_combine_kernel."""
+    the running max, sum and unnormalised output of this split for attn_combine_kernel.
+
+    F16 (needs KEXACT: cache rows that are f16 values): both products on fp16 tensor cores with
+    the rows as exact fp16 operands and the other side in two fp16 terms (_hi_lo): q scaled per
+    head by a power of two (_pow2_scale), the probabilities p <= 1 by 2^15, both undone exactly
+    afterwards. That holds each term to 2^-22 of itself (of its head's largest q entry for q),
+    as the tf32 pairs of the other path do, at twice their tensor-core rate and half their
+    shared memory."""
     t = tl.program_id(0)
     hg = tl.program_id(1)
     sp = tl.program_id(2)
@@ -1449,6 +1514,9 @@ def attn_kernel(q_ptr, raw_ptr, comp_ptr, sel_ptr, cnt_ptr, pos_ptr, sink_ptr,
     m_i = tl.full([HB], _NEG, tl.float32)
     l_i = tl.zeros([HB], tl.float32)
     acc = tl.zeros([HB, D], tl.float32)
+    if F16:
+        q_s, q_inv = _pow2_scale(tl.max(tl.abs(q), axis=1))
+        q_hi, q_lo = _hi_lo(q * q_s[:, None])
     for r0 in range(start, end, BR):
         r = r0 + tl.arange(0, BR)
         rm = r < end
@@ -1464,14 +1532,24 @@ def attn_kernel(q_ptr, raw_ptr, comp_ptr, sel_ptr, cnt_ptr, pos_ptr, sink_ptr,
         else:
             rowp = raw_ptr + raw_row * D
         k = tl.load(rowp[:, None] + d[None, :], mask=rm[:, None], other=0.0)
-        s = _dot_f32(q, tl.trans(k), tl.zeros([HB, BR], tl.float32), KEXACT) / qscale
+        if F16:
+            k16 = k.to(tl.float16)  # exact: the rows are f16 values
+            s = (_dot16(q_hi, q_lo, k16, tl.zeros([HB, BR], tl.float32)) * q_inv[:, None]) / qscale
+        else:
+            s = _dot_f32(q, tl.trans(k), tl.zeros([HB, BR], tl.float32), KEXACT) / qscale
         s = tl.where(rm[None, :], s, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, axis=1))
         alpha = tl.exp(m_i - m_new)
         p = tl.exp(s - m_new[:, None])
         l_i = l_i * alpha + tl.sum(p, axis=1)
-        acc = _dot_f32(p, k, acc * alpha[:, None], KEXACT)
+        if F16:  # acc holds 2^15 times the output until the end
+            p_hi, p_lo = _hi_lo(p * 32768.0)
+            acc = _dot16(p_hi, p_lo, tl.trans(k16), acc * alpha[:, None])
+        else:
+            acc = _dot_f32(p, k, acc * alpha[:, None], KEXACT)
         m_i = m_new
+    if F16:
+        acc = acc * (1.0 / 32768.0)
     if SINGLE:
         sink = tl.load(sink_ptr + h, mask=hm, other=0.0)
         mx = tl.maximum(m_i, sink)

@@ -33,7 +33,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from .kernels import _INTERP, _ld_f16, _q8c_block, _q8c_value, _swiglu, _u8f
+from .kernels import _INTERP, _dot16, _hi_lo, _ld_f16, _pow2_scale, _q8c_block, _q8c_value, _swiglu, _u8f
 
 _MAGIC = tl.constexpr(8388608.0)  # 2^23: an integer OR-ed into its mantissa is exact (see _u8f)
 
@@ -65,42 +65,6 @@ def _join4(a, b, c, d):
 def _join8(v0, v1, v2, v3, v4, v5, v6, v7):
     """[..., 2, 2, 2] holding v0..v7 in row-major order of the three new (in-thread) axes."""
     return tl.join(tl.join(tl.join(v0, v4), tl.join(v2, v6)), tl.join(tl.join(v1, v5), tl.join(v3, v7)))
-
-
-@triton.jit
-def _pow2_scale(mx):
-    """(s, 1/s), powers of two with mx·s in [2^14, 2^15) for a normal mx >= 0, from the exponent
-    bits (no rounding anywhere). s is capped at 2^126 so that 1/s stays normal: tiny or all-zero
-    chunks then scale to less than 2^14, which only costs precision below float32's reach."""
-    e = (mx.to(tl.int32, bitcast=True) >> 23) & 255
-    S = tl.minimum(141 - e, 126)
-    s = ((S + 127) << 23).to(tl.float32, bitcast=True)
-    inv = ((127 - S) << 23).to(tl.float32, bitcast=True)
-    return s, inv
-
-
-@triton.jit
-def _hi_lo(v):
-    """v ≈ hi + lo in fp16 for |v| < 2^15: hi is v rounded to fp16, v − hi is exact in float32
-    and is rounded once more, so the error is at most 2^-12·ulp(hi), 2^-22·|v| (or 2^-25 where
-    v − hi falls below fp16's normal range)."""
-    hi = v.to(tl.float16)
-    return hi, (v - hi.to(tl.float32)).to(tl.float16)
-
-
-@triton.jit
-def _dot16(xh, xl, w, acc):
-    """acc + (xh + xl)·wᵀ with float32 accumulation, the smaller term first. The fp16 products
-    are exact (11 × 11 significant bits), so only the accumulation rounds."""
-    if _INTERP:  # the interpreter's fp16 products are not trustworthy: the same terms in float32
-        wt = tl.trans(w.to(tl.float32))
-        acc = tl.dot(xl.to(tl.float32), wt, acc, input_precision="ieee")
-        acc = tl.dot(xh.to(tl.float32), wt, acc, input_precision="ieee")
-    else:
-        wt = tl.trans(w)
-        acc = tl.dot(xl, wt, acc)
-        acc = tl.dot(xh, wt, acc)
-    return acc
 
 
 # ------------------------------------------------------------------------------------------------
