@@ -301,10 +301,16 @@ class TritonBackend(Backend):
         self.q8_16_tile = {"linear": (64, 64, 4, 1), "gateup": (64, 64, 8, 1)}
         self.topk_reg_max = 16384  # indexer rows that top-k keeps in registers
         # prefill attention (one program per query and head group): heads per program, rows per
-        # step, warps, pipeline stages; attn_f16: both of its products on fp16 tensor cores
-        # (attn_kernel; ds4 numerics only, whose cache rows are f16 values), decode's too
-        self.attn_tile = (32, 32, 8, 2)
+        # step, warps, pipeline stages, for its products on fp16 tensor cores (attn_f16: ds4
+        # numerics only, whose cache rows are f16 values; decode's too) and on tf32 pairs.
+        # Shared memory at 512-value heads (sm_80/89/90 compiles): 132 KB for the fp16 tile
+        # measured on the H200, 65 KB for the fallback below; 96 KB for the tf32 tile (the fp16
+        # one would need 256 KB in tf32)
         self.attn_f16 = True
+        self.attn_tile = (32, 32, 8, 2)
+        if self.dev.type == "cuda" and _max_shared(self.dev) < 135168:
+            self.attn_tile = (16, 16, 8, 2)
+        self.attn_tile_tf32 = (16, 16, 8, 3)
         # mHC mixing projections: (the chunk size from which a program takes several tokens, tokens
         # per program); tl.dot needs 16 rows on a GPU
         self.hc_mix_bt = (16, 64) if not self.interpret else (2, 16)
@@ -851,7 +857,8 @@ class TritonBackend(Backend):
         f16 = bool(self.attn_f16 and self.ds4_numerics)
         if n > 1:
             out = self._new((n, H, D))
-            HBp, BR, warps, stages = self.attn_tile if not self.interpret else (16, 16, 8, 1)
+            HBp, BR, warps, stages = ((16, 16, 8, 1) if self.interpret else
+                                      self.attn_tile if f16 else self.attn_tile_tf32)
             self._launch(K.attn_kernel, (n, _cdiv(H, HBp), 1), *common, self._dummy_f, self._dummy_f, out,
                          H, W, raw.shape[0], max(m, 1), cfg.indexer_top_k, 1 << 30, qscale,
                          D=D, HB=HBp, BR=BR, COMP=comp, SEL=sel, SINGLE=True, KEXACT=self.ds4_numerics,
@@ -1080,6 +1087,13 @@ class TritonBackend(Backend):
         x_in, _, _ = self._hc_collapse(X[-1:], hc, head=True)
         logits = self._linear(_Normed(x_in, norm), out)
         return logits[0]
+
+
+def _max_shared(dev: torch.device) -> int:
+    """Shared memory a program may use on dev, in bytes, as Triton checks it at launch."""
+    from triton.compiler.compiler import max_shared_mem
+
+    return int(max_shared_mem(dev.index if dev.index is not None else torch.cuda.current_device()))
 
 
 def load_mv_shapes(path: str) -> dict[tuple, tuple]:
