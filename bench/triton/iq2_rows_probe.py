@@ -158,17 +158,7 @@ def _iq2g_step(xu, wh, lv8, nibp, mk8, sgnp, ro, m, u, GT: tl.constexpr, ST: tl.
     """416's K-step (GGUF blocks, four row sets) with the levels from the 2 KB biased table
     (GT 0) or the 1 KB nibble table + prmt (GT 1); the signs from the 1 KB mask table (ST 0),
     by parity arithmetic (ST 1) or (GT 1 only) a 512 B table of nibble sign bits (ST 2)."""
-    gs = ()
-    for r in tl.static_range(4):
-        base = ro[r] + (u // 8) * 66
-        gh = (base + 2 + (u % 8) * 8) // 2
-        d = K._ld_f16(wh, base, m[r])
-        g01 = tl.load(wh + gh, mask=m[r], other=0).to(tl.int32) & 0xFFFF
-        g23 = tl.load(wh + gh + 1, mask=m[r], other=0).to(tl.int32) & 0xFFFF
-        aux = (tl.load(wh + gh + 2, mask=m[r], other=0).to(tl.int32) & 0xFFFF) | \
-            (tl.load(wh + gh + 3, mask=m[r], other=0).to(tl.int32) << 16)
-        db = d * (0.5 + ((aux >> 28) & 15).to(tl.float32)) * 0.25
-        gs = gs + ((g01, g23, aux, db, tl.zeros(d.shape, tl.float32)),)
+    gs = K._iq2_group_words(wh, ro, m, u)
     for sub in tl.static_range(4):
         xs = ()
         for j in tl.static_range(8):

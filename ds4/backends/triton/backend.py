@@ -1064,7 +1064,8 @@ class TritonBackend(Backend):
                          nbytes=2 * gate.nbytes + 4 * n * (E + F))
         else:
             BM = 64
-            BN, warps = self.moe_tile["shared" if self._mm_cfg(gate.kt, E)["U"] else "gateup"]
+            mc = self._mm_cfg(gate.kt, E)
+            BN, warps = self.moe_tile["shared" if mc["U"] else "gateup"]
             T = _cdiv(n, BM)
             tile_e = torch.zeros(T, dtype=torch.int32, device=self.dev)
             tile_r0 = torch.arange(0, n, BM, dtype=torch.int32, device=self.dev)
@@ -1073,7 +1074,7 @@ class TritonBackend(Backend):
             self._launch(K.moe_gateup_mm_kernel, (T, _cdiv(F, BN)), x, x.stride(0), self._dummy_i, self._dummy_f,
                          tile_e, tile_r0, tile_end, gate.u8, gate.i16, gate.f32, up.u8, up.i16, up.f32,
                          self._gridp, self._ksigns, h, F, E, gate.RB, 0, float(clamp),
-                         TYPE=gate.kt, BM=BM, BN=BN, ROUTED=False, **self._mm_cfg(gate.kt, E),
+                         TYPE=gate.kt, BM=BM, BN=BN, ROUTED=False, **mc,
                          num_warps=warps, num_stages=2, nbytes=2 * gate.nbytes + 4 * n * (E + F))
         return self._linear(h, down)
 

@@ -558,15 +558,10 @@ def _iq2_sign_nibbles(s7):
 
 
 @triton.jit
-def _iq2_group_step(xu, wh, gridp, ro, m, u):
-    """TYPE 416, one K-step: for each of the four row sets (ro, m: tuples of [BN/4, 1] byte
-    offsets / masks) W·x over the 32-value IQ2_XXS groups u [1, NB]. Every x value is loaded
-    once for the four rows. A grid entry's 8 level codes come as nibbles from one 4-byte lookup
-    (gridp[768:1024]); its signs are computed (parity, then spread to bit 2 of each nibble), not
-    looked up; one byte permute per 4 values gives the biased bytes 128 ± level (_iq2_lut) and
-    _b2f the floats. (Looking up 8-byte levels and 8-byte sign masks instead, two gathers per entry
-    and row, kept the L1 busy: 52.8 against 42.5 µs for the Flash routed gate/up,
-    bench/triton/results_h200/tune_paths/iq2_rows_probe_g.json.)"""
+def _iq2_group_words(wh, ro, m, u):
+    """For each of the four row sets (ro, m: tuples of [BN/4, 1] byte offsets / masks) the words
+    of IQ2_XXS groups u [1, NB]: (grid indices 0-1, grid indices 2-3, signs + scale, d·(0.5 +
+    scale)/4, a zero partial sum)."""
     gs = ()
     for r in tl.static_range(4):
         base = ro[r] + (u // 8) * 66
@@ -578,6 +573,20 @@ def _iq2_group_step(xu, wh, gridp, ro, m, u):
             (tl.load(wh + gh + 3, mask=m[r], other=0).to(tl.int32) << 16)
         db = d * (0.5 + ((aux >> 28) & 15).to(tl.float32)) * 0.25
         gs = gs + ((g01, g23, aux, db, tl.zeros(d.shape, tl.float32)),)
+    return gs
+
+
+@triton.jit
+def _iq2_group_step(xu, wh, gridp, ro, m, u):
+    """TYPE 416, one K-step: for each of the four row sets (ro, m: tuples of [BN/4, 1] byte
+    offsets / masks) W·x over the 32-value IQ2_XXS groups u [1, NB]. Every x value is loaded
+    once for the four rows. A grid entry's 8 level codes come as nibbles from one 4-byte lookup
+    (gridp[768:1024]); its signs are computed (parity, then spread to bit 2 of each nibble), not
+    looked up; one byte permute per 4 values gives the biased bytes 128 ± level (_iq2_lut) and
+    _b2f the floats. (Looking up 8-byte levels and 8-byte sign masks instead, two gathers per entry
+    and row, kept the L1 busy: 52.8 against 42.5 µs for the Flash routed gate/up,
+    bench/triton/results_h200/tune_paths/iq2_rows_probe_g.json.)"""
+    gs = _iq2_group_words(wh, ro, m, u)
     for sub in tl.static_range(4):
         xs = ()
         for j in tl.static_range(8):
