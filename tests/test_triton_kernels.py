@@ -241,6 +241,14 @@ def test_hc_pre_post(pair, rng):
         want = ref.hc_post(y + y2, X, a[1], a[2])
         got = tri.to_numpy(tri.hc_post(tri.add(_t(tri, y), _t(tri, y2)), _t(tri, X), _t(tri, a[1]), _t(tri, a[2])))
         assert _rel(got, want) < 1e-6
+        # the next collapse straight after an expand: one token computes the expand inside its
+        # mixing kernel (hc_mix_kernel EXPAND), more tokens materialise it first
+        Xn = tri.hc_post(_t(tri, y), _t(tri, X), _t(tri, a[1]), _t(tri, a[2]))
+        nxt = [tri.to_numpy(v) for v in tri.hc_pre(Xn, wt.layers[2].hc_attn)]
+        Xw = ref.hc_post(y, X, a[1], a[2])
+        for u, v in zip(ref.hc_pre(Xw, wr.layers[2].hc_attn), nxt):
+            assert _rel(v, u) < 1e-5
+        assert _rel(tri.to_numpy(Xn), Xw) < 1e-6
 
 
 def test_norms_and_rope(pair, rng):

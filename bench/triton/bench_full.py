@@ -18,6 +18,7 @@ from __future__ import annotations
 import argparse
 import csv
 import dataclasses
+import hashlib
 import json
 import os
 import sys
@@ -95,7 +96,7 @@ def fill_state(session, rng_seed: int = 0) -> None:
             t.copy_(x)
 
 
-def bench_decode(eng, ctx: int, steps: int, seed: int) -> dict:
+def bench_decode(eng, ctx: int, steps: int, seed: int, trace: str | None = None) -> dict:
     cfg = eng.config
     rng = np.random.default_rng(seed)
     s = eng.session(ctx=ctx + steps + 8)
@@ -124,10 +125,49 @@ def bench_decode(eng, ctx: int, steps: int, seed: int) -> dict:
         e1.record()
         torch.cuda.synchronize()
         gpu = e0.elapsed_time(e1) / 10 / 1e3
+    timeline = None
+    if trace and entry is not None and entry.graph is not None:
+        timeline = replay_timeline(entry.graph, trace)
     assert np.isfinite(s.logits).all()
-    return dict(ctx=ctx, steps=steps, tokens_per_s=steps / dt, ms_per_token=1e3 * dt / steps,
+    # the same seed gives the same tokens and history: variants that only reorder work (side
+    # streams) must end on the same logits, bit for bit
+    digest = hashlib.sha256(np.ascontiguousarray(s.logits, dtype=np.float32).tobytes()).hexdigest()[:16]
+    return dict(ctx=ctx, steps=steps, tokens_per_s=steps / dt, ms_per_token=1e3 * dt / steps, logits_sha=digest,
+                timeline=timeline,
                 gpu_ms_per_step=None if gpu is None else 1e3 * gpu, warm_s=t_warm, capture_s=t_cap,
                 n_graph_ops=None if entry is None else len(entry.names))
+
+
+def replay_timeline(graph, path: str) -> dict:
+    """One profiled replay of a captured decode step: every kernel's stream, start and duration
+    (CSV at path), and how much of the step's span the GPU was busy, the side streams being
+    what lets kernels overlap."""
+    from torch.profiler import ProfilerActivity, profile
+
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        graph.replay()
+        torch.cuda.synchronize()
+    tmp = path + ".trace.json"
+    prof.export_chrome_trace(tmp)
+    with open(tmp) as f:
+        events = [e for e in json.load(f)["traceEvents"] if e.get("cat") == "kernel"]
+    os.remove(tmp)
+    events.sort(key=lambda e: e["ts"])
+    t0 = events[0]["ts"]
+    rows = [dict(kernel=e["name"], stream=e.get("args", {}).get("stream"), start_us=round(e["ts"] - t0, 2),
+                 dur_us=round(e["dur"], 2)) for e in events]
+    _write_csv(path, rows)
+    span = max(e["ts"] + e["dur"] for e in events) - t0
+    busy, (cs, ce) = 0.0, (events[0]["ts"], events[0]["ts"] + events[0]["dur"])
+    for e in events[1:]:  # union of the kernels' intervals
+        if e["ts"] > ce:
+            busy, cs, ce = busy + ce - cs, e["ts"], e["ts"] + e["dur"]
+        else:
+            ce = max(ce, e["ts"] + e["dur"])
+    busy += ce - cs
+    return dict(kernels=len(rows), streams=len({r["stream"] for r in rows}), span_us=round(span, 1),
+                busy_us=round(busy, 1), kernel_sum_us=round(sum(r["dur_us"] for r in rows), 1))
 
 
 def _profile(be, fn, copy_bw: float) -> list[dict]:
@@ -225,6 +265,9 @@ def main() -> None:
                          "prefill_kernels_<n>.csv for the others)")
     ap.add_argument("--prefill-variants", default="{}",
                     help="JSON {name: {backend attribute: value}}: the first prefill size also measured with each")
+    ap.add_argument("--trace", action="store_true",
+                    help="profile one graph replay per decode context: decode_timeline_<ctx>.csv (every kernel's "
+                         "stream, start, duration) and its busy time in results.json")
     ap.add_argument("--variants", default="{}",
                     help='JSON {name: {backend attribute: value}}: decode also measured with each, same run '
                          '(e.g. {"gateup_216": {"mv_types": {"80": 308, "16": 216, "10": 110}}}: an attribute is replaced whole)')
@@ -256,10 +299,15 @@ def main() -> None:
         if time.time() - T0 > a.budget:
             log(f"skip decode ctx {ctx}: over budget")
             continue
-        r = bench_decode(eng, ctx, a.steps, seed=ctx)
+        r = bench_decode(eng, ctx, a.steps, seed=ctx,
+                         trace=os.path.join(a.out, f"decode_timeline_{ctx}.csv") if a.trace else None)
         res["decode"].append(r)
         log(f"decode ctx {ctx}: {r['tokens_per_s']:.1f} tok/s ({r['ms_per_token']:.2f} ms/token, "
             f"GPU replay {r['gpu_ms_per_step']} ms, {r['n_graph_ops']} ops/graph)")
+        if r["timeline"]:
+            tl = r["timeline"]
+            log(f"  one replay: {tl['kernels']} kernels on {tl['streams']} streams, span {tl['span_us']} us, "
+                f"GPU busy {tl['busy_us']} us, kernel durations sum to {tl['kernel_sum_us']} us")
         for name, attrs in json.loads(a.variants).items():
             be = eng.backend
             saved = {k: getattr(be, k) for k in attrs}
@@ -271,7 +319,8 @@ def main() -> None:
                 setattr(be, k, v)
             be._graphs.clear()
             res.setdefault("decode_variants", []).append(dict(variant=name, **attrs, **rv))
-            log(f"  variant {name}: {rv['tokens_per_s']:.1f} tok/s (GPU replay {rv['gpu_ms_per_step']} ms)")
+            same = "same logits" if rv["logits_sha"] == r["logits_sha"] else "different logits"
+            log(f"  variant {name}: {rv['tokens_per_s']:.1f} tok/s (GPU replay {rv['gpu_ms_per_step']} ms, {same})")
         json.dump(res, open(os.path.join(a.out, "results.json"), "w"), indent=1)
 
     try:

@@ -11,6 +11,7 @@ below say so) or "exact" (leave them out).
 
 from __future__ import annotations
 
+import contextlib
 from abc import ABC, abstractmethod
 from typing import Any
 
@@ -64,6 +65,13 @@ class Backend(ABC):
         """A host float32 array as this backend's array (a pipeline stage's incoming rows)."""
 
     # ---- ops ------------------------------------------------------------------------------------
+
+    def branch(self):
+        """A context around ops whose results the ops right after it do not need (graph.py: the
+        KV path beside the query path, the shared expert beside the routing). A backend may run
+        them concurrently with what follows, honouring every data dependency itself; by default
+        they simply run in order."""
+        return contextlib.nullcontext()
 
     def begin_chunk(self, states: dict, tokens: np.ndarray, p0: int, logits: bool) -> None:
         """Called by forward_chunk before a chunk's first op. A backend that replays whole decode

@@ -20,17 +20,24 @@ def attention_sublayer(be, L: LayerWeights, st, X, p0: int):
     il = L.il
     x_in, post, comb = be.hc_pre(X, L.hc_attn)
     a = be.rms_norm(x_in, L.attn_norm)
-    qr = be.rms_norm(be.linear(a, L.attn_q_a), L.attn_q_a_norm)  # also the indexer's input
-    q = be.rope(be.head_norm(be.linear(qr, L.attn_q_b)), p0, il)
-    kv = be.rope(be.rms_norm(be.linear(a, L.attn_kv), L.attn_kv_a_norm), p0, il)
-    be.kv_store(st, kv, p0)
-    selected = None
+    # The KV path, the compressors and the indexer feed only the attention, not the query path:
+    # a backend may run each beside it (Backend.branch). They write disjoint parts of the state.
+    with be.branch():
+        kv = be.rope(be.rms_norm(be.linear(a, L.attn_kv), L.attn_kv_a_norm), p0, il)
+        be.kv_store(st, kv, p0)
     if L.compressor is not None:
-        # Compress before attending: a token that closes a window sees its own window's row.
-        be.compressor(st, a, L.compressor, p0, il, indexer=False)
+        with be.branch():
+            # Compress before attending: a token that closes a window sees its own window's row.
+            be.compressor(st, a, L.compressor, p0, il, indexer=False)
     if L.indexer is not None:
-        be.compressor(st, a, L.indexer.compressor, p0, il, indexer=True)
-        selected = be.indexer_select(st, qr, a, L.indexer, p0, il)
+        with be.branch():
+            be.compressor(st, a, L.indexer.compressor, p0, il, indexer=True)
+    qr = be.rms_norm(be.linear(a, L.attn_q_a), L.attn_q_a_norm)  # also the indexer's input
+    selected = None
+    if L.indexer is not None:
+        with be.branch():  # (its scores read the indexer rows the compressor above appends)
+            selected = be.indexer_select(st, qr, a, L.indexer, p0, il)
+    q = be.rope(be.head_norm(be.linear(qr, L.attn_q_b)), p0, il)
     o = be.attention(q, st, L.attn_sinks, p0, il, selected)
     y = be.grouped_output(be.rope(o, p0, il, inverse=True), L.attn_output_a, L.attn_output_b)
     return be.hc_post(y, X, post, comb)
@@ -42,8 +49,9 @@ def ffn_sublayer(be, L: LayerWeights, X, tokens: np.ndarray):
     x_in, post, comb = be.hc_pre(X, L.hc_ffn)
     f = be.rms_norm(x_in, L.ffn_norm)
     ids, weights = be.router(f, L.ffn_gate_inp, L.exp_probs_b, L.tid2eid, tokens, il)
+    with be.branch():  # the shared expert does not wait for the routing, nor the routed ones for it
+        shared = be.shared_expert(f, L.ffn_gate_shexp, L.ffn_up_shexp, L.ffn_down_shexp, il)
     routed = be.moe(f, ids, weights, L.ffn_gate_exps, L.ffn_up_exps, L.ffn_down_exps, il)
-    shared = be.shared_expert(f, L.ffn_gate_shexp, L.ffn_up_shexp, L.ffn_down_shexp, il)
     return be.hc_post(be.add(routed, shared), X, post, comb)
 
 

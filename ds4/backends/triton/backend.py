@@ -6,22 +6,27 @@ Weights stay quantized on the device: GGUF blocks, with Q8_0 rows rearranged int
 the session state are float32 torch tensors laid out as ds4/core/state.py says, so
 state_to_numpy / state_from_numpy are exact copies and a session moves between backends.
 
-Three things are backend-internal and invisible to the graph:
+Four things are backend-internal and invisible to the graph:
 
-* Lazy ops. `rms_norm`, `head_norm`, `add` and a decode `attention` return small records instead
-  of launching a kernel; the consumer fuses them (a matrix-vector product normalises its input
-  itself, RoPE normalises the rows it rotates, mHC-expand adds the two FFN outputs, the inverse
-  RoPE merges the attention splits). Anything else materialises them once.
+* Lazy ops. `rms_norm`, `head_norm`, `add`, `hc_post` and a decode `attention` return small
+  records instead of launching a kernel; the consumer fuses them (a matrix-vector product
+  normalises its input itself, RoPE normalises the rows it rotates, mHC-expand adds the two FFN
+  outputs, the next mHC collapse of a decode step computes the expand in its mixing kernel, the
+  inverse RoPE merges the attention splits). Anything else materialises them once.
 * Positions live on the device. Kernels read the chunk's first position from a device scalar and
   decide windows, visibility and ring rows themselves; no op returns data to the host.
 * CUDA graphs. A one-token chunk that `forward_chunk` runs with logits is a decode step: the first
   one of a session runs eagerly (and sizes a private buffer arena), the second is captured into a
   CUDA graph, later ones only replay it; the graph's ops then return the captured outputs without
   launching anything. The session is recognised by its state dict, which `begin_chunk` names.
+* Side streams. Inside a decode step the work graph.py marks with `branch()` runs on side
+  streams, each launch waiting only for the launches whose buffers it touches (lanes.py); the
+  captured graph keeps them concurrent.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 from collections import OrderedDict
@@ -36,6 +41,7 @@ from ...core.rope import layer_inv_freq  # noqa: E402
 from ..base import Backend  # noqa: E402
 from . import kernels as K  # noqa: E402
 from . import kernels_mm16 as K16  # noqa: E402
+from .lanes import Lanes  # noqa: E402
 from .layout import device_layout  # noqa: E402
 
 MM_MIN = 16  # tokens from which linear layers use the matrix-matrix kernels (tl.dot needs 16)
@@ -144,6 +150,19 @@ class _AttnParts(_Lazy):
     @property
     def shape(self):
         return (self.n, self.H, self.D)
+
+
+class _Expanded(_Lazy):
+    """hc_post's new mHC state: the next collapse's mixing kernel computes it on the way in
+    (decode), anything else materialises it with hc_post_kernel."""
+    __slots__ = ("y", "y2", "X", "post", "comb")
+
+    def __init__(self, y, y2, X, post, comb):
+        self.y, self.y2, self.X, self.post, self.comb, self.val = y, y2, X, post, comb, None
+
+    @property
+    def shape(self):
+        return tuple(self.X.shape)
 
 
 class Selection:
@@ -269,6 +288,13 @@ class TritonBackend(Backend):
         # split-K tickets of the matrix-vector kernels, one per output tile (_split_store); each
         # launch leaves them at zero
         self._split_cnt = torch.zeros(1 << 16, dtype=torch.int32, device=d)
+        # side streams of a decode step (lanes.py): the branches graph.py marks run beside the
+        # main path; 0 runs every launch in order on one stream
+        lanes = os.environ.get("DS4_TRITON_LANES", "6")
+        if not lanes.isdigit():
+            raise ValueError(f"DS4_TRITON_LANES: expected a whole number of side streams (0 = none), got {lanes!r}")
+        self.lanes = int(lanes)
+        self._lanes: Lanes | None = None
         self._step: _Step | None = None
         self._graphs: OrderedDict[int, _GraphEntry] = OrderedDict()
         self.max_graphs = max_graphs
@@ -314,6 +340,11 @@ class TritonBackend(Backend):
         # mHC mixing projections: (the chunk size from which a program takes several tokens, tokens
         # per program); tl.dot needs 16 rows on a GPU
         self.hc_mix_bt = (16, 64) if not self.interpret else (2, 16)
+        # decode: the mixing kernel of an mHC collapse computes the pending expand (hc_post) itself
+        self.fuse_expand = True
+        # decode attention merge: value pairs of a head per program (a power of two; the
+        # interpreter's small heads still take several programs per head)
+        self.combine_pairs = 64 if not self.interpret else 16
         # decoder per layout in matrix-vector kernels: Q8C chunks with R rows per thread sharing
         # each x load (308); IQ2_XXS in 32-value groups, four rows per thread sharing each x
         # load, levels as nibbles from one lookup, signs computed (416; 216 = one row per thread,
@@ -397,18 +428,26 @@ class TritonBackend(Backend):
         if st.phase == "warm":
             t = torch.empty(shape, dtype=dtype, device=self.dev)
             e.arena.append(t)
-            return t
-        t = e.arena[st.i]
-        st.i += 1
-        if tuple(t.shape) != shape or t.dtype != dtype:
-            raise RuntimeError(f"decode step: buffer {st.i - 1} is {tuple(t.shape)}, expected {shape}")
+        else:
+            t = e.arena[st.i]
+            st.i += 1
+            if tuple(t.shape) != shape or t.dtype != dtype:
+                raise RuntimeError(f"decode step: buffer {st.i - 1} is {tuple(t.shape)}, expected {shape}")
+        if self._lanes is not None and self._lanes.active:
+            self._lanes.arena(t)
         return t
 
     def _launch(self, kern, grid, *args, nbytes: int = 0, **kw):
         if self.interpret:
             kw.pop("num_warps", None)
             kw.pop("num_stages", None)
-        kern[grid](*args, **kw)
+        ln = self._lanes
+        if ln is not None and ln.active:
+            with torch.cuda.stream(ln.before(args)):
+                kern[grid](*args, **kw)
+            ln.after()
+        else:
+            kern[grid](*args, **kw)
         if self.ledger is not None:
             self.ledger.append((kern.fn.__name__ if hasattr(kern, "fn") else str(kern), int(nbytes)))
 
@@ -457,6 +496,15 @@ class TritonBackend(Backend):
             self._launch(K.add_kernel, (_cdiv(N, 1024),), a, b, out, N, BLOCK=1024, nbytes=12 * N)
         elif isinstance(x, _AttnParts):
             out = self._combine(x, rope_inverse=False)
+        elif isinstance(x, _Expanded):
+            X = x.X
+            n, HC, E = X.shape
+            out = self._new((n, HC, E))
+            BE = min(1024, _pow2(E))
+            y2 = x.y2 if x.y2 is not None else x.y
+            self._launch(K.hc_post_kernel, (n, _cdiv(E, BE)), x.y, y2, X, x.post, x.comb,
+                         out, E, HC=HC, BE=BE, HAS_Y2=x.y2 is not None, num_warps=4,
+                         nbytes=4 * (2 * X.numel() + 2 * n * E))
         else:
             raise TypeError(type(x))
         x.val = out
@@ -563,7 +611,7 @@ class TritonBackend(Backend):
             self._tiles_ok(tiles * n, S)
             ws = self._new((n, S, N)) if S > 1 else self._dummy_f
             self._launch(K.matvec_kernel, (tiles, n, S), src, sx_t, group_stride, nw,
-                         w.u8, w.i16, w.f32, self._gridp, self._ksigns, out, N, ws, self._split_cnt,
+                         w.u8, w.i16, w.f32, self._gridp, self._ksigns, out, N, ws, self._tickets(),
                          N, Kd, w.RB, gr, self.cfg.rms_eps, NORM=norm, **c,
                          nbytes=w.RB * N + 4 * n * (Kd + N))
         elif self._q8_16(w, src, group_stride):
@@ -586,6 +634,41 @@ class TritonBackend(Backend):
         return out
 
     # ---- decode-step machinery ------------------------------------------------------------------
+
+    def _tickets(self) -> torch.Tensor:
+        """The split-K tickets of the stream the next launch goes to."""
+        ln = self._lanes
+        return ln.tickets() if ln is not None and ln.active else self._split_cnt
+
+    @contextlib.contextmanager
+    def branch(self):
+        ln = self._lanes
+        if ln is None or not ln.active:
+            yield
+            return
+        prev = ln.lane
+        ln.lane = ln.take()
+        try:
+            yield
+        finally:
+            ln.lane = prev
+
+    def _begin_lanes(self, states) -> None:
+        """Side streams for the step about to run eagerly or be captured (lanes.py)."""
+        if self.lanes <= 0:
+            return
+        if self._lanes is None or self._lanes.n_side != self.lanes:
+            self._lanes = Lanes(self.lanes, self.dev, self._split_cnt.numel())
+        ln = self._lanes
+        ln.begin(torch.cuda.current_stream(self.dev), self._split_cnt)
+        for st in states.values():
+            for t in st.values():
+                if isinstance(t, torch.Tensor):
+                    ln.state(t)
+
+    def _end_lanes(self) -> None:
+        if self._lanes is not None:
+            self._lanes.end()
 
     def begin_chunk(self, states, tokens, p0, logits) -> None:
         self._chunk = (states, int(p0), bool(logits))
@@ -613,6 +696,7 @@ class TritonBackend(Backend):
             while len(self._graphs) > self.max_graphs:
                 self._graphs.popitem(last=False)
             self._step = _Step(e, "warm")
+            self._begin_lanes(states)
             return
         self._graphs.move_to_end(key)
         if e.graph is None:
@@ -625,6 +709,7 @@ class TritonBackend(Backend):
             self._cap_ctx = torch.cuda.stream(self._cap_stream)
             self._cap_ctx.__enter__()
             e.graph.capture_begin()
+            self._begin_lanes(states)
             return
         self._step = _Step(e, "replay")
         e.graph.replay()
@@ -632,6 +717,7 @@ class TritonBackend(Backend):
     def _end_step(self) -> None:
         st = self._step
         self._step = None
+        self._end_lanes()
         if st.phase == "capture":
             st.entry.graph.capture_end()
             self._cap_ctx.__exit__(None, None, None)
@@ -644,6 +730,10 @@ class TritonBackend(Backend):
         self._step = None
         if st is None:
             return
+        try:
+            self._end_lanes()
+        except Exception:
+            pass
         if st.phase == "capture" and self._cap_ctx is not None:
             try:
                 st.entry.graph.capture_end()
@@ -679,6 +769,15 @@ class TritonBackend(Backend):
         NM = _pow2(NR)
         # BT tokens per program share each weight tile on the tensor cores (hc_mix_kernel)
         BT = 1 if n < self.hc_mix_bt[0] else min(self.hc_mix_bt[1], _pow2(n))
+        # one token per program: the mixing kernel also computes a pending mHC expand
+        ex = X if isinstance(X, _Expanded) and X.val is None and BT == 1 and self.fuse_expand else None
+        if ex is None:
+            X = self._val(X)
+            d = self._dummy_f
+            expand = (d, d, d, d, d)
+        else:
+            X = ex.val = self._new((n, HC, E))
+            expand = (ex.y, ex.y2 if ex.y2 is not None else ex.y, ex.X, ex.post, ex.comb)
         # (32-value K-steps for BT > 1: larger ones spill registers, sm_90 SASS)
         NB, VB = self._blocks(fn.kt, Kd, 1024 if self.interpret else 32 if BT > 1 else 128)
         BK = NB * VB
@@ -688,8 +787,9 @@ class TritonBackend(Backend):
         part = self._new((n, split, NM))
         ss = self._new((n, split))
         self._launch(K.hc_mix_kernel, (_cdiv(n, BT), split), X, fn.u8, fn.i16, fn.f32, self._gridp, self._ksigns,
-                     part, ss, n, NR, Kd, fn.RB, Kd // split, NM=NM, TYPE=fn.kt, NB=NB, VB=VB, BT=BT,
-                     num_warps=4, nbytes=fn.RB * NR * _cdiv(n, BT) + 4 * X.numel())
+                     part, ss, n, NR, Kd, fn.RB, Kd // split, *expand, E, NM=NM, TYPE=fn.kt, NB=NB, VB=VB,
+                     BT=BT, EXPAND=ex is not None, HAS_Y2=ex is not None and ex.y2 is not None, HC=HC,
+                     num_warps=4, nbytes=fn.RB * NR * _cdiv(n, BT) + 4 * X.numel() * (3 if ex is not None else 1))
         x_in = self._new((n, E))
         post = self._dummy_f if head else self._new((n, HC))
         comb = self._dummy_f if head else self._new((n, HC, HC))
@@ -703,7 +803,7 @@ class TritonBackend(Backend):
 
     @_op
     def hc_pre(self, X, hc):
-        return self._hc_collapse(self._val(X), hc, head=False)
+        return self._hc_collapse(X, hc, head=False)
 
     @_op
     def hc_post(self, y, X, post, comb):
@@ -712,14 +812,7 @@ class TritonBackend(Backend):
             y, y2 = self._val(y.a), self._val(y.b)
         else:
             y = self._val(y)
-        X = self._val(X)
-        n, HC, E = X.shape
-        out = self._new((n, HC, E))
-        BE = min(1024, _pow2(E))
-        self._launch(K.hc_post_kernel, (n, _cdiv(E, BE)), y, y2 if y2 is not None else y, X, post, comb,
-                     out, E, HC=HC, BE=BE, HAS_Y2=y2 is not None, num_warps=4,
-                     nbytes=4 * (2 * X.numel() + 2 * n * E))
-        return out
+        return _Expanded(y, y2, self._val(X), post, comb)
 
     @_op
     def rms_norm(self, x, weight=None):
@@ -793,8 +886,9 @@ class TritonBackend(Backend):
         C = (2 if csa else 1) * d
         prefix = "index" if indexer else "comp"
         skv, ssc, rows = st[prefix + "_kv"], st[prefix + "_score"], st[prefix]
+        with self.branch():  # (in a decode step: the two products on two streams)
+            sc_all = self._linear(a, w.gate)
         kv_all = self._linear(a, w.kv)
-        sc_all = self._linear(a, w.gate)
         n = kv_all.shape[0]
         nwin = 1 if self._step is not None else (p0 + n) // m - p0 // m
         mode = (2 if indexer else 1) if self.ds4_numerics else 0
@@ -823,8 +917,9 @@ class TritonBackend(Backend):
         else:
             cs = st["index"].shape[0]
         IH, ID = cfg.indexer_heads, cfg.indexer_head_dim
+        with self.branch():  # (decode step: the head weights beside the queries' product and RoPE)
+            hw = self._linear(a, w.proj)
         iq = self._rope(self._linear(qr, w.q_b), il, inverse=False, qat=self.ds4_numerics, rows_dim=(IH, ID))
-        hw = self._linear(a, w.proj)
         scores = self._new((n, cs))
         BC = 64 if not self.interpret else 128
         self._launch(K.idx_score_kernel, (n, _cdiv(cs, BC)), iq, hw, st["index"], scores, self._pos, m, IH, cs,
@@ -882,8 +977,10 @@ class TritonBackend(Backend):
 
     def _combine(self, x: _AttnParts, rope_inverse: bool):
         out = self._new((x.n, x.H, x.D))
-        self._launch(K.attn_combine_kernel, (x.n, x.H), x.mo, x.lo, x.ao, x.sink.vec, self._freq[x.il], self._pos,
-                     out, x.H, S=x.S, SP=_pow2(x.S), D=x.D, NROT=self.cfg.n_rot, ROPE_INV=rope_inverse,
+        BI = min(x.D // 2, self.combine_pairs)
+        self._launch(K.attn_combine_kernel, (x.n, x.H, x.D // 2 // BI), x.mo, x.lo, x.ao, x.sink.vec,
+                     self._freq[x.il], self._pos, out, x.H, S=x.S, SP=_pow2(x.S), D=x.D, NROT=self.cfg.n_rot,
+                     ROPE_INV=rope_inverse, BI=BI,
                      num_warps=4, nbytes=4 * x.ao.numel() + 4 * out.numel())
         return out
 
@@ -921,7 +1018,7 @@ class TritonBackend(Backend):
         self._launch(K.moe_gateup_mv_kernel, (_cdiv(F, c["BN"]), slots, S), x, x.stride(0),
                      ids if routed else self._dummy_i, wts if routed else self._dummy_f,
                      gate.u8, gate.i16, gate.f32, up.u8, up.i16, up.f32, self._gridp, self._ksigns, h,
-                     self._new((slots, S, 2, F)) if S > 1 else self._dummy_f, self._split_cnt,
+                     self._new((slots, S, 2, F)) if S > 1 else self._dummy_f, self._tickets(),
                      F, E, gate.RB, F * gate.RB, kslots, float(clamp), ROUTED=routed, **c,
                      nbytes=slots * (2 * F * gate.RB + 4 * (E + F)))
         return h
@@ -935,7 +1032,7 @@ class TritonBackend(Backend):
         self._tiles_ok(_cdiv(E, c["BN"]) * n, S)
         self._launch(K.moe_down_mv_kernel, (_cdiv(E, c["BN"]), n, S), h, ids, down.u8, down.i16, down.f32,
                      self._gridp, self._ksigns, out, self._new((n, S, E)) if S > 1 else self._dummy_f,
-                     self._split_cnt, E, F, down.RB, E * down.RB, KSLOTS=k, **c,
+                     self._tickets(), E, F, down.RB, E * down.RB, KSLOTS=k, **c,
                      nbytes=n * k * (E * down.RB + 4 * F) + 4 * n * E)
         return out
 

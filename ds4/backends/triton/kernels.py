@@ -1061,13 +1061,18 @@ def add_kernel(a_ptr, b_ptr, out_ptr, n, BLOCK: tl.constexpr):
 
 @triton.jit
 def hc_mix_kernel(x_ptr, wb, wh, wf, gridp, ksigns, part_ptr, ss_ptr, n, NR, K, RB, KCHUNK,
+                  y_ptr, y2_ptr, xo_ptr, post_ptr, comb_ptr, E,
                   NM: tl.constexpr, TYPE: tl.constexpr, NB: tl.constexpr, VB: tl.constexpr,
-                  BT: tl.constexpr = 1):
+                  BT: tl.constexpr = 1, EXPAND: tl.constexpr = False, HAS_Y2: tl.constexpr = False,
+                  HC: tl.constexpr = 4):
     """Partial mHC mixing projections fn[NR, K] · X[t] over one K chunk, and the partial Σ X²,
     for tokens [BT·program, +BT). BT = 1 (decode): FMAs. BT > 1 (prefill): tf32 tensor-core
     products to float32 accuracy (_dot_f32; F16 weights are exact in tf32), so that a weight
     tile read from L2 serves BT tokens instead of one (one token per program read all of fn,
-    0.8 MB, per token: 26 ms of a 2048-token prefill)."""
+    0.8 MB, per token: 26 ms of a 2048-token prefill).
+    EXPAND (BT = 1): X is first computed from the previous sublayer, as hc_post_kernel would
+    (X[j] = post[j]·(y + y2) + Σ_i comb[i][j]·Xo[i]), and stored to x_ptr; the expand then
+    needs no launch of its own on the decode path."""
     sp = tl.program_id(1)
     nsp = tl.num_programs(1)
     rows = tl.arange(0, NM)
@@ -1081,7 +1086,21 @@ def hc_mix_kernel(x_ptr, wb, wh, wf, gridp, ksigns, part_ptr, ss_ptr, n, NR, K, 
         ss = tl.zeros([1, NB, VB], tl.float32)
         xb = x_ptr + t.to(tl.int64) * K
         for k0 in range(sp * KCHUNK, sp * KCHUNK + KCHUNK, BK):
-            xv = tl.load(xb + k0 + kv)
+            if EXPAND:
+                k = k0 + kv
+                j = k // E
+                e = k - j * E
+                y = tl.load(y_ptr + t.to(tl.int64) * E + e)
+                if HAS_Y2:
+                    y = y + tl.load(y2_ptr + t.to(tl.int64) * E + e)
+                cb = comb_ptr + t * HC * HC + j
+                mixed = tl.load(cb) * tl.load(xo_ptr + (t * HC).to(tl.int64) * E + e)
+                for i in tl.static_range(1, HC):
+                    mixed += tl.load(cb + i * HC) * tl.load(xo_ptr + (t * HC + i).to(tl.int64) * E + e)
+                xv = tl.load(post_ptr + t * HC + j) * y + mixed
+                tl.store(xb + k, xv)
+            else:
+                xv = tl.load(xb + k0 + kv)
             ss += xv * xv
             acc += _wtile(wb, wh, wf, gridp, ksigns, row_off, rmask, k0 // VB, TYPE, NB, VB) * xv
         tl.store(part_ptr + (t * nsp + sp) * NM + rows, tl.sum(tl.sum(acc, axis=2), axis=1))
@@ -1101,6 +1120,70 @@ def hc_mix_kernel(x_ptr, wb, wh, wf, gridp, ksigns, part_ptr, ss_ptr, n, NR, K, 
         tp = (t * nsp + sp).to(tl.int64)
         tl.store(part_ptr + tp[:, None] * NM + rows[None, :], acc, mask=tm[:, None])
         tl.store(ss_ptr + tp, tl.sum(ss, axis=1), mask=tm)
+
+
+@triton.jit
+def _norm4(a, b, c, d, eps):
+    """(a, b, c, d) / (a + b + c + d + eps), one division."""
+    r = 1.0 / (((a + b) + c) + d + eps)
+    return a * r, b * r, c * r, d * r
+
+
+@triton.jit
+def _softmax4(a, b, c, d, eps):
+    """A row's softmax + eps (§3.2)."""
+    m = tl.maximum(tl.maximum(a, b), tl.maximum(c, d))
+    a, b, c, d = tl.exp(a - m), tl.exp(b - m), tl.exp(c - m), tl.exp(d - m)
+    a, b, c, d = _norm4(a, b, c, d, 0.0)
+    return a + eps, b + eps, c + eps, d + eps
+
+
+@triton.jit
+def _sinkhorn4(c_ptr, eps, ITERS):
+    """The Sinkhorn normalisation (§3.2) of the 4×4 comb logits at c_ptr (row-major), in place,
+    as 16 scalars that every thread holds. As a [4, 4] tile spread over the program's warps each
+    of its 40 row / column sums was a cross-warp reduction through shared memory with a barrier;
+    here it is two barriers and arithmetic (the finalize kernel: 6.3 → 5.3–5.6 µs a call on the
+    H200, bench/triton/README.md)."""
+    tl.debug_barrier()  # the logits were stored by other threads
+    c00, c01, c02, c03 = tl.load(c_ptr + 0), tl.load(c_ptr + 1), tl.load(c_ptr + 2), tl.load(c_ptr + 3)
+    c10, c11, c12, c13 = tl.load(c_ptr + 4), tl.load(c_ptr + 5), tl.load(c_ptr + 6), tl.load(c_ptr + 7)
+    c20, c21, c22, c23 = tl.load(c_ptr + 8), tl.load(c_ptr + 9), tl.load(c_ptr + 10), tl.load(c_ptr + 11)
+    c30, c31, c32, c33 = tl.load(c_ptr + 12), tl.load(c_ptr + 13), tl.load(c_ptr + 14), tl.load(c_ptr + 15)
+    tl.debug_barrier()  # every thread has read them before any writes the result over them
+    c00, c01, c02, c03 = _softmax4(c00, c01, c02, c03, eps)
+    c10, c11, c12, c13 = _softmax4(c10, c11, c12, c13, eps)
+    c20, c21, c22, c23 = _softmax4(c20, c21, c22, c23, eps)
+    c30, c31, c32, c33 = _softmax4(c30, c31, c32, c33, eps)
+    c00, c10, c20, c30 = _norm4(c00, c10, c20, c30, eps)
+    c01, c11, c21, c31 = _norm4(c01, c11, c21, c31, eps)
+    c02, c12, c22, c32 = _norm4(c02, c12, c22, c32, eps)
+    c03, c13, c23, c33 = _norm4(c03, c13, c23, c33, eps)
+    for _ in range(ITERS - 1):
+        c00, c01, c02, c03 = _norm4(c00, c01, c02, c03, eps)
+        c10, c11, c12, c13 = _norm4(c10, c11, c12, c13, eps)
+        c20, c21, c22, c23 = _norm4(c20, c21, c22, c23, eps)
+        c30, c31, c32, c33 = _norm4(c30, c31, c32, c33, eps)
+        c00, c10, c20, c30 = _norm4(c00, c10, c20, c30, eps)
+        c01, c11, c21, c31 = _norm4(c01, c11, c21, c31, eps)
+        c02, c12, c22, c32 = _norm4(c02, c12, c22, c32, eps)
+        c03, c13, c23, c33 = _norm4(c03, c13, c23, c33, eps)
+    tl.store(c_ptr + 0, c00)
+    tl.store(c_ptr + 1, c01)
+    tl.store(c_ptr + 2, c02)
+    tl.store(c_ptr + 3, c03)
+    tl.store(c_ptr + 4, c10)
+    tl.store(c_ptr + 5, c11)
+    tl.store(c_ptr + 6, c12)
+    tl.store(c_ptr + 7, c13)
+    tl.store(c_ptr + 8, c20)
+    tl.store(c_ptr + 9, c21)
+    tl.store(c_ptr + 10, c22)
+    tl.store(c_ptr + 11, c23)
+    tl.store(c_ptr + 12, c30)
+    tl.store(c_ptr + 13, c31)
+    tl.store(c_ptr + 14, c32)
+    tl.store(c_ptr + 15, c33)
 
 
 @triton.jit
@@ -1133,13 +1216,18 @@ def hc_finalize_kernel(x_ptr, part_ptr, ss_ptr, scale_ptr, base_ptr, xin_ptr, po
                 c += tl.load(part_ptr + (tc[:, None, None] * SPLIT + s) * NM + cidx[None, :, :])
             c = c / rs[:, None, None]
             c = c * tl.load(scale_ptr + 2) + tl.load(base_ptr + cidx)[None, :, :]
-            c = tl.exp(c - tl.max(c, axis=2)[:, :, None])
-            c = c / tl.sum(c, axis=2)[:, :, None] + hc_eps
-            c = c / (tl.sum(c, axis=1)[:, None, :] + hc_eps)
-            for _ in range(ITERS - 1):
-                c = c / (tl.sum(c, axis=2)[:, :, None] + hc_eps)
+            if BT == 1 and HC == 4:  # (every GPU launch)
+                tl.store(comb_ptr + tb * HC * HC + (cidx - 2 * HC)[None, :, :], c)
+                _sinkhorn4(comb_ptr + tb * HC * HC, hc_eps, ITERS)
+            else:
+                c = tl.exp(c - tl.max(c, axis=2)[:, :, None])
+                c = c / tl.sum(c, axis=2)[:, :, None] + hc_eps
                 c = c / (tl.sum(c, axis=1)[:, None, :] + hc_eps)
-            tl.store(comb_ptr + tc[:, None, None] * HC * HC + (cidx - 2 * HC)[None, :, :], c, mask=tm[:, None, None])
+                for _ in range(ITERS - 1):
+                    c = c / (tl.sum(c, axis=2)[:, :, None] + hc_eps)
+                    c = c / (tl.sum(c, axis=1)[:, None, :] + hc_eps)
+                tl.store(comb_ptr + tc[:, None, None] * HC * HC + (cidx - 2 * HC)[None, :, :], c,
+                         mask=tm[:, None, None])
     e = eb * BE + tl.arange(0, BE)
     em = e < E
     X = tl.load(x_ptr + (tc[:, None, None] * HC + i[None, :, None]).to(tl.int64) * E + e[None, None, :],
@@ -1576,8 +1664,10 @@ def attn_kernel(q_ptr, raw_ptr, comp_ptr, sel_ptr, cnt_ptr, pos_ptr, sink_ptr,
 @triton.jit
 def attn_combine_kernel(mo_ptr, lo_ptr, ao_ptr, sink_ptr, freq_ptr, pos_ptr, out_ptr, H,
                         S: tl.constexpr, SP: tl.constexpr, D: tl.constexpr, NROT: tl.constexpr,
-                        ROPE_INV: tl.constexpr):
-    """Merge the S splits of one (query, head) with the sink; optionally the inverse tail RoPE."""
+                        ROPE_INV: tl.constexpr, BI: tl.constexpr):
+    """Merge the S splits of one (query, head) with the sink, for the pairs [BI·program, +BI) of
+    the head (grid axis 2: one program per head left most SMs idle, 10 µs for the 20 splits of
+    a decode query over top-k rows); optionally the inverse tail RoPE."""
     t = tl.program_id(0)
     h = tl.program_id(1)
     sp = tl.arange(0, SP)
@@ -1589,8 +1679,7 @@ def attn_combine_kernel(mo_ptr, lo_ptr, ao_ptr, sink_ptr, freq_ptr, pos_ptr, out
     mx = tl.maximum(tl.max(ms, axis=0), sink)
     f = tl.exp(ms - mx)
     den = tl.sum(ls * f, axis=0) + tl.exp(sink - mx)
-    HD: tl.constexpr = D // 2
-    i = tl.arange(0, HD)
+    i = tl.program_id(2) * BI + tl.arange(0, BI)
     ab = ao_ptr + pb[:, None].to(tl.int64) * D + 2 * i[None, :]
     xe = tl.sum(tl.load(ab, mask=spm[:, None], other=0.0) * f[:, None], axis=0) / den
     xo = tl.sum(tl.load(ab + 1, mask=spm[:, None], other=0.0) * f[:, None], axis=0) / den
