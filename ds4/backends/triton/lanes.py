@@ -54,7 +54,6 @@ class Lanes:
         self.forked = [True] + [False] * self.n_side
         self.kind: dict[int, str] = {}  # storage -> "arena" | "state"
         self.writer: dict[int, tuple[int, int]] = {}  # storage -> (lane, launch number)
-        self.readers: dict[int, dict[int, int]] = {}  # storage -> {lane: its last launch number}
         self.active = True
 
     def end(self) -> None:
@@ -109,17 +108,12 @@ class Lanes:
             if kind == "arena":
                 if w is None:  # its producer
                     self.writer[key] = (ln, n)
-                    self.readers[key] = {}
-                else:
+                else:  # a reader; nothing writes it again, so readers order nothing among themselves
                     self._wait(ln, *w)
-                    self.readers[key][ln] = n
-            else:
+            else:  # every access writes: the last one is ordered after all earlier ones
                 if w is not None:
                     self._wait(ln, *w)
-                for r, m in self.readers.get(key, {}).items():
-                    self._wait(ln, r, m)
                 self.writer[key] = (ln, n)
-                self.readers[key] = {}
         return self.streams[ln]
 
     def after(self) -> None:
