@@ -114,8 +114,30 @@ def test_linear_reads_every_block_format(ttype, K, rng):
     nwv = rng.uniform(0.5, 1.5, K).astype(np.float32)
     nw = tri.upload(Tensor("nw", T.F32, (K,), nwv.view(np.uint8)))
     xn = x / np.sqrt((x.astype(np.float64) ** 2).mean() + cfg.rms_eps) * nwv
-    y = tri.to_numpy(tri.linear(tri.rms_norm(_t(tri, x), nw), w))
-    assert _rel(y, xn @ dense.T) < 2e-6, (ttype.name, "fused norm")
+    # fused, and (norm_fuse_max = 1: the programs would read x too often) normalised first
+    for fuse_max, kernels in ((1 << 40, ["matvec_kernel"]), (1, ["rms_kernel", "matvec_kernel"])):
+        tri.norm_fuse_max, tri.ledger = fuse_max, []
+        y = tri.to_numpy(tri.linear(tri.rms_norm(_t(tri, x), nw), w))
+        assert [k for k, _ in tri.ledger] == kernels
+        assert _rel(y, xn @ dense.T) < 2e-6, (ttype.name, "fused norm", fuse_max)
+
+
+@pytest.mark.parametrize("ttype,fast", [(T.IQ2_XXS, 417), (T.Q2_K, 110)], ids=["IQ2_XXS", "Q2_K"])
+def test_decoders_with_16_byte_x_loads_fall_back_on_unaligned_rows(ttype, fast, rng):
+    """417 (416) and 110 load x 16 bytes at a time, so a row of x that does not start on 16 bytes (a
+    view one float in) takes the generic decoder, and the product is still right."""
+    tri = TritonBackend(_cfg(), device=DEVICE)
+    N, K = 24, 512
+    raw = random_blocks(ttype, N * K, rng, scale=0.05)
+    w = tri.upload(Tensor("w", ttype, (K, N), raw))
+    assert tri._mv_cfg(w.kt, N, K)["TYPE"] == fast
+    assert tri._mv_cfg(w.kt, N, K, x16=False)["TYPE"] == int(ttype)
+    dense = dequantize_rows(raw.reshape(N, row_bytes(ttype, K)), ttype, K).astype(np.float64)
+    for off in (0, 1):
+        xb = rng.standard_normal((2, K + 4)).astype(np.float32)
+        x = _t(tri, xb)[:, off:off + K]
+        y = tri.to_numpy(tri.linear(x, w))
+        assert _rel(y, xb[:, off:off + K].astype(np.float64) @ dense.T) < 2e-6, off
 
 
 def test_split_k_and_the_per_shape_table(rng, tmp_path):
@@ -219,10 +241,16 @@ def test_indexer_qat_matches_numerics(pair, rng):
     want = rope_tail(x, np.arange(40, 40 + n), layer_inv_freq(cfg, il), cfg.n_rot)
     want = nx.indexer_qat(want) if ref.ds4_numerics else want
     tri._set_pos(40)
-    got = tri.to_numpy(tri._rope(_t(tri, x), il, inverse=False, qat=tri.ds4_numerics))
-    # a value on an FP4 rounding boundary may round the other way after a 1-ulp RoPE difference
-    bad = np.abs(got - want) > 1e-5 * np.abs(want).max()
-    assert bad.mean() < 0.01
+    saved = tri.rope_rows_decode
+    try:
+        for heads in (64, 1):  # heads per program (rope_rows_decode)
+            tri.rope_rows_decode = heads
+            got = tri.to_numpy(tri._rope(_t(tri, x), il, inverse=False, qat=tri.ds4_numerics))
+            # a value on an FP4 rounding boundary may round the other way after a 1-ulp RoPE difference
+            bad = np.abs(got - want) > 1e-5 * np.abs(want).max()
+            assert bad.mean() < 0.01, heads
+    finally:
+        tri.rope_rows_decode = saved
 
 
 # ---- mHC, norms, RoPE ---------------------------------------------------------------------------
@@ -251,10 +279,20 @@ def test_hc_pre_post(pair, rng):
         assert _rel(tri.to_numpy(Xn), Xw) < 1e-6
 
 
-def test_norms_and_rope(pair, rng):
+@pytest.mark.parametrize("heads", [64, 1], ids=["heads64", "heads1"])
+def test_norms_and_rope(pair, heads, rng):
+    """heads: heads per RoPE program in decode (rope_rows_decode; 1: a program per head)."""
     ref, wr, tri, wt = pair
     cfg = ref.cfg
     n = 3
+    saved, tri.rope_rows_decode = tri.rope_rows_decode, heads
+    try:
+        _check_norms_and_rope(ref, wr, tri, wt, cfg, n, rng)
+    finally:
+        tri.rope_rows_decode = saved
+
+
+def _check_norms_and_rope(ref, wr, tri, wt, cfg, n, rng):
     for il in (0, 2):  # plain RoPE and YaRN
         q = rng.standard_normal((n, cfg.n_head * cfg.head_dim)).astype(np.float32) * 2
         want = ref.rope(ref.head_norm(q), 1000, il)
@@ -443,7 +481,7 @@ def test_iq2_nibble_table():
 
 
 def test_split_k_experts(pair, rng):
-    """The routed gate/up (IQ2_XXS, 416), down (Q2_K, 110) and shared-expert products of a decode
+    """The routed gate/up (IQ2_XXS, 417), down (Q2_K, 110) and shared-expert products of a decode
     step with K split in two (the tile's last program adds the partials, then the SwiGLU) match
     the reference; twice, so the tickets reset."""
     ref, wr, tri, wt = pair
@@ -452,7 +490,7 @@ def test_split_k_experts(pair, rng):
     L_r, L_t = wr.layers[il], wt.layers[il]
     g, d, sg = L_t.ffn_gate_exps, L_t.ffn_down_exps, L_t.ffn_gate_shexp
     saved = dict(tri.mv_shapes)
-    tri.mv_shapes = {("gateup", int(g.type), g.N, g.K): (416, 128, 16, 4, 2),
+    tri.mv_shapes = {("gateup", int(g.type), g.N, g.K): (417, 128, 16, 4, 2),
                      ("down", int(d.type), d.N, d.K): (110, 128, 16, 4, 2),
                      ("gateup", sg.kt, sg.N, sg.K): (308, 256, 16, 4, 2, 4)}
     try:

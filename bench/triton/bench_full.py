@@ -111,8 +111,11 @@ def bench_decode(eng, ctx: int, steps: int, seed: int, trace: str | None = None)
     t_cap = time.perf_counter() - t0
     torch.cuda.synchronize()
     t0 = time.perf_counter()
+    each = []  # wall time of every step: a few slow steps or all of them?
     for t in toks[2: 2 + steps]:
+        ts = time.perf_counter()
         s.eval(t)
+        each.append(time.perf_counter() - ts)
     dt = time.perf_counter() - t0
     be = eng.backend
     entry = next((e for e in be._graphs.values() if e.states is s.states), None)
@@ -132,7 +135,9 @@ def bench_decode(eng, ctx: int, steps: int, seed: int, trace: str | None = None)
     # the same seed gives the same tokens and history: variants that only reorder work (side
     # streams) must end on the same logits, bit for bit
     digest = hashlib.sha256(np.ascontiguousarray(s.logits, dtype=np.float32).tobytes()).hexdigest()[:16]
+    each_ms = np.sort(np.array(each)) * 1e3
     return dict(ctx=ctx, steps=steps, tokens_per_s=steps / dt, ms_per_token=1e3 * dt / steps, logits_sha=digest,
+                step_ms_min=float(each_ms[0]), step_ms_median=float(np.median(each_ms)), step_ms_max=float(each_ms[-1]),
                 timeline=timeline,
                 gpu_ms_per_step=None if gpu is None else 1e3 * gpu, warm_s=t_warm, capture_s=t_cap,
                 n_graph_ops=None if entry is None else len(entry.names))
@@ -303,7 +308,8 @@ def main() -> None:
                          trace=os.path.join(a.out, f"decode_timeline_{ctx}.csv") if a.trace else None)
         res["decode"].append(r)
         log(f"decode ctx {ctx}: {r['tokens_per_s']:.1f} tok/s ({r['ms_per_token']:.2f} ms/token, "
-            f"GPU replay {r['gpu_ms_per_step']} ms, {r['n_graph_ops']} ops/graph)")
+            f"GPU replay {r['gpu_ms_per_step']} ms, {r['n_graph_ops']} ops/graph; one step's wall time "
+            f"min / median / max {r['step_ms_min']:.2f} / {r['step_ms_median']:.2f} / {r['step_ms_max']:.2f} ms)")
         if r["timeline"]:
             tl = r["timeline"]
             log(f"  one replay: {tl['kernels']} kernels on {tl['streams']} streams, span {tl['span_us']} us, "
@@ -320,7 +326,8 @@ def main() -> None:
             be._graphs.clear()
             res.setdefault("decode_variants", []).append(dict(variant=name, **attrs, **rv))
             same = "same logits" if rv["logits_sha"] == r["logits_sha"] else "different logits"
-            log(f"  variant {name}: {rv['tokens_per_s']:.1f} tok/s (GPU replay {rv['gpu_ms_per_step']} ms, {same})")
+            log(f"  variant {name}: {rv['tokens_per_s']:.1f} tok/s (GPU replay {rv['gpu_ms_per_step']} ms, {same}; "
+                f"step median {rv['step_ms_median']:.2f} ms)")
         json.dump(res, open(os.path.join(a.out, "results.json"), "w"), indent=1)
 
     try:

@@ -20,6 +20,8 @@ def attention_sublayer(be, L: LayerWeights, st, X, p0: int):
     il = L.il
     x_in, post, comb = be.hc_pre(X, L.hc_attn)
     a = be.rms_norm(x_in, L.attn_norm)
+    # (issued first: the rest of the query path waits for it; the branches below do not)
+    qa = be.linear(a, L.attn_q_a)
     # The KV path, the compressors and the indexer feed only the attention, not the query path:
     # a backend may run each beside it (Backend.branch). They write disjoint parts of the state.
     with be.branch():
@@ -32,7 +34,7 @@ def attention_sublayer(be, L: LayerWeights, st, X, p0: int):
     if L.indexer is not None:
         with be.branch():
             be.compressor(st, a, L.indexer.compressor, p0, il, indexer=True)
-    qr = be.rms_norm(be.linear(a, L.attn_q_a), L.attn_q_a_norm)  # also the indexer's input
+    qr = be.rms_norm(qa, L.attn_q_a_norm)  # also the indexer's input
     selected = None
     if L.indexer is not None:
         with be.branch():  # (its scores read the indexer rows the compressor above appends)

@@ -55,6 +55,11 @@ def _pow2(x: int) -> int:
     return 1 << max(0, int(x) - 1).bit_length()
 
 
+def _x16(x: torch.Tensor, *strides: int) -> bool:
+    """Whether every row of float32 x a decode kernel reads starts on 16 bytes (kernels._ld4)."""
+    return x.data_ptr() % 16 == 0 and all(int(s) % 4 == 0 for s in strides)
+
+
 def _largest_pow2_divisor(k: int, cap: int) -> int:
     b = 1
     while b * 2 <= cap and k % (b * 2) == 0:
@@ -238,7 +243,7 @@ def _op(fn):
 class TritonBackend(Backend):
     name = "triton"
     # the specialised matrix-vector decoders of each layout (mv_types picks one)
-    MV_PATHS = {K.Q8C: (308,), int(K.IQ2_XXS): (216, 416), int(K.Q2_K): (110,)}
+    MV_PATHS = {K.Q8C: (308,), int(K.IQ2_XXS): (216, 416, 417), int(K.Q2_K): (110,)}
 
     @staticmethod
     def runs_here() -> bool:
@@ -342,23 +347,38 @@ class TritonBackend(Backend):
         self.hc_mix_bt = (16, 64) if not self.interpret else (2, 16)
         # decode: the mixing kernel of an mHC collapse computes the pending expand (hc_post) itself
         self.fuse_expand = True
+        # decode products fuse a pending RMSNorm of x (every program normalises the x values it
+        # loads) unless their programs together would read x this many times over or more; then x
+        # is normalised once first. The query's 32768-row product (4096 programs over 1024
+        # values) took 14.7 µs on normalised x and 20-25 µs with the norm fused, the 1024-row
+        # one 4.9 against 6.1 (bench/triton/results_h200/decode_chain/run2_norm_probe_partials/
+        # norm_probe.json); a decode step 8.60 against 9.05 GPU ms with every norm fused.
+        self.norm_fuse_max = 1 << 22
         # decode attention merge: value pairs of a head per program (a power of two; the
         # interpreter's small heads still take several programs per head)
         self.combine_pairs = 64 if not self.interpret else 16
+        # decode RoPE: heads per program. 16 left 4 programs for a token's 64 heads; the query's
+        # RoPE then took 7 µs and the indexer's (with its Hadamard + FP4 simulation) 14 µs on
+        # the critical path of a layer (results_h200/decode_chain/run4_gateup_417/
+        # decode_timeline_4096.csv); a decode step 8.60 against 8.86 GPU ms with 16
+        self.rope_rows_decode = 2 if not self.interpret else 64
+        # decode attention: KV rows per program (the splits attn_combine_kernel merges)
+        self.attn_split_rows = 32
         # decoder per layout in matrix-vector kernels: Q8C chunks with R rows per thread sharing
         # each x load (308); IQ2_XXS in 32-value groups, four rows per thread sharing each x
-        # load, levels as nibbles from one lookup, signs computed (416; 216 = one row per thread,
-        # levels and signs as looked-up bytes); Q2_K with the
+        # load, levels as nibbles from one lookup, signs computed (416), the lookups from the
+        # table in shared memory (417: 8.60 against 8.86 GPU ms a decode step at 4096, same run;
+        # 216 = one row per thread, levels and signs as looked-up bytes); Q2_K with the
         # 64 values of a 16-byte run unrolled; anything else (GGUF-layout Q8_0 included) the
         # generic block decoder
-        self.mv_types = {K.Q8C: 308, int(K.IQ2_XXS): 416, int(K.Q2_K): 110}
+        self.mv_types = {K.Q8C: 308, int(K.IQ2_XXS): 417, int(K.Q2_K): 110}
         if os.environ.get("DS4_TRITON_MV_PLAIN") == "1":
             self.mv_types = {}
         # matrix-vector tiling per decoder: (K-step values, rows per program, warps), from
         # bench/triton/tune_paths.py and the decode benchmark on an H200; a fourth
         # value splits K in that many parts (_split_store), a fifth is 308's rows per thread
         self.mv_tune = {"default": (256, 8, 4), 308: (1024, 4, 4, 1, 4), 110: (1024, 8, 4),
-                        216: (512, 16, 4), 416: (1024, 32, 4), int(K.F16): (512, 4, 4)}
+                        216: (512, 16, 4), 416: (1024, 32, 4), 417: (1024, 32, 4), int(K.F16): (512, 4, 4)}
         self.mv_tune.update({int(k): tuple(v) for k, v in
                              json.loads(os.environ.get("DS4_TRITON_MV_TUNE", "{}")).items()})
         # per-shape decoder choices, (kind, GGUF type, rows, K) -> (decoder, its tuning), measured on
@@ -539,9 +559,11 @@ class TritonBackend(Backend):
         t = self.mv_types.get(int(kt), int(kt))
         return t, self.mv_tune.get(t, self.mv_tune["default"])
 
-    def _mv_cfg(self, kt: int, N: int, K_: int, slots: int = 1, norm: int = 0, kind: str = "linear") -> dict:
+    def _mv_cfg(self, kt: int, N: int, K_: int, slots: int = 1, norm: int = 0, kind: str = "linear",
+                x16: bool = True) -> dict:
         """Launch parameters of a matrix-vector kernel: decoder (308 = Q8C chunks, 216 / 416 =
-        IQ2_XXS groups (one / four rows per thread), 110 = Q2_K runs, else the generic decoder
+        IQ2_XXS groups (one / four rows per thread; 417: 416 with its level lookups from shared
+        memory), 110 = Q2_K runs, else the generic decoder
         of layout kt), rows per program, units per K-step, values per unit, accumulator width
         (308: rows per thread), warps, K parts."""
         ttype = int(kt)
@@ -549,7 +571,9 @@ class TritonBackend(Backend):
         if t != ttype and t not in self.MV_PATHS.get(ttype, ()):
             raise ValueError(f"decoder {t} for {kind} {N}x{K_}: expected one of layout {ttype}'s "
                              f"{self.MV_PATHS.get(ttype, ())} or the generic {ttype}")
-        if norm and t in (110, 216, 416):  # these decoders have no fused RMSNorm: the generic one has
+        if norm and t in (110, 216, 416, 417):  # these decoders have no fused RMSNorm: the generic one has
+            t, tune = ttype, self.mv_tune.get(ttype, self.mv_tune["default"])
+        if not x16 and t in (110, 416, 417):  # they load x 16 bytes at a time (kernels._ld4)
             t, tune = ttype, self.mv_tune.get(ttype, self.mv_tune["default"])
         cap, BN, warps = tune[:3]
         S = tune[3] if len(tune) > 3 else 1  # K split in S parts (_split_store)
@@ -558,9 +582,9 @@ class TritonBackend(Backend):
             cap = cap if (kind, ttype, int(N), int(K_)) in self.mv_shapes else 1024
             BN = min(64, _pow2(N))
         else:
-            while BN > (4 if t == 416 else R) and _cdiv(N, BN) * slots * S < 264:  # two programs per SM
+            while BN > (4 if t in (416, 417) else R) and _cdiv(N, BN) * slots * S < 264:  # two programs per SM
                 BN //= 2
-        if t == 416:  # four row sets of BN/4 rows × NB groups; no more threads than set elements
+        if t in (416, 417):  # four row sets of BN/4 rows × NB groups; no more threads than set elements
             NB = _largest_pow2_divisor(K_ // 32, max(1, cap // 32))
             BN = max(BN, 4)
             warps = max(1, min(warps, (BN // 4) * NB // 32))
@@ -597,13 +621,16 @@ class TritonBackend(Backend):
             src = self._val(x.x)
             norm = 2 if x.w is None else 1
             nw = self._dummy_f if x.w is None else x.w.vec
+            c = self._mv_cfg(w.kt, N, Kd, src.shape[0], norm, x16=_x16(src, src.stride(0)))
+            if _cdiv(N, c["BN"]) * Kd >= self.norm_fuse_max:  # normalise x once instead (rms_kernel)
+                src, norm, nw = self._val(x), 0, self._dummy_f
         else:
             src = self._val(x)
         n = src.shape[0]
         sx_t = src.stride(0)
         out = self._new((n, N))
         if n < MM_MIN:
-            c = self._mv_cfg(w.kt, N, Kd, n, norm)
+            c = self._mv_cfg(w.kt, N, Kd, n, norm, x16=_x16(src, sx_t, group_stride))
             if group_rows:
                 c["BN"] = min(c["BN"], _largest_pow2_divisor(group_rows, c["BN"]))
             S = c["S"]
@@ -851,11 +878,11 @@ class TritonBackend(Backend):
                 D = shape[-1]
                 ROWS = int(np.prod(shape[1:-1], dtype=np.int64)) if len(shape) > 2 else 1
         out = self._new(shape)
-        BR = min(_pow2(ROWS), 16 if not self.interpret else 64)
+        BR = min(_pow2(ROWS), 16 if n >= MM_MIN else self.rope_rows_decode)
         self._launch(K.rope_kernel, (n, _cdiv(ROWS, BR)), src, out, nw, self._freq[il], self._pos, ROWS,
                      self.cfg.rms_eps, D=D, NROT=self.cfg.n_rot, BR=BR, NORM=norm, INVERSE=inverse,
                      QAT=qat, QS=float(np.float32(1.0 / np.sqrt(D))), LOGD=max(0, D.bit_length() - 1),
-                     num_warps=4, nbytes=8 * n * ROWS * D)
+                     num_warps=max(1, min(4, BR * D // 256)), nbytes=8 * n * ROWS * D)
         return out
 
     @_op
@@ -964,7 +991,7 @@ class TritonBackend(Backend):
         else:
             vis = (p0 + n) // m if comp else 0
             ncomp = min(vis, cfg.indexer_top_k) if sel else vis
-        RS = 32
+        RS = self.attn_split_rows
         S = max(1, _cdiv(W + ncomp, RS))
         mo = self._new((n, S, H))
         lo = self._new((n, S, H))
@@ -1005,14 +1032,15 @@ class TritonBackend(Backend):
         self._launch(K.router_kernel, (n,), logits, NE, bias.vec if bias is not None else self._dummy_f,
                      tid2eid.i32 if tid2eid is not None else self._dummy_i, tok, ids, wts,
                      float(cfg.expert_weights_scale), KSEL=k, KP=_pow2(k), BE=_pow2(NE),
-                     HAS_BIAS=bias is not None, HASH=tid2eid is not None, num_warps=4, nbytes=8 * n * NE)
+                     HAS_BIAS=bias is not None, HASH=tid2eid is not None,
+                     num_warps=1, nbytes=8 * n * NE)  # one warp: its 20 reductions need no barrier
         return ids, wts
 
     def _gateup_mv(self, x, gate: QWeight, up: QWeight, ids, wts, slots: int, kslots: int, clamp: float):
         E, F = gate.K, gate.N
         h = self._new((slots, F))
         routed = ids is not None
-        c = self._mv_cfg(gate.kt, F, E, slots, kind="gateup")
+        c = self._mv_cfg(gate.kt, F, E, slots, kind="gateup", x16=_x16(x, x.stride(0)))
         S = c["S"]
         self._tiles_ok(_cdiv(F, c["BN"]) * slots, S)
         self._launch(K.moe_gateup_mv_kernel, (_cdiv(F, c["BN"]), slots, S), x, x.stride(0),
@@ -1027,7 +1055,7 @@ class TritonBackend(Backend):
         """Decode down products: out[t] = Σ_j down_{ids[t, j]} · h[t·k + j], in slot order."""
         F, E = down.K, down.N
         out = self._new((n, E))
-        c = self._mv_cfg(down.kt, E, F, n, kind="down")
+        c = self._mv_cfg(down.kt, E, F, n, kind="down", x16=_x16(h, F))
         S = c["S"]
         self._tiles_ok(_cdiv(E, c["BN"]) * n, S)
         self._launch(K.moe_down_mv_kernel, (_cdiv(E, c["BN"]), n, S), h, ids, down.u8, down.i16, down.f32,

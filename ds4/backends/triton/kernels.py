@@ -105,6 +105,21 @@ def _ld_f16(wh, byte_off, mask):
 
 
 @triton.jit
+def _ld4(p):
+    """The 4 floats at p (16-byte aligned) as 4 tensors shaped like p: one 16-byte load per
+    element instead of four 4-byte ones. In the routed decoders a warp's lanes walk different
+    groups of x, so every load of x touches a sector per lane; this issues a quarter of those
+    requests for the same sectors (Q2_K down 1232 → 1020 µs a decode step, IQ2_XXS gate/up
+    2306 → 2228: bench/triton/results_h200/decode_chain/run1_x16_loads_norm_in_loop/)."""
+    if _INTERP:
+        return tl.load(p), tl.load(p + 1), tl.load(p + 2), tl.load(p + 3)
+    else:
+        return tl.inline_asm_elementwise("ld.global.nc.v4.f32 {$0, $1, $2, $3}, [$4];", "=f,=f,=f,=f,l", [p],
+                                         dtype=(tl.float32, tl.float32, tl.float32, tl.float32),
+                                         is_pure=True, pack=1)
+
+
+@triton.jit
 def _u8f(b):
     """Integer 0..255 in the low byte of b (higher bits ignored) -> float32, without an I2F:
     OR-ing it into the mantissa of 2^23 makes 2^23 + b exactly; I2F runs at a quarter of the
@@ -462,19 +477,21 @@ def _mv_step(xb, k0, wb, wh, wf, gridp, ksigns, row_off, rmask, rs, nw_ptr,
             ml = dmin * (sc >> 4).to(tl.float32)
             acc_q = tl.zeros(d.shape, tl.float32)
             xs = tl.zeros([1, NB], tl.float32)
-            for i in tl.static_range(16):
-                if i // 4 == 0:
+            for i4 in tl.static_range(4):
+                if i4 == 0:
                     wd = w0
-                elif i // 4 == 1:
+                elif i4 == 1:
                     wd = w1
-                elif i // 4 == 2:
+                elif i4 == 2:
                     wd = w2
                 else:
                     wd = w3
-                q = _u8f((wd >> (8 * (i % 4) + 2 * sh)) & 3)
-                xv = tl.load(xk + 32 * sh + i)[None, :]
-                acc_q += q * xv
-                xs += xv
+                xq = _ld4(xk + 32 * sh + 4 * i4)
+                for i in tl.static_range(4):
+                    q = _u8f((wd >> (8 * i + 2 * sh)) & 3)
+                    xv = xq[i][None, :]
+                    acc_q += q * xv
+                    xs += xv
             part += dl * acc_q - ml * xs
         return part[:, :, None]
     else:
@@ -577,7 +594,32 @@ def _iq2_group_words(wh, ro, m, u):
 
 
 @triton.jit
-def _iq2_group_step(xu, wh, gridp, ro, m, u):
+def _lut16(tab, gis, NE: tl.constexpr):
+    """tab[gi] for each of the 16 index tensors of the tuple gis (one shape, NE elements in all):
+    one tl.gather, which goes through shared memory (the table stored once, two barriers), where
+    16 calls would store it and wait 16 times. tl.join / tl.split stack and unstack them in
+    registers, so the reshapes move no data."""
+    a = ()
+    for k in tl.static_range(8):
+        a = a + (tl.join(gis[2 * k], gis[2 * k + 1]),)
+    b = ()
+    for k in tl.static_range(4):
+        b = b + (tl.join(a[2 * k], a[2 * k + 1]),)
+    d = tl.join(tl.join(b[0], b[1]), tl.join(b[2], b[3]))
+    g = tl.reshape(tl.gather(tab, tl.reshape(d, [NE]), 0), d.shape)
+    c0, c1 = tl.split(g)
+    b = tl.split(c0) + tl.split(c1)
+    a = ()
+    for k in tl.static_range(4):
+        a = a + tl.split(b[k])
+    out = ()
+    for k in tl.static_range(8):
+        out = out + tl.split(a[k])
+    return out
+
+
+@triton.jit
+def _iq2_group_step(xu, wh, gridp, ro, m, u, tab, SMEM: tl.constexpr = False):
     """TYPE 416, one K-step: for each of the four row sets (ro, m: tuples of [BN/4, 1] byte
     offsets / masks) W·x over the 32-value IQ2_XXS groups u [1, NB]. Every x value is loaded
     once for the four rows. A grid entry's 8 level codes come as nibbles from one 4-byte lookup
@@ -585,20 +627,30 @@ def _iq2_group_step(xu, wh, gridp, ro, m, u):
     looked up; one byte permute per 4 values gives the biased bytes 128 ± level (_iq2_lut) and
     _b2f the floats. (Looking up 8-byte levels and 8-byte sign masks instead, two gathers per entry
     and row, kept the L1 busy: 52.8 against 42.5 µs for the Flash routed gate/up,
-    bench/triton/results_h200/tune_paths/iq2_rows_probe_g.json.)"""
+    bench/triton/results_h200/tune_paths/iq2_rows_probe_g.json.) SMEM (TYPE 417): the 16 lookups
+    of the step come from the table in shared memory (tab, _lut16), not through the L1."""
     gs = _iq2_group_words(wh, ro, m, u)
+    if SMEM:
+        gis = ()
+        for sub in tl.static_range(4):
+            for r in tl.static_range(4):
+                if sub < 2:
+                    gis = gis + ((gs[r][0] >> (8 * sub)) & 255,)
+                else:
+                    gis = gis + ((gs[r][1] >> (8 * (sub - 2))) & 255,)
+        sels = _lut16(tab, gis, 16 * gs[0][0].shape[0] * gs[0][0].shape[1])
     for sub in tl.static_range(4):
-        xs = ()
-        for j in tl.static_range(8):
-            xs = xs + (tl.load(xu + 8 * sub + j),)
+        xs = _ld4(xu + 8 * sub) + _ld4(xu + 8 * sub + 4)
         nxt = ()
         for r in tl.static_range(4):
             g01, g23, aux, db, part = gs[r]
-            if sub < 2:
-                gi = (g01 >> (8 * sub)) & 255
+            if SMEM:
+                lv = sels[4 * sub + r]
+            elif sub < 2:
+                lv = tl.load(gridp + 768 + ((g01 >> (8 * sub)) & 255))
             else:
-                gi = (g23 >> (8 * (sub - 2))) & 255
-            sel = tl.load(gridp + 768 + gi) | _iq2_sign_nibbles((aux >> (7 * sub)) & 127)
+                lv = tl.load(gridp + 768 + ((g23 >> (8 * (sub - 2))) & 255))
+            sel = lv | _iq2_sign_nibbles((aux >> (7 * sub)) & 127)
             for h in tl.static_range(2):
                 qx = _iq2_lut(sel >> (16 * h))
                 for j in tl.static_range(4):
@@ -610,9 +662,12 @@ def _iq2_group_step(xu, wh, gridp, ro, m, u):
 
 @triton.jit
 def _iq2_group_rows(xb, wh, gridp, row_off, rmask, K, sk, BN: tl.constexpr, NB: tl.constexpr,
-                    S: tl.constexpr):
-    """TYPE 416: W[rows]·x for IQ2_XXS rows over part sk of S of K, NB 32-value groups per
-    K-step, four rows per thread."""
+                    S: tl.constexpr, SMEM: tl.constexpr = False):
+    """TYPE 416 / 417 (SMEM): W[rows]·x for IQ2_XXS rows over part sk of S of K, NB 32-value
+    groups per K-step, four rows per thread."""
+    tab = 0
+    if SMEM:  # the level table, loaded once (_lut16 stores it to shared memory per K-step)
+        tab = tl.load(gridp + 768 + tl.arange(0, 256))
     o0, o1, o2, o3 = _split4(row_off, BN)
     m0, m1, m2, m3 = _split4(rmask, BN)
     ro = (o0[:, None], o1[:, None], o2[:, None], o3[:, None])
@@ -624,7 +679,7 @@ def _iq2_group_rows(xb, wh, gridp, row_off, rmask, K, sk, BN: tl.constexpr, NB: 
     IS = K // (NB * 32) // S
     for i in range(sk * IS, sk * IS + IS):
         u = i * NB + tl.arange(0, NB)[None, :]
-        p0, p1, p2, p3 = _iq2_group_step(xb + u * 32, wh, gridp, ro, m, u)
+        p0, p1, p2, p3 = _iq2_group_step(xb + u * 32, wh, gridp, ro, m, u, tab, SMEM)
         a0 += p0
         a1 += p1
         a2 += p2
@@ -658,13 +713,15 @@ def _row_join(ys, R: tl.constexpr, BN: tl.constexpr):
 
 
 @triton.jit
-def _q8c_rows(xb, ww, wh, row_off, rmask, K, sk, rs, nw_ptr, BN: tl.constexpr, NC: tl.constexpr,
+def _q8c_rows(xb, ww, wh, row_off, rmask, K, sk, rs, nw_ptr, eps, BN: tl.constexpr, NC: tl.constexpr,
               R: tl.constexpr, NORM: tl.constexpr, S: tl.constexpr):
     """TYPE 308: W[rows]·x̂ for Q8C rows over part sk of S of K, NC 256-value chunks per K-step,
     R rows per thread. A step's tile is [rows, chunk, block, word] int32 (a chunk's 64 quant words
     are contiguous: 16-byte loads); byte j of every word meets x at 8j + w, a contiguous slice of
     x loaded once for the R rows; each word's 4 values become floats by _b2f (the bytes are
-    already biased by 128) and its sum takes the block scale."""
+    already biased by 128) and its sum takes the block scale. With the norm fused and K whole
+    (S = 1) the program sees every x value once, so it sums their squares on the way and scales
+    the result at the end."""
     ro = _row_sets(tl.multiple_of(row_off // 4, 4), R)  # in words (rows start on 16 bytes)
     m = _row_sets(rmask, R)
     c = tl.arange(0, NC)[None, :, None, None]
@@ -674,6 +731,7 @@ def _q8c_rows(xb, ww, wh, row_off, rmask, K, sk, rs, nw_ptr, BN: tl.constexpr, N
     acc = ()
     for r in tl.static_range(R):
         acc = acc + (tl.zeros([BN // R, NC, 8, 8], tl.float32),)
+    ssv = tl.zeros([1, NC, 8, 8], tl.float32)
     IS = K // (256 * NC) // S
     for i in range(sk * IS, sk * IS + IS):
         c0 = i * NC
@@ -685,10 +743,12 @@ def _q8c_rows(xb, ww, wh, row_off, rmask, K, sk, rs, nw_ptr, BN: tl.constexpr, N
             ps = ps + (tl.zeros([BN // R, NC, 8, 8], tl.float32),)
         for j in tl.static_range(4):
             xv = tl.load(xb + c0 * 256 + xo + 8 * j)
-            if NORM != 0:
+            if NORM != 0 and S == 1:
+                ssv += xv * xv
+            elif NORM != 0:
                 xv = xv / rs
-                if NORM == 1:
-                    xv = xv * tl.load(nw_ptr + c0 * 256 + xo + 8 * j)
+            if NORM == 1:
+                xv = xv * tl.load(nw_ptr + c0 * 256 + xo + 8 * j)
             nps = ()
             for r in tl.static_range(R):
                 nps = nps + (ps[r] + _b2f(ws[r], j) * xv,)
@@ -701,26 +761,38 @@ def _q8c_rows(xb, ww, wh, row_off, rmask, K, sk, rs, nw_ptr, BN: tl.constexpr, N
     ys = ()
     for r in tl.static_range(R):
         ys = ys + (tl.sum(tl.sum(tl.sum(acc[r], axis=3), axis=2), axis=1),)
-    return _row_join(ys, R, BN)
+    y = _row_join(ys, R, BN)
+    if NORM != 0 and S == 1:
+        y = y / tl.sqrt_rn(tl.sum(ssv) / K + eps)
+    return y
 
 
 @triton.jit
-def _mv_rows(xb, wb, wh, wf, gridp, ksigns, row_off, rmask, K, sk, rs, nw_ptr,
+def _mv_rows(xb, wb, wh, wf, gridp, ksigns, row_off, rmask, K, sk, rs, nw_ptr, eps,
              BN: tl.constexpr, TYPE: tl.constexpr, NB: tl.constexpr, VB: tl.constexpr,
              VA: tl.constexpr, NORM: tl.constexpr, S: tl.constexpr = 1):
     """W[rows] · x̂ for BN rows over part sk of S equal parts of K: the K loop of every
-    matrix-vector kernel (308: VA is the rows per thread, NB the chunks per K-step)."""
-    if TYPE == 416:  # no fused norm (nor in 216, 110: _mv_cfg picks the generic decoder then)
-        y = _iq2_group_rows(xb, wh, gridp, row_off, rmask, K, sk, BN, NB, S)
+    matrix-vector kernel (308: VA is the rows per thread, NB the chunks per K-step). NORM with
+    S = 1: the norm's scale comes from the x values the loop loads (rs unused); with S > 1 the
+    caller passes it (matvec_kernel's prologue: a program then sees only part of x)."""
+    if TYPE == 416 or TYPE == 417:  # no fused norm (nor in 216, 110: _mv_cfg picks the generic one then)
+        y = _iq2_group_rows(xb, wh, gridp, row_off, rmask, K, sk, BN, NB, S, TYPE == 417)
     elif TYPE == 308:
-        y = _q8c_rows(xb, wf, wh, row_off, rmask, K, sk, rs, nw_ptr, BN, NB, VA, NORM, S)
+        y = _q8c_rows(xb, wf, wh, row_off, rmask, K, sk, rs, nw_ptr, eps, BN, NB, VA, NORM, S)
     else:
         BK: tl.constexpr = NB * VB
         IS = K // BK // S
         acc = tl.zeros([BN, NB, VA], tl.float32)
+        ssv = tl.zeros([1, NB, VB], tl.float32)
+        kv = tl.arange(0, NB)[None, :, None] * VB + tl.arange(0, VB)[None, None, :]
         for i in range(sk * IS, sk * IS + IS):
+            if NORM != 0 and S == 1:  # (the step's x again, from L1: _mv_step loads it too)
+                xr = tl.load(xb + i * BK + kv)
+                ssv += xr * xr
             acc += _mv_step(xb, i * BK, wb, wh, wf, gridp, ksigns, row_off, rmask, rs, nw_ptr, TYPE, NB, VB, NORM)
         y = tl.sum(tl.sum(acc, axis=2), axis=1)
+        if NORM != 0 and S == 1:
+            y = y / tl.sqrt_rn(tl.sum(ssv) / K + eps)
     return y
 
 
@@ -769,9 +841,12 @@ def matvec_kernel(x_ptr, sx_t, sx_g, nw_ptr, wb, wh, wf, gridp, ksigns, out_ptr,
                   VA: tl.constexpr, NORM: tl.constexpr, S: tl.constexpr = 1):
     """out[t, r] = W[r] · x̂[t] for a few tokens t (grid axis 1), K split in S parts (grid axis
     2, _split_store) where the rows alone make too few programs to keep enough bytes in flight.
-    NORM 1/2 applies the weighted / unweighted RMSNorm to x first (each program recomputes its
-    scale over the whole of x: x is small, the weight is not). Rows r of group g = r // GROUP_ROWS
-    read x at column offset g·sx_g (grouped projections)."""
+    NORM 1/2 applies the weighted / unweighted RMSNorm to x first: each program works out the
+    scale itself (x is small, the weight is not), from the x values its K loop loads when it has
+    the whole of K, else in a prologue over all of x. (A prologue per program cost the 32768-row
+    query product a third of its time: 4096 programs of 8 rows each reduced 1024 values before
+    their first weight load.) Rows r of group g = r // GROUP_ROWS read x at column offset g·sx_g
+    (grouped projections)."""
     pid = tl.program_id(0)
     t = tl.program_id(1)
     sk = tl.program_id(2)
@@ -780,14 +855,14 @@ def matvec_kernel(x_ptr, sx_t, sx_g, nw_ptr, wb, wh, wf, gridp, ksigns, out_ptr,
     row_off = rows.to(tl.int64) * RB
     xb = x_ptr + t * sx_t + ((pid * BN) // GROUP_ROWS) * sx_g
     rs = 1.0
-    if NORM != 0:  # 2048 values per step: a few independent loads, not one per K-step
+    if NORM != 0 and S > 1:  # 2048 values per step: a few independent loads, not one per K-step
         kv = tl.arange(0, 2048)
         ss = tl.zeros([2048], tl.float32)
         for k0 in range(0, K, 2048):
             xv = tl.load(xb + k0 + kv, mask=k0 + kv < K, other=0.0)
             ss += xv * xv
         rs = tl.sqrt_rn(tl.sum(ss) / K + eps)
-    y = _mv_rows(xb, wb, wh, wf, gridp, ksigns, row_off, rmask, K, sk, rs, nw_ptr, BN, TYPE, NB, VB, VA, NORM, S)
+    y = _mv_rows(xb, wb, wh, wf, gridp, ksigns, row_off, rmask, K, sk, rs, nw_ptr, eps, BN, TYPE, NB, VB, VA, NORM, S)
     _split_store(y, out_ptr + t * so_t, rows, rmask, ws_ptr + t * S * N, cnt_ptr, t * tl.num_programs(0) + pid,
                  sk, N, S)
 
@@ -858,8 +933,8 @@ def moe_gateup_mv_kernel(x_ptr, sx_t, ids_ptr, wts_ptr,
     rmask = rows < F
     row_off = e * EXP_BYTES + rows.to(tl.int64) * RB
     xb = x_ptr + t * sx_t
-    g = _mv_rows(xb, gb, gh, gf, gridp, ksigns, row_off, rmask, K, sk, 1.0, xb, BN, TYPE, NB, VB, VA, 0, S)
-    u = _mv_rows(xb, ub, uh, uf, gridp, ksigns, row_off, rmask, K, sk, 1.0, xb, BN, TYPE, NB, VB, VA, 0, S)
+    g = _mv_rows(xb, gb, gh, gf, gridp, ksigns, row_off, rmask, K, sk, 1.0, xb, 0.0, BN, TYPE, NB, VB, VA, 0, S)
+    u = _mv_rows(xb, ub, uh, uf, gridp, ksigns, row_off, rmask, K, sk, 1.0, xb, 0.0, BN, TYPE, NB, VB, VA, 0, S)
     done = True
     if S > 1:  # partial sums to this slot's [S, 2, F] workspace; the tile's last program goes on
         wsl = ws_ptr + s * (S * 2 * F)
@@ -896,7 +971,7 @@ def moe_down_mv_kernel(h_ptr, ids_ptr, db, dh, df, gridp, ksigns, out_ptr, ws_pt
         e = tl.load(ids_ptr + s).to(tl.int64)
         row_off = e * EXP_BYTES + rows.to(tl.int64) * RB
         hb = h_ptr + s * F
-        out += _mv_rows(hb, db, dh, df, gridp, ksigns, row_off, rmask, F, sk, 1.0, hb, BN, TYPE, NB, VB, VA, 0, S)
+        out += _mv_rows(hb, db, dh, df, gridp, ksigns, row_off, rmask, F, sk, 1.0, hb, 0.0, BN, TYPE, NB, VB, VA, 0, S)
     _split_store(out, out_ptr + t * E, rows, rmask, ws_ptr + t * S * E, cnt_ptr, t * tl.num_programs(0) + pid,
                  sk, E, S)
 
