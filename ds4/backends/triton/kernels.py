@@ -843,10 +843,10 @@ def matvec_kernel(x_ptr, sx_t, sx_g, nw_ptr, wb, wh, wf, gridp, ksigns, out_ptr,
     2, _split_store) where the rows alone make too few programs to keep enough bytes in flight.
     NORM 1/2 applies the weighted / unweighted RMSNorm to x first: each program works out the
     scale itself (x is small, the weight is not), from the x values its K loop loads when it has
-    the whole of K, else in a prologue over all of x. (A prologue per program cost the 32768-row
-    query product a third of its time: 4096 programs of 8 rows each reduced 1024 values before
-    their first weight load.) Rows r of group g = r // GROUP_ROWS read x at column offset g·sx_g
-    (grouped projections)."""
+    the whole of K, else in a prologue over all of x. Either way every program redoes that work
+    on x, so where the programs together would read x 2^22 times over the backend normalises x
+    once first instead (norm_fuse_max). Rows r of group g = r // GROUP_ROWS read x at column
+    offset g·sx_g (grouped projections)."""
     pid = tl.program_id(0)
     t = tl.program_id(1)
     sk = tl.program_id(2)
