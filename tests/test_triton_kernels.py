@@ -17,6 +17,7 @@ pytest.importorskip("triton")
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"  # cpu: the interpreter (conftest.py)
 
 import gguf.quants as gq  # noqa: E402
+from gguf.constants import GGMLQuantizationType  # noqa: E402
 
 from ds4.backends.reference.backend import ReferenceBackend, rope_tail  # noqa: E402
 from ds4.backends.triton.backend import TritonBackend, _grid_table  # noqa: E402
@@ -132,7 +133,7 @@ def test_decoders_with_16_byte_x_loads_fall_back_on_unaligned_rows(ttype, fast, 
     w = tri.upload(Tensor("w", ttype, (K, N), raw))
     assert tri._mv_cfg(w.kt, N, K)["TYPE"] == fast
     assert tri._mv_cfg(w.kt, N, K, x16=False)["TYPE"] == int(ttype)
-    dense = dequantize_rows(raw.reshape(N, row_bytes(ttype, K)), ttype, K).astype(np.float64)
+    dense = gq.dequantize(raw.reshape(N, row_bytes(ttype, K)), GGMLQuantizationType(int(ttype))).astype(np.float64)
     for off in (0, 1):
         xb = rng.standard_normal((2, K + 4)).astype(np.float32)
         x = _t(tri, xb)[:, off:off + K]
@@ -231,7 +232,7 @@ def test_fp8_and_f16_cache_rows_are_bit_exact(pair, rng):
     assert np.array_equal(tri.state_to_numpy(ts, "raw"), rs["raw"])
 
 
-def test_indexer_qat_matches_numerics(pair, rng):
+def test_indexer_qat_matches_numerics(pair, rng, monkeypatch):
     """Hadamard + FP4 of the indexer's queries (rope_kernel's QAT path) against ds4.core.numerics."""
     ref, _, tri, _ = pair
     cfg = ref.cfg
@@ -241,16 +242,12 @@ def test_indexer_qat_matches_numerics(pair, rng):
     want = rope_tail(x, np.arange(40, 40 + n), layer_inv_freq(cfg, il), cfg.n_rot)
     want = nx.indexer_qat(want) if ref.ds4_numerics else want
     tri._set_pos(40)
-    saved = tri.rope_rows_decode
-    try:
-        for heads in (64, 1):  # heads per program (rope_rows_decode)
-            tri.rope_rows_decode = heads
-            got = tri.to_numpy(tri._rope(_t(tri, x), il, inverse=False, qat=tri.ds4_numerics))
-            # a value on an FP4 rounding boundary may round the other way after a 1-ulp RoPE difference
-            bad = np.abs(got - want) > 1e-5 * np.abs(want).max()
-            assert bad.mean() < 0.01, heads
-    finally:
-        tri.rope_rows_decode = saved
+    for heads in (64, 1):  # heads per program (rope_rows_decode)
+        monkeypatch.setattr(tri, "rope_rows_decode", heads)
+        got = tri.to_numpy(tri._rope(_t(tri, x), il, inverse=False, qat=tri.ds4_numerics))
+        # a value on an FP4 rounding boundary may round the other way after a 1-ulp RoPE difference
+        bad = np.abs(got - want) > 1e-5 * np.abs(want).max()
+        assert bad.mean() < 0.01, heads
 
 
 # ---- mHC, norms, RoPE ---------------------------------------------------------------------------
@@ -280,19 +277,12 @@ def test_hc_pre_post(pair, rng):
 
 
 @pytest.mark.parametrize("heads", [64, 1], ids=["heads64", "heads1"])
-def test_norms_and_rope(pair, heads, rng):
+def test_norms_and_rope(pair, heads, rng, monkeypatch):
     """heads: heads per RoPE program in decode (rope_rows_decode; 1: a program per head)."""
     ref, wr, tri, wt = pair
     cfg = ref.cfg
     n = 3
-    saved, tri.rope_rows_decode = tri.rope_rows_decode, heads
-    try:
-        _check_norms_and_rope(ref, wr, tri, wt, cfg, n, rng)
-    finally:
-        tri.rope_rows_decode = saved
-
-
-def _check_norms_and_rope(ref, wr, tri, wt, cfg, n, rng):
+    monkeypatch.setattr(tri, "rope_rows_decode", heads)
     for il in (0, 2):  # plain RoPE and YaRN
         q = rng.standard_normal((n, cfg.n_head * cfg.head_dim)).astype(np.float32) * 2
         want = ref.rope(ref.head_norm(q), 1000, il)

@@ -571,9 +571,9 @@ class TritonBackend(Backend):
         if t != ttype and t not in self.MV_PATHS.get(ttype, ()):
             raise ValueError(f"decoder {t} for {kind} {N}x{K_}: expected one of layout {ttype}'s "
                              f"{self.MV_PATHS.get(ttype, ())} or the generic {ttype}")
-        if norm and t in (110, 216, 416, 417):  # these decoders have no fused RMSNorm: the generic one has
-            t, tune = ttype, self.mv_tune.get(ttype, self.mv_tune["default"])
-        if not x16 and t in (110, 416, 417):  # they load x 16 bytes at a time (kernels._ld4)
+        # the generic decoder where a specialised one has no fused RMSNorm, or loads x 16 bytes at
+        # a time (kernels._ld4) and x rows do not start on 16 bytes
+        if (norm and t in (110, 216, 416, 417)) or (not x16 and t in (110, 416, 417)):
             t, tune = ttype, self.mv_tune.get(ttype, self.mv_tune["default"])
         cap, BN, warps = tune[:3]
         S = tune[3] if len(tune) > 3 else 1  # K split in S parts (_split_store)

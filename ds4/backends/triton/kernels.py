@@ -619,6 +619,15 @@ def _lut16(tab, gis, NE: tl.constexpr):
 
 
 @triton.jit
+def _iq2_grid_index(g01, g23, sub: tl.constexpr):
+    """Grid index of entry sub (0-3) of a group, from its grid bytes 0-1 (g01) and 2-3 (g23)."""
+    if sub < 2:
+        return (g01 >> (8 * sub)) & 255
+    else:
+        return (g23 >> (8 * (sub - 2))) & 255
+
+
+@triton.jit
 def _iq2_group_step(xu, wh, gridp, ro, m, u, tab, SMEM: tl.constexpr = False):
     """TYPE 416, one K-step: for each of the four row sets (ro, m: tuples of [BN/4, 1] byte
     offsets / masks) W·x over the 32-value IQ2_XXS groups u [1, NB]. Every x value is loaded
@@ -634,10 +643,7 @@ def _iq2_group_step(xu, wh, gridp, ro, m, u, tab, SMEM: tl.constexpr = False):
         gis = ()
         for sub in tl.static_range(4):
             for r in tl.static_range(4):
-                if sub < 2:
-                    gis = gis + ((gs[r][0] >> (8 * sub)) & 255,)
-                else:
-                    gis = gis + ((gs[r][1] >> (8 * (sub - 2))) & 255,)
+                gis = gis + (_iq2_grid_index(gs[r][0], gs[r][1], sub),)
         sels = _lut16(tab, gis, 16 * gs[0][0].shape[0] * gs[0][0].shape[1])
     for sub in tl.static_range(4):
         xs = _ld4(xu + 8 * sub) + _ld4(xu + 8 * sub + 4)
@@ -646,10 +652,8 @@ def _iq2_group_step(xu, wh, gridp, ro, m, u, tab, SMEM: tl.constexpr = False):
             g01, g23, aux, db, part = gs[r]
             if SMEM:
                 lv = sels[4 * sub + r]
-            elif sub < 2:
-                lv = tl.load(gridp + 768 + ((g01 >> (8 * sub)) & 255))
             else:
-                lv = tl.load(gridp + 768 + ((g23 >> (8 * (sub - 2))) & 255))
+                lv = tl.load(gridp + 768 + _iq2_grid_index(g01, g23, sub))
             sel = lv | _iq2_sign_nibbles((aux >> (7 * sub)) & 127)
             for h in tl.static_range(2):
                 qx = _iq2_lut(sel >> (16 * h))
@@ -713,15 +717,14 @@ def _row_join(ys, R: tl.constexpr, BN: tl.constexpr):
 
 
 @triton.jit
-def _q8c_rows(xb, ww, wh, row_off, rmask, K, sk, rs, nw_ptr, eps, BN: tl.constexpr, NC: tl.constexpr,
+def _q8c_rows(xb, ww, wh, row_off, rmask, K, sk, rs, nw_ptr, BN: tl.constexpr, NC: tl.constexpr,
               R: tl.constexpr, NORM: tl.constexpr, S: tl.constexpr):
     """TYPE 308: W[rows]·x̂ for Q8C rows over part sk of S of K, NC 256-value chunks per K-step,
     R rows per thread. A step's tile is [rows, chunk, block, word] int32 (a chunk's 64 quant words
     are contiguous: 16-byte loads); byte j of every word meets x at 8j + w, a contiguous slice of
     x loaded once for the R rows; each word's 4 values become floats by _b2f (the bytes are
-    already biased by 128) and its sum takes the block scale. With the norm fused and K whole
-    (S = 1) the program sees every x value once, so it sums their squares on the way and scales
-    the result at the end."""
+    already biased by 128) and its sum takes the block scale. Returns (W·x, Σ x² of the x values
+    it loaded; with the norm fused and K whole, S = 1, that is all of x, once: _mv_rows)."""
     ro = _row_sets(tl.multiple_of(row_off // 4, 4), R)  # in words (rows start on 16 bytes)
     m = _row_sets(rmask, R)
     c = tl.arange(0, NC)[None, :, None, None]
@@ -761,10 +764,7 @@ def _q8c_rows(xb, ww, wh, row_off, rmask, K, sk, rs, nw_ptr, eps, BN: tl.constex
     ys = ()
     for r in tl.static_range(R):
         ys = ys + (tl.sum(tl.sum(tl.sum(acc[r], axis=3), axis=2), axis=1),)
-    y = _row_join(ys, R, BN)
-    if NORM != 0 and S == 1:
-        y = y / tl.sqrt_rn(tl.sum(ssv) / K + eps)
-    return y
+    return _row_join(ys, R, BN), tl.sum(ssv)
 
 
 @triton.jit
@@ -778,7 +778,7 @@ def _mv_rows(xb, wb, wh, wf, gridp, ksigns, row_off, rmask, K, sk, rs, nw_ptr, e
     if TYPE == 416 or TYPE == 417:  # no fused norm (nor in 216, 110: _mv_cfg picks the generic one then)
         y = _iq2_group_rows(xb, wh, gridp, row_off, rmask, K, sk, BN, NB, S, TYPE == 417)
     elif TYPE == 308:
-        y = _q8c_rows(xb, wf, wh, row_off, rmask, K, sk, rs, nw_ptr, eps, BN, NB, VA, NORM, S)
+        y, ss = _q8c_rows(xb, wf, wh, row_off, rmask, K, sk, rs, nw_ptr, BN, NB, VA, NORM, S)
     else:
         BK: tl.constexpr = NB * VB
         IS = K // BK // S
@@ -791,8 +791,9 @@ def _mv_rows(xb, wb, wh, wf, gridp, ksigns, row_off, rmask, K, sk, rs, nw_ptr, e
                 ssv += xr * xr
             acc += _mv_step(xb, i * BK, wb, wh, wf, gridp, ksigns, row_off, rmask, rs, nw_ptr, TYPE, NB, VB, NORM)
         y = tl.sum(tl.sum(acc, axis=2), axis=1)
-        if NORM != 0 and S == 1:
-            y = y / tl.sqrt_rn(tl.sum(ssv) / K + eps)
+        ss = tl.sum(ssv)
+    if NORM != 0 and S == 1:
+        y = y / tl.sqrt_rn(ss / K + eps)
     return y
 
 
