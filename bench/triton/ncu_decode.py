@@ -1,12 +1,13 @@
 """One launch each of the decode step's heaviest products at DS4 Flash shapes, for Nsight Compute:
-the routed experts' IQ2_XXS gate/up (416) and Q2_K down (110), the Q8C wo_b product (308), and
+the routed experts' IQ2_XXS gate/up and Q2_K down (float decoders 417 / 110, then the integer
+ones on x and h in XQ form, 418 / 111), the Q8C wo_b product (308), and
 the Q2C probe's down kernel (q2k_rows_probe.py), so their stall reasons, occupancy and L1
 traffic can be read side by side. (results_h200/tune_paths/ncu_decode.txt was recorded with the
 416 of the time, which looked up levels and sign masks as 8-byte words. The regex below misses
-matvec_kernel, whose name has no "mv_kernel": that run has no 308 section.)
+matvec_kernel, whose name has no "mv_kernel": that run has no 308 section; it names matvec now.)
 
     ncu --clock-control none --section SpeedOfLight --section WarpStateStats --section Occupancy \
-        --kernel-name regex:'mv_kernel|q2c' python bench/triton/ncu_decode.py
+        --kernel-name regex:'mv_kernel|q2c|xq_kernel|matvec' python bench/triton/ncu_decode.py
 """
 
 from __future__ import annotations
@@ -36,9 +37,11 @@ def main():
     dq = _quant_blocks(T.Q2_K, NE * E * F, 1 / np.sqrt(F), dev, g)
     down = QWeight("down", T.Q2_K, (F, E, NE), dq)
     wo_b = QWeight.place("wo_b", T.Q8_0, (8192, 4096), _quant_blocks(T.Q8_0, 8192 * 4096, 1 / 90.5, dev, g))
-    h = be._gateup_mv(x, gate, up, ids, wts, k, k, 1e9)
-    be._down_mv(h, ids, down, 1, k)
+    for gt, dt in ((417, 110), (418, 111)):  # the float decoders, then the integer ones on XQ x and h
+        be.mv_types = {**be.mv_types, int(T.IQ2_XXS): gt, int(T.Q2_K): dt}
+        be._routed_mv(x, gate, up, down, ids, wts, 1, k, 1e9)
     be.linear(torch.randn(1, 8192, device=dev), wo_b)
+    h = be._gateup_mv(x, gate, up, ids, wts, k, k, 1e9)
     dc = Q2.q2c(dq, NE * E, F)
     out = torch.empty(1, E, device=dev)
     RW = F // 256 * 84 // 4

@@ -3,7 +3,8 @@ DS4 Flash, through the backend's own ops (so the numbers are what a forward pass
 
 Decode (one token): Q8_0 matrix-vector products on the Q8C chunk layout (308, ds4/backends/triton/
 layout.py); routed-expert gate/up in IQ2_XXS as packed-byte groups (216) or with four rows per
-thread sharing x (416); Q2_K down as unrolled runs (110).
+thread sharing x (416); Q2_K down as unrolled runs (110); `xq`: the routed experts on x and h in XQ form (418 gate/up,
+111 down) through their tilings, against the float decoders (417, 110).
 Each point replays a CUDA graph of 8 calls over rotating weight copies / expert choices, so
 neither Python launches nor L2 hits flatter it.
 `dec` (and `decmoe`, the routed experts) times every decode product shape of the model through its
@@ -286,6 +287,54 @@ def decode_moe(be, rows, kind, types, caps, bns, warps, NE=256):
                          GBps=nbytes / s / 1e9, err=rel(y, ref)))
 
 
+# the routed experts on x and h in XQ form (418 gate/up, 111 down) against the float decoders
+# (results_h200/xq/xq_sweep_418_111.log; a gate/up with gate and up in one unrolled K loop and a
+# down with its K loop unrolled, run2_419_112/, were slower or no faster and are not kept)
+XQ_GATEUP_VARIANTS = [(418, c, b, w, sp) for c, b, w, sp in (
+    (1024, 32, 4, 1), (1024, 16, 4, 1), (1024, 16, 2, 1), (512, 32, 4, 1), (512, 16, 4, 1), (2048, 16, 4, 1),
+    (2048, 32, 8, 1), (1024, 32, 4, 2), (1024, 16, 4, 2), (512, 16, 2, 2), (1024, 64, 8, 1))] + [(417, 1024, 32, 4, 1)]
+XQ_DOWN_VARIANTS = [(111, c, b, w, sp) for c, b, w, sp in (
+    (1024, 8, 4, 1), (1024, 4, 4, 1), (1024, 8, 4, 2), (1024, 16, 4, 2), (2048, 8, 4, 1), (2048, 4, 2, 1),
+    (512, 8, 4, 1), (1024, 8, 2, 1), (1024, 4, 2, 2), (2048, 16, 8, 2), (512, 4, 2, 1))] + [(110, 1024, 8, 4, 1)]
+
+
+def decode_xq(be, rows, NE=256):
+    """The routed gate/up and down of one decode token through the per-shape table, as
+    TritonBackend._routed_mv launches them (x and h in XQ form for 418 / 111; the gate/up also
+    stores h in XQ form), each product timed alone."""
+    E, F = 4096, 2048
+    gate = qweight(T.IQ2_XXS, (E, F, NE))[0]
+    up = qweight(T.IQ2_XXS, (E, F, NE))[0]
+    down = qweight(T.Q2_K, (F, E, NE))[0]
+    x = torch.randn(1, E, device=dev)
+    h = torch.randn(6, F, device=dev) * 0.1
+    rng = np.random.default_rng(0)
+    ids = [torch.tensor(rng.choice(NE, 6, replace=False)[None], dtype=torch.int32, device=dev) for _ in range(8)]
+    wts = torch.rand(1, 6, device=dev)
+    xq, hq = be._xq(x), be._xq(h)
+    hq_out = be._xq_new(6, F)
+    for kind, w, variants, nbytes in (("gateup", gate, XQ_GATEUP_VARIANTS, 6 * 2 * F * gate.RB),
+                                      ("down", down, XQ_DOWN_VARIANTS, 6 * E * down.RB)):
+        key = (kind, w.kt, w.N, w.K)
+        ref = None
+        for v in variants:
+            be.mv_shapes[key] = tuple(v)
+            c = be._mv_cfg(w.kt, w.N, w.K, 6 if kind == "gateup" else 1, kind=kind, xq=True)
+            if kind == "gateup":
+                def fn(i):
+                    return be._gateup_mv(x, gate, up, ids[i], wts, 6, 6, 10.0, c=c, xq=xq, hq=hq_out)
+            else:
+                def fn(i):
+                    return be._down_mv(h, ids[i], down, 1, 6, c=c, hq=hq)
+            r = try_variant(fn, ref, f"xq {kind} {v}")
+            if r is None:
+                continue
+            y, sec, ref = r
+            emit(rows, dict(part="decode", op=f"xq_{kind}", key=",".join(str(k) for k in key), type=v[0], cap=0,
+                            BN=list(v[1:]), warps=0, us=sec * 1e6, GBps=nbytes / sec / 1e9, err=rel(y, ref)))
+        del be.mv_shapes[key]
+
+
 def prefill_linear(be, rows, M, N, Kd, tiles, units):
     w = qweight(T.Q8_0, (Kd, N))[0]
     x = torch.randn(M, Kd, device=dev)
@@ -404,6 +453,10 @@ def main():
             save()
             if a.pick:
                 pick(rows, a.pick)
+    if "xq" in parts:
+        decode_xq(be, rows)
+        print(f"[{time.time() - T0:.0f}s] xq", flush=True)
+        save()
     if "rows" in parts:  # the floor in a matrix's access pattern: rows × bytes per step
         for name, NR, RB in (("wo_b 4096x8704B", 4096, 8704), ("head 129280x4352B", 129280, 4352),
                              ("wq_b 32768x1088B", 32768, 1088)):

@@ -113,10 +113,10 @@ class _Lazy:
 
 
 class _Normed(_Lazy):
-    __slots__ = ("x", "w")
+    __slots__ = ("x", "w", "xq")
 
     def __init__(self, x, w):
-        self.x, self.w, self.val = x, w, None
+        self.x, self.w, self.val, self.xq = x, w, None, None
 
     @property
     def shape(self):
@@ -243,7 +243,9 @@ def _op(fn):
 class TritonBackend(Backend):
     name = "triton"
     # the specialised matrix-vector decoders of each layout (mv_types picks one)
-    MV_PATHS = {K.Q8C: (308,), int(K.IQ2_XXS): (216, 416, 417), int(K.Q2_K): (110,)}
+    # (418 and 111 read x in XQ form, so only the routed experts take them: _mv_cfg's xq)
+    MV_PATHS = {K.Q8C: (308,), int(K.IQ2_XXS): (216, 416, 417, 418), int(K.Q2_K): (110, 111)}
+    XQ_PATHS = {418: 417, 111: 110}  # integer decoder -> the float one where x is not in XQ form
 
     @staticmethod
     def runs_here() -> bool:
@@ -368,17 +370,19 @@ class TritonBackend(Backend):
         # each x load (308); IQ2_XXS in 32-value groups, four rows per thread sharing each x
         # load, levels as nibbles from one lookup, signs computed (416), the lookups from the
         # table in shared memory (417: 8.60 against 8.86 GPU ms a decode step at 4096, same run;
-        # 216 = one row per thread, levels and signs as looked-up bytes); Q2_K with the
-        # 64 values of a 16-byte run unrolled; anything else (GGUF-layout Q8_0 included) the
-        # generic block decoder
-        self.mv_types = {K.Q8C: 308, int(K.IQ2_XXS): 417, int(K.Q2_K): 110}
+        # 216 = one row per thread, levels and signs as looked-up bytes), and on x in XQ form with
+        # integer products (418); Q2_K with the 64 values of a 16-byte run unrolled (110), on h in
+        # XQ form (111; 418 + 111: 7.92 against 8.73 GPU ms a step for 417 + 110, same run);
+        # anything else (GGUF-layout Q8_0 included) the generic block decoder
+        self.mv_types = {K.Q8C: 308, int(K.IQ2_XXS): 418, int(K.Q2_K): 111}
         if os.environ.get("DS4_TRITON_MV_PLAIN") == "1":
             self.mv_types = {}
         # matrix-vector tiling per decoder: (K-step values, rows per program, warps), from
         # bench/triton/tune_paths.py and the decode benchmark on an H200; a fourth
         # value splits K in that many parts (_split_store), a fifth is 308's rows per thread
         self.mv_tune = {"default": (256, 8, 4), 308: (1024, 4, 4, 1, 4), 110: (1024, 8, 4),
-                        216: (512, 16, 4), 416: (1024, 32, 4), 417: (1024, 32, 4), int(K.F16): (512, 4, 4)}
+                        216: (512, 16, 4), 416: (1024, 32, 4), 417: (1024, 32, 4), 418: (1024, 32, 4),
+                        111: (1024, 4, 2, 2), int(K.F16): (512, 4, 4)}
         self.mv_tune.update({int(k): tuple(v) for k, v in
                              json.loads(os.environ.get("DS4_TRITON_MV_TUNE", "{}")).items()})
         # per-shape decoder choices, (kind, GGUF type, rows, K) -> (decoder, its tuning), measured on
@@ -501,13 +505,14 @@ class TritonBackend(Backend):
             n, D = src.shape
             out = self._new((n, D))
             w = self._dummy_f if x.w is None else x.w.vec
-            self._launch(K.rms_kernel, (n,), src, w, out, D, self.cfg.rms_eps, BD=_pow2(D),
-                         WEIGHTED=x.w is not None, num_warps=4, nbytes=8 * src.numel())
+            self._launch(K.rms_kernel, (n,), src, w, out, D, self.cfg.rms_eps, self._dummy_i, self._dummy_f,
+                         self._dummy_f, BD=_pow2(D), WEIGHTED=x.w is not None, num_warps=4, nbytes=8 * src.numel())
         elif isinstance(x, _HeadNormed):
             src = self._val(x.x)
             n = src.shape[0]
             out = self._new((n, x.H, x.D))
             self._launch(K.rms_kernel, (n * x.H,), src, self._dummy_f, out, x.D, self.cfg.rms_eps,
+                         self._dummy_i, self._dummy_f, self._dummy_f,
                          BD=_pow2(x.D), WEIGHTED=False, num_warps=4, nbytes=8 * src.numel())
         elif isinstance(x, _Sum):
             a, b = self._val(x.a), self._val(x.b)
@@ -560,20 +565,24 @@ class TritonBackend(Backend):
         return t, self.mv_tune.get(t, self.mv_tune["default"])
 
     def _mv_cfg(self, kt: int, N: int, K_: int, slots: int = 1, norm: int = 0, kind: str = "linear",
-                x16: bool = True) -> dict:
+                x16: bool = True, xq: bool = False) -> dict:
         """Launch parameters of a matrix-vector kernel: decoder (308 = Q8C chunks, 216 / 416 =
         IQ2_XXS groups (one / four rows per thread; 417: 416 with its level lookups from shared
-        memory), 110 = Q2_K runs, else the generic decoder
-        of layout kt), rows per program, units per K-step, values per unit, accumulator width
-        (308: rows per thread), warps, K parts."""
+        memory; 418: 417 on x in XQ form, integer products), 110 = Q2_K runs (111: on x in XQ
+        form), else the generic decoder of layout kt), rows per program, units per K-step,
+        values per unit, accumulator width (308: rows per thread), warps, K parts. xq: whether
+        the caller can give x in XQ form (the routed experts); else 418 / 111 become 417 / 110."""
         ttype = int(kt)
         t, tune = self._mv_path(kind, ttype, N, K_)
         if t != ttype and t not in self.MV_PATHS.get(ttype, ()):
             raise ValueError(f"decoder {t} for {kind} {N}x{K_}: expected one of layout {ttype}'s "
                              f"{self.MV_PATHS.get(ttype, ())} or the generic {ttype}")
+        if t in self.XQ_PATHS and not xq:
+            t = self.XQ_PATHS[t]
+            tune = self.mv_tune.get(t, self.mv_tune["default"])
         # the generic decoder where a specialised one has no fused RMSNorm, or loads x 16 bytes at
         # a time (kernels._ld4) and x rows do not start on 16 bytes
-        if (norm and t in (110, 216, 416, 417)) or (not x16 and t in (110, 416, 417)):
+        if (norm and t in (110, 111, 216, 416, 417, 418)) or (not x16 and t in (110, 416, 417)):
             t, tune = ttype, self.mv_tune.get(ttype, self.mv_tune["default"])
         cap, BN, warps = tune[:3]
         S = tune[3] if len(tune) > 3 else 1  # K split in S parts (_split_store)
@@ -582,9 +591,9 @@ class TritonBackend(Backend):
             cap = cap if (kind, ttype, int(N), int(K_)) in self.mv_shapes else 1024
             BN = min(64, _pow2(N))
         else:
-            while BN > (4 if t in (416, 417) else R) and _cdiv(N, BN) * slots * S < 264:  # two programs per SM
+            while BN > (4 if t in (416, 417, 418) else R) and _cdiv(N, BN) * slots * S < 264:  # two programs per SM
                 BN //= 2
-        if t in (416, 417):  # four row sets of BN/4 rows × NB groups; no more threads than set elements
+        if t in (416, 417, 418):  # four row sets of BN/4 rows × NB groups; no more threads than set elements
             NB = _largest_pow2_divisor(K_ // 32, max(1, cap // 32))
             BN = max(BN, 4)
             warps = max(1, min(warps, (BN // 4) * NB // 32))
@@ -593,8 +602,8 @@ class TritonBackend(Backend):
             NB = _largest_pow2_divisor(K_ // 256, max(1, cap // 256))
             BN = max(BN, R)
             return dict(TYPE=t, BN=BN, NB=NB, VB=256, VA=R, S=self._split(S, K_, NB * 256), num_warps=warps)
-        if t in (110, 216):  # unrolled units: 32 (IQ2_XXS) or 64 (Q2_K) values per tile element
-            VB = {216: 32, 110: 64}[t]
+        if t in (110, 111, 216):  # unrolled units: 32 (IQ2_XXS) or 64 (Q2_K) values per tile element
+            VB = {216: 32, 110: 64, 111: 64}[t]
             NB = _largest_pow2_divisor(K_ // VB, max(1, cap // VB))
             return dict(TYPE=t, BN=BN, NB=NB, VB=VB, VA=1, S=self._split(S, K_, NB * VB), num_warps=warps)
         NB, VB = self._blocks(ttype, K_, cap)
@@ -1036,33 +1045,90 @@ class TritonBackend(Backend):
                      num_warps=1, nbytes=8 * n * NE)  # one warp: its 20 reductions need no barrier
         return ids, wts
 
-    def _gateup_mv(self, x, gate: QWeight, up: QWeight, ids, wts, slots: int, kslots: int, clamp: float):
+    def _gateup_mv(self, x, gate: QWeight, up: QWeight, ids, wts, slots: int, kslots: int, clamp: float,
+                   c: dict | None = None, xq=None, hq=None):
+        """Decode gate/up products -> h [slots, F]. c: the launch parameters (_mv_cfg), xq: x in
+        XQ form where c's decoder reads it (418), hq: buffers (_xq_new) that also get h in XQ form."""
         E, F = gate.K, gate.N
         h = self._new((slots, F))
         routed = ids is not None
-        c = self._mv_cfg(gate.kt, F, E, slots, kind="gateup", x16=_x16(x, x.stride(0)))
+        if c is None:
+            c = self._mv_cfg(gate.kt, F, E, slots, kind="gateup", x16=_x16(x, x.stride(0)))
+        if hq is not None:  # a tile stores whole 32-value XQ blocks of h
+            c = dict(c, BN=max(c["BN"], 32))
         S = c["S"]
         self._tiles_ok(_cdiv(F, c["BN"]) * slots, S)
+        qout = hq is not None
+        hq = hq if qout else (self._dummy_i, self._dummy_f, self._dummy_f)
+        xw, xs = (xq[0], xq[1]) if c["TYPE"] == 418 else (self._dummy_i, self._dummy_f)
         self._launch(K.moe_gateup_mv_kernel, (_cdiv(F, c["BN"]), slots, S), x, x.stride(0),
                      ids if routed else self._dummy_i, wts if routed else self._dummy_f,
                      gate.u8, gate.i16, gate.f32, up.u8, up.i16, up.f32, self._gridp, self._ksigns, h,
                      self._new((slots, S, 2, F)) if S > 1 else self._dummy_f, self._tickets(),
-                     F, E, gate.RB, F * gate.RB, kslots, float(clamp), ROUTED=routed, **c,
+                     xw, xs, *hq, F, E, gate.RB, F * gate.RB, kslots, float(clamp), ROUTED=routed, QOUT=qout, **c,
                      nbytes=slots * (2 * F * gate.RB + 4 * (E + F)))
         return h
 
-    def _down_mv(self, h, ids, down: QWeight, n: int, k: int):
-        """Decode down products: out[t] = Σ_j down_{ids[t, j]} · h[t·k + j], in slot order."""
+    def _down_mv(self, h, ids, down: QWeight, n: int, k: int, c: dict | None = None, hq=None):
+        """Decode down products: out[t] = Σ_j down_{ids[t, j]} · h[t·k + j], in slot order (h in
+        XQ form, hq, where c's decoder reads it: 111)."""
         F, E = down.K, down.N
         out = self._new((n, E))
-        c = self._mv_cfg(down.kt, E, F, n, kind="down", x16=_x16(h, F))
+        if c is None:
+            c = self._mv_cfg(down.kt, E, F, n, kind="down", x16=_x16(h, F))
         S = c["S"]
         self._tiles_ok(_cdiv(E, c["BN"]) * n, S)
+        hq = hq if c["TYPE"] == 111 else (self._dummy_i, self._dummy_f, self._dummy_f)
         self._launch(K.moe_down_mv_kernel, (_cdiv(E, c["BN"]), n, S), h, ids, down.u8, down.i16, down.f32,
                      self._gridp, self._ksigns, out, self._new((n, S, E)) if S > 1 else self._dummy_f,
-                     self._tickets(), E, F, down.RB, E * down.RB, KSLOTS=k, **c,
+                     self._tickets(), *hq, E, F, down.RB, E * down.RB, KSLOTS=k, **c,
                      nbytes=n * k * (E * down.RB + 4 * F) + 4 * n * E)
         return out
+
+    def _routed_mv(self, f, gate: QWeight, up: QWeight, down: QWeight, ids, wts, n: int, k: int, clamp: float):
+        """The routed experts of a decode step. With the integer decoders (418 for the gate/up,
+        111 for the down) x and h go to them in XQ form: x from the norm's kernel
+        (_xq), h from the gate/up's own tiles."""
+        E, F = gate.K, gate.N
+        cg = self._mv_cfg(gate.kt, F, E, n * k, kind="gateup", xq=E % 32 == 0 and up.kt == gate.kt)
+        xq = self._xq(f) if cg["TYPE"] == 418 else None  # (before _val: the norm's kernel writes both)
+        x = self._val(f)
+        if xq is None:  # a float decoder of x: its own alignment check
+            cg = self._mv_cfg(gate.kt, F, E, n * k, kind="gateup", x16=_x16(x, x.stride(0)))
+        # the down's decoder: 111 reads h in XQ form, which the gate/up then also stores
+        dq = F % 32 == 0 and self._mv_cfg(down.kt, E, F, n, kind="down", xq=True)["TYPE"] == 111
+        hq = self._xq_new(n * k, F) if dq else None
+        h = self._gateup_mv(x, gate, up, ids, wts, n * k, k, clamp, c=cg, xq=xq, hq=hq)
+        cd = self._mv_cfg(down.kt, E, F, n, kind="down", x16=_x16(h, F), xq=dq)
+        return self._down_mv(h, ids, down, n, k, c=cd, hq=hq)
+
+    def _xq_new(self, n: int, Kd: int):
+        """Buffers of n rows of Kd values in XQ form (kernels._xq_store): words, block scales,
+        16-value sums."""
+        return self._new((n, Kd // 2), torch.int32), self._new((n, Kd // 32)), self._new((n, Kd // 16))
+
+    def _xq(self, x):
+        """x [n, K] (K a multiple of 32) in XQ form. A normed x not yet materialised gets it from
+        its rms_kernel, with no launch of its own, and keeps it for its next reader."""
+        if isinstance(x, _Normed) and x.xq is not None:
+            return x.xq
+        n, Kd = x.shape
+        xq = self._xq_new(n, Kd)
+        if isinstance(x, _Normed) and x.val is None and _pow2(Kd) == Kd:
+            src = self._val(x.x)
+            out = self._new((n, Kd))
+            w = self._dummy_f if x.w is None else x.w.vec
+            self._launch(K.rms_kernel, (n,), src, w, out, Kd, self.cfg.rms_eps, *xq, BD=Kd,
+                         WEIGHTED=x.w is not None, XQ=True, num_warps=4, nbytes=8 * src.numel() + 3 * n * Kd)
+            x.val = out
+        else:
+            src = self._val(x)
+            NBLK = 8
+            self._launch(K.xq_kernel, (n, _cdiv(Kd // 32, NBLK)), src, src.stride(0), *xq, Kd, NBLK=NBLK,
+                         num_warps=4, nbytes=7 * n * Kd)
+        if isinstance(x, _Normed):
+            x.xq = xq
+        return xq
 
     def _tiles(self, n_assign: int, counts: torch.Tensor, BM: int):
         """Tile schedule of the expert-sorted assignments: expert, first row, segment end."""
@@ -1090,7 +1156,7 @@ class TritonBackend(Backend):
         F = gate.N
         clamp = cfg.swiglu_clamp[il]
         if n < MM_MIN:
-            return self._down_mv(self._gateup_mv(x, gate, up, ids, weights, n * k, k, clamp), ids, down, n, k)
+            return self._routed_mv(f, gate, up, down, ids, weights, n, k, clamp)
         # prefill: group the (token, slot) assignments by expert
         NE = gate.n_exp
         flat = ids.reshape(-1).to(torch.int64)
@@ -1169,6 +1235,12 @@ class TritonBackend(Backend):
     @_op
     def shared_expert(self, f, gate, up, down, il):
         cfg = self.cfg
+        if (isinstance(f, _Normed) and f.shape[0] < MM_MIN and f.shape[1] % 32 == 0
+                and self.mv_types.get(int(K.IQ2_XXS)) == 418):
+            # the routed experts' gate/up (418) reads f in XQ form: the norm's kernel here, beside
+            # the router, writes it with the float f this reads (else it would be a launch of its
+            # own between the router and the routed experts)
+            self._xq(f)
         x = self._val(f)
         n, E = x.shape
         F = gate.N

@@ -105,14 +105,19 @@ def _ld_f16(wh, byte_off, mask):
 
 
 @triton.jit
-def _ld4(p):
+def _ld4(p, INT: tl.constexpr = False):
     """The 4 floats at p (16-byte aligned) as 4 tensors shaped like p: one 16-byte load per
     element instead of four 4-byte ones. In the routed decoders a warp's lanes walk different
     groups of x, so every load of x touches a sector per lane; this issues a quarter of those
     requests for the same sectors (Q2_K down 1232 → 1020 µs a decode step, IQ2_XXS gate/up
-    2306 → 2228: bench/triton/results_h200/decode_chain/run1_x16_loads_norm_in_loop/)."""
+    2306 → 2228: bench/triton/results_h200/decode_chain/run1_x16_loads_norm_in_loop/). INT: 4 int32
+    words (x in XQ form)."""
     if _INTERP:
         return tl.load(p), tl.load(p + 1), tl.load(p + 2), tl.load(p + 3)
+    elif INT:
+        return tl.inline_asm_elementwise("ld.global.nc.v4.b32 {$0, $1, $2, $3}, [$4];", "=r,=r,=r,=r,l", [p],
+                                         dtype=(tl.int32, tl.int32, tl.int32, tl.int32),
+                                         is_pure=True, pack=1)
     else:
         return tl.inline_asm_elementwise("ld.global.nc.v4.f32 {$0, $1, $2, $3}, [$4];", "=f,=f,=f,=f,l", [p],
                                          dtype=(tl.float32, tl.float32, tl.float32, tl.float32),
@@ -457,17 +462,7 @@ def _mv_step(xb, k0, wb, wh, wf, gridp, ksigns, row_off, rmask, rs, nw_ptr,
     elif TYPE == 110:  # Q2_K: 16 bytes (4 words) × 4 shifts = 64 values per tile element
         u = k0 // 64 + tl.arange(0, NB)[None, :]
         m = rmask[:, None]
-        blk = u // 4
-        h = (u % 4) // 2
-        half = u % 2
-        base = row_off[:, None] + blk * 84
-        d = _ld_f16(wh, base + 80, m)
-        dmin = _ld_f16(wh, base + 82, m)
-        qw = (base + 16 + h * 32 + half * 16) // 4
-        w0 = tl.load(wf + qw, mask=m, other=0)
-        w1 = tl.load(wf + qw + 1, mask=m, other=0)
-        w2 = tl.load(wf + qw + 2, mask=m, other=0)
-        w3 = tl.load(wf + qw + 3, mask=m, other=0)
+        base, h, half, d, dmin, w0, w1, w2, w3 = _q2k_unit(wh, wf, row_off, m, u)
         u1 = k0 // 64 + tl.arange(0, NB)
         xk = xb + (u1 // 4) * 256 + ((u1 % 4) // 2) * 128 + (u1 % 2) * 16
         part = tl.zeros(d.shape, tl.float32)
@@ -502,6 +497,25 @@ def _mv_step(xb, k0, wb, wh, wf, gridp, ksigns, row_off, rmask, rs, nw_ptr,
             if NORM == 1:
                 xv = xv * tl.load(nw_ptr + k0 + kv)
         return _wtile(wb, wh, wf, gridp, ksigns, row_off, rmask, k0 // VB, TYPE, NB, VB) * xv
+
+
+@triton.jit
+def _q2k_unit(wh, wf, row_off, m, u):
+    """Q2_K 64-value units u [1, NB] of the rows at row_off (110, 111): 16 quant bytes of one
+    half (h) of a 128-value run, bytes [16·half, +16) of it, as 4 words, each shifted by 2·j
+    holding 16 values of one 16-value run j. Returns (block offset, h, half, d, dmin, the words)."""
+    blk = u // 4
+    h = (u % 4) // 2
+    half = u % 2
+    base = row_off[:, None] + blk * 84
+    d = _ld_f16(wh, base + 80, m)
+    dmin = _ld_f16(wh, base + 82, m)
+    qw = (base + 16 + h * 32 + half * 16) // 4
+    w0 = tl.load(wf + qw, mask=m, other=0)
+    w1 = tl.load(wf + qw + 1, mask=m, other=0)
+    w2 = tl.load(wf + qw + 2, mask=m, other=0)
+    w3 = tl.load(wf + qw + 3, mask=m, other=0)
+    return base, h, half, d, dmin, w0, w1, w2, w3
 
 
 @triton.jit
@@ -547,21 +561,89 @@ _LVL_POS = tl.constexpr(0x00AB9988)  # bytes 128 + 8, 128 + 25, 128 + 43: the bi
 _LVL_NEG = tl.constexpr(0x00556778)  # bytes 128 - 8, 128 - 25, 128 - 43 (codes 0, 1, 2)
 _LVL_PRMT = tl.constexpr(f"{{ .reg .b32 a; mov.b32 a, {_LVL_POS.value:#010x}; "
                          f"prmt.b32 $0, a, {_LVL_NEG.value:#010x}, $1; }}")
+_LVS_POS = tl.constexpr(0x002B1908)  # the levels 8, 25, 43 as signed bytes (decoder 418: dp4a operands)
+_LVS_NEG = tl.constexpr(0x00D5E7F8)  # -8, -25, -43
+_LVS_PRMT = tl.constexpr(f"{{ .reg .b32 a; mov.b32 a, {_LVS_POS.value:#010x}; "
+                         f"prmt.b32 $0, a, {_LVS_NEG.value:#010x}, $1; }}")
 
 
 @triton.jit
-def _iq2_lut(sel):
+def _iq2_lut(sel, SIGNED: tl.constexpr = False):
     """Nibble i of sel (code | sign << 2) -> byte i = 128 + level, or 128 - level where signed:
-    one byte permute over the 8 bytes of _LVL_POS (selectors 0-2) and _LVL_NEG (4-6)."""
+    one byte permute over the 8 bytes of _LVL_POS (selectors 0-2) and _LVL_NEG (4-6). SIGNED:
+    the level itself as a two's-complement byte (+level / -level), for _dp4a."""
     if _INTERP:
         out = sel & 0
         for i in tl.static_range(4):
             n = (sel >> (4 * i)) & 7
-            src = tl.where(n < 4, _LVL_POS, _LVL_NEG)
+            if SIGNED:
+                src = tl.where(n < 4, _LVS_POS, _LVS_NEG)
+            else:
+                src = tl.where(n < 4, _LVL_POS, _LVL_NEG)
             out = out | (((src >> (8 * (n & 3))) & 255) << (8 * i))
         return out
+    elif SIGNED:
+        return tl.inline_asm_elementwise(_LVS_PRMT, "=r,r", [sel], dtype=tl.int32, is_pure=True, pack=1)
     else:
         return tl.inline_asm_elementwise(_LVL_PRMT, "=r,r", [sel], dtype=tl.int32, is_pure=True, pack=1)
+
+
+@triton.jit
+def _dp4a(a, b, c):
+    """c + Σ_j a_j·b_j over the four signed bytes of the int32 words a and b: one instruction
+    for four products, exact in int32 (the routed decoders 418 / 111 with x in XQ form)."""
+    if _INTERP:
+        for j in tl.static_range(4):
+            c += ((a << (24 - 8 * j)) >> 24) * ((b << (24 - 8 * j)) >> 24)
+        return c
+    else:
+        return tl.inline_asm_elementwise("dp4a.s32.s32 $0, $1, $2, $3;", "=r,r,r,r", [a, b, c],
+                                         dtype=tl.int32, is_pure=True, pack=1)
+
+
+# XQ: a vector in 32-value blocks of 16-bit fixed point for the integer decoders (418, 111). Block b
+# has scale s_b = amax_b / 32639 and integers q = floor(x·(32639 / amax_b) + 0.5), split as
+# q = 256·hi + lo with hi, lo signed bytes; its 16 words are, for each 8 values j = 0..3, the hi
+# bytes of values 8j..8j+3 and 8j+4..8j+7, then their lo bytes (one 16-byte load per 8 values).
+# Beside them: s_b, and s_b·Σq over each 16 values (the Q2_K minimum term). x is then exact to
+# s_b / 2 = amax_b / 65278, where an f16 copy would be to 2^-11 of each value.
+XQ_MAX = tl.constexpr(32639.0)  # 127·257: the largest q whose hi byte (q + 128) >> 8 is 127
+
+
+@triton.jit
+def _xq_store(v, w_ptr, s_ptr, sum_ptr, blk0, bmask):
+    """Blocks blk0 + [0, NBLK) of a vector, v [NBLK, 32] float, stored in XQ form (bmask [NBLK]:
+    which blocks exist)."""
+    NBLK: tl.constexpr = v.shape[0]
+    amax = tl.max(tl.abs(v), axis=1)
+    inv = tl.where(amax > 0, XQ_MAX / tl.where(amax > 0, amax, 1.0), 0.0)
+    q = tl.floor(v * inv[:, None] + 0.5).to(tl.int32)
+    hi = (q + 128) >> 8
+    lo = q - hi * 256
+    sh = tl.arange(0, 4)[None, None, :] * 8
+    # disjoint bytes: the sum of the four shifted bytes is their OR
+    hw = tl.sum((tl.reshape(hi, [NBLK, 8, 4]) & 255) << sh, axis=2)  # [NBLK, 8]: 4 values a word
+    lw = tl.sum((tl.reshape(lo, [NBLK, 8, 4]) & 255) << sh, axis=2)
+    b = blk0 + tl.arange(0, NBLK)
+    w = tl.arange(0, 8)[None, :]
+    off = b[:, None] * 16 + (w // 2) * 4 + (w % 2)
+    tl.store(w_ptr + off, hw, mask=bmask[:, None])
+    tl.store(w_ptr + off + 2, lw, mask=bmask[:, None])
+    s = amax / XQ_MAX
+    tl.store(s_ptr + b, s, mask=bmask)
+    qs = tl.sum(tl.reshape(q, [NBLK, 2, 16]), axis=2).to(tl.float32) * s[:, None]
+    tl.store(sum_ptr + b[:, None] * 2 + tl.arange(0, 2)[None, :], qs, mask=bmask[:, None])
+
+
+@triton.jit
+def xq_kernel(x_ptr, sx_t, w_ptr, s_ptr, sum_ptr, K, NBLK: tl.constexpr):
+    """x [n, K] -> XQ (K a multiple of 32): NBLK blocks of one token per program."""
+    t = tl.program_id(0)
+    b = tl.program_id(1) * NBLK + tl.arange(0, NBLK)
+    bm = b < K // 32
+    v = tl.load(x_ptr + t.to(tl.int64) * sx_t + b[:, None] * 32 + tl.arange(0, 32)[None, :], mask=bm[:, None],
+                other=0.0)
+    _xq_store(v, w_ptr + t * (K // 2), s_ptr + t * (K // 32), sum_ptr + t * (K // 16), tl.program_id(1) * NBLK, bm)
 
 
 @triton.jit
@@ -666,11 +748,12 @@ def _iq2_group_step(xu, wh, gridp, ro, m, u, tab, SMEM: tl.constexpr = False):
 
 @triton.jit
 def _iq2_group_rows(xb, wh, gridp, row_off, rmask, K, sk, BN: tl.constexpr, NB: tl.constexpr,
-                    S: tl.constexpr, SMEM: tl.constexpr = False):
-    """TYPE 416 / 417 (SMEM): W[rows]·x for IQ2_XXS rows over part sk of S of K, NB 32-value
-    groups per K-step, four rows per thread."""
+                    S: tl.constexpr, SMEM: tl.constexpr = False, xs=0, XQ: tl.constexpr = False):
+    """TYPE 416 / 417 (SMEM) / 418 (XQ): W[rows]·x for IQ2_XXS rows over part sk of S of K, NB
+    32-value groups per K-step, four rows per thread. XQ: x in XQ form, xb its words and xs its
+    block scales (an IQ2_XXS group and an XQ block are the same 32 values)."""
     tab = 0
-    if SMEM:  # the level table, loaded once (_lut16 stores it to shared memory per K-step)
+    if SMEM or XQ:  # the level table, loaded once (_lut16 stores it to shared memory per K-step)
         tab = tl.load(gridp + 768 + tl.arange(0, 256))
     o0, o1, o2, o3 = _split4(row_off, BN)
     m0, m1, m2, m3 = _split4(rmask, BN)
@@ -683,12 +766,86 @@ def _iq2_group_rows(xb, wh, gridp, row_off, rmask, K, sk, BN: tl.constexpr, NB: 
     IS = K // (NB * 32) // S
     for i in range(sk * IS, sk * IS + IS):
         u = i * NB + tl.arange(0, NB)[None, :]
-        p0, p1, p2, p3 = _iq2_group_step(xb + u * 32, wh, gridp, ro, m, u, tab, SMEM)
+        if XQ:
+            p0, p1, p2, p3 = _iq2_int_step(xb + u * 16, wh, ro, m, u, tab)
+            sx = tl.load(xs + u)
+            p0, p1, p2, p3 = p0 * sx, p1 * sx, p2 * sx, p3 * sx
+        else:
+            p0, p1, p2, p3 = _iq2_group_step(xb + u * 32, wh, gridp, ro, m, u, tab, SMEM)
         a0 += p0
         a1 += p1
         a2 += p2
         a3 += p3
     return _join4(tl.sum(a0, axis=1), tl.sum(a1, axis=1), tl.sum(a2, axis=1), tl.sum(a3, axis=1), BN)
+
+
+@triton.jit
+def _iq2_int_step(xw, wh, ro, m, u, tab):
+    """TYPE 418, one K-step: for each of the four row sets (as _iq2_group_step) W·x over the
+    IQ2_XXS groups u [1, NB], x in XQ form (xw: each group's first word). Per group and row the
+    levels become signed bytes (one permute per 4 values) and meet x's hi and lo bytes in _dp4a,
+    exactly in int32; one float product per group takes the scales (d·(0.5 + scale)/4 here, x's
+    by the caller). Where 416 / 417 spend a byte-to-float and an FMA per value, this spends half
+    a dp4a."""
+    gs = _iq2_group_words(wh, ro, m, u)
+    gis = ()
+    for sub in tl.static_range(4):
+        for r in tl.static_range(4):
+            gis = gis + (_iq2_grid_index(gs[r][0], gs[r][1], sub),)
+    sels = _lut16(tab, gis, 16 * gs[0][0].shape[0] * gs[0][0].shape[1])
+    ah = ()
+    al = ()
+    for r in tl.static_range(4):
+        ah = ah + (tl.zeros(gs[r][0].shape, tl.int32),)
+        al = al + (tl.zeros(gs[r][0].shape, tl.int32),)
+    for sub in tl.static_range(4):
+        h0, h1, l0, l1 = _ld4(xw + 4 * sub, True)  # hi bytes of values 0-3, 4-7, then their lo bytes
+        nh = ()
+        nl = ()
+        for r in tl.static_range(4):
+            sel = sels[4 * sub + r] | _iq2_sign_nibbles((gs[r][2] >> (7 * sub)) & 127)
+            q0 = _iq2_lut(sel, True)
+            q1 = _iq2_lut(sel >> 16, True)
+            nh = nh + (_dp4a(q1, h1, _dp4a(q0, h0, ah[r])),)
+            nl = nl + (_dp4a(q1, l1, _dp4a(q0, l0, al[r])),)
+        ah = nh
+        al = nl
+    out = ()
+    for r in tl.static_range(4):
+        out = out + (gs[r][3] * (ah[r] * 256 + al[r]).to(tl.float32),)
+    return out
+
+
+@triton.jit
+def _q2k_int_rows(xw, xs, xsum, wb, wh, wf, row_off, rmask, K, sk, BN: tl.constexpr, NB: tl.constexpr,
+                  S: tl.constexpr):
+    """TYPE 111: W[rows]·x for Q2_K rows over part sk of S of K, x in XQ form, NB 64-value units
+    (16 quant bytes × 4 shifts, as 110) per K-step. A shift of a unit's 4 quant words is 16 values
+    of one 16-value run (one scale and minimum): 4 + 4 _dp4a give Σq·hi and Σq·lo exactly, and the
+    run adds d·sc·s·(256·Σq·hi + Σq·lo) − dmin·m·Σx (Σx from XQ's 16-value sums)."""
+    mk = rmask[:, None]
+    acc = tl.zeros([BN, NB], tl.float32)
+    IS = K // (NB * 64) // S
+    for i in range(sk * IS, sk * IS + IS):
+        u = i * NB + tl.arange(0, NB)[None, :]
+        base, h, half, d, dmin, w0, w1, w2, w3 = _q2k_unit(wh, wf, row_off, mk, u)
+        for sh in tl.static_range(4):
+            b32 = (u // 4) * 8 + h * 4 + sh  # x's 32-value block; the run is its half `half`
+            xo = xw + b32 * 16 + half * 8
+            a0, a1, a2, a3 = _ld4(xo, True)  # hi, hi, lo, lo of values 0-7 of the run
+            b0, b1, b2, b3 = _ld4(xo + 4, True)  # of values 8-15
+            q0 = (w0 >> (2 * sh)) & 0x03030303
+            q1 = (w1 >> (2 * sh)) & 0x03030303
+            q2 = (w2 >> (2 * sh)) & 0x03030303
+            q3 = (w3 >> (2 * sh)) & 0x03030303
+            qh = _dp4a(q3, b1, _dp4a(q2, b0, _dp4a(q1, a1, _dp4a(q0, a0, tl.zeros(q0.shape, tl.int32)))))
+            ql = _dp4a(q3, b3, _dp4a(q2, b2, _dp4a(q1, a3, _dp4a(q0, a2, tl.zeros(q0.shape, tl.int32)))))
+            sc = tl.load(wb + base + 8 * h + 2 * sh + half, mask=mk, other=0).to(tl.int32)
+            sx = tl.load(xs + b32)
+            sm = tl.load(xsum + b32 * 2 + half)
+            acc += (d * sx) * (sc & 15).to(tl.float32) * (qh * 256 + ql).to(tl.float32) - \
+                (dmin * sm) * (sc >> 4).to(tl.float32)
+    return tl.sum(acc, axis=1)
 
 
 @triton.jit
@@ -915,13 +1072,17 @@ def matmul_kernel(x_ptr, sx_t, sx_g, wb, wh, wf, gridp, ksigns, out_ptr, so_t,
 @triton.jit
 def moe_gateup_mv_kernel(x_ptr, sx_t, ids_ptr, wts_ptr,
                          gb, gh, gf, ub, uh, uf, gridp, ksigns, h_ptr, ws_ptr, cnt_ptr,
+                         xw_ptr, xs_ptr, hw_ptr, hs_ptr, hsum_ptr,
                          F, K, RB, EXP_BYTES, KSLOTS, clamp,
                          TYPE: tl.constexpr, BN: tl.constexpr, NB: tl.constexpr, VB: tl.constexpr,
-                         VA: tl.constexpr, ROUTED: tl.constexpr, S: tl.constexpr = 1):
+                         VA: tl.constexpr, ROUTED: tl.constexpr, S: tl.constexpr = 1,
+                         QOUT: tl.constexpr = False):
     """h[s, r] = w_s · swiglu(gate_e[r]·x, up_e[r]·x) for slot s = t·KSLOTS + j of expert
     e = ids[s] (ROUTED), or the shared expert (e = 0, no weight); K split in S parts as in
     matvec_kernel (the last program of a tile adds the partial gate and up sums, then applies
-    the SwiGLU)."""
+    the SwiGLU). TYPE 418 reads x in XQ form (xw_ptr, xs_ptr: [n, K/2] words, [n, K/32] scales);
+    QOUT also stores h in XQ form (hw_ptr, hs_ptr, hsum_ptr) for the down decoder 111: a tile's
+    BN rows (a multiple of 32) are whole blocks."""
     pid = tl.program_id(0)
     s = tl.program_id(1)
     sk = tl.program_id(2)
@@ -934,8 +1095,14 @@ def moe_gateup_mv_kernel(x_ptr, sx_t, ids_ptr, wts_ptr,
     rmask = rows < F
     row_off = e * EXP_BYTES + rows.to(tl.int64) * RB
     xb = x_ptr + t * sx_t
-    g = _mv_rows(xb, gb, gh, gf, gridp, ksigns, row_off, rmask, K, sk, 1.0, xb, 0.0, BN, TYPE, NB, VB, VA, 0, S)
-    u = _mv_rows(xb, ub, uh, uf, gridp, ksigns, row_off, rmask, K, sk, 1.0, xb, 0.0, BN, TYPE, NB, VB, VA, 0, S)
+    if TYPE == 418:
+        xw = xw_ptr + t * (K // 2)
+        xs = xs_ptr + t * (K // 32)
+        g = _iq2_group_rows(xw, gh, gridp, row_off, rmask, K, sk, BN, NB, S, False, xs, True)
+        u = _iq2_group_rows(xw, uh, gridp, row_off, rmask, K, sk, BN, NB, S, False, xs, True)
+    else:
+        g = _mv_rows(xb, gb, gh, gf, gridp, ksigns, row_off, rmask, K, sk, 1.0, xb, 0.0, BN, TYPE, NB, VB, VA, 0, S)
+        u = _mv_rows(xb, ub, uh, uf, gridp, ksigns, row_off, rmask, K, sk, 1.0, xb, 0.0, BN, TYPE, NB, VB, VA, 0, S)
     done = True
     if S > 1:  # partial sums to this slot's [S, 2, F] workspace; the tile's last program goes on
         wsl = ws_ptr + s * (S * 2 * F)
@@ -952,15 +1119,20 @@ def moe_gateup_mv_kernel(x_ptr, sx_t, ids_ptr, wts_ptr,
         if ROUTED:
             h = h * tl.load(wts_ptr + s)
         tl.store(h_ptr + s * F + rows, h, mask=rmask)
+        if QOUT:
+            NBLK: tl.constexpr = BN // 32
+            b0 = pid * NBLK
+            _xq_store(tl.reshape(h, [NBLK, 32]), hw_ptr + s * (F // 2), hs_ptr + s * (F // 32),
+                      hsum_ptr + s * (F // 16), b0, b0 + tl.arange(0, NBLK) < F // 32)
 
 
 @triton.jit
 def moe_down_mv_kernel(h_ptr, ids_ptr, db, dh, df, gridp, ksigns, out_ptr, ws_ptr, cnt_ptr,
-                       E, F, RB, EXP_BYTES,
+                       hw_ptr, hs_ptr, hsum_ptr, E, F, RB, EXP_BYTES,
                        KSLOTS: tl.constexpr, TYPE: tl.constexpr, BN: tl.constexpr,
                        NB: tl.constexpr, VB: tl.constexpr, VA: tl.constexpr, S: tl.constexpr = 1):
     """out[t, r] = Σ_j down_{ids[t,j]}[r] · h[t·KSLOTS + j], summed in slot order; F split in S
-    parts as in matvec_kernel."""
+    parts as in matvec_kernel. TYPE 111 reads h in XQ form (hw_ptr, hs_ptr, hsum_ptr)."""
     pid = tl.program_id(0)
     t = tl.program_id(1)
     sk = tl.program_id(2)
@@ -972,7 +1144,12 @@ def moe_down_mv_kernel(h_ptr, ids_ptr, db, dh, df, gridp, ksigns, out_ptr, ws_pt
         e = tl.load(ids_ptr + s).to(tl.int64)
         row_off = e * EXP_BYTES + rows.to(tl.int64) * RB
         hb = h_ptr + s * F
-        out += _mv_rows(hb, db, dh, df, gridp, ksigns, row_off, rmask, F, sk, 1.0, hb, 0.0, BN, TYPE, NB, VB, VA, 0, S)
+        if TYPE == 111:
+            out += _q2k_int_rows(hw_ptr + s * (F // 2), hs_ptr + s * (F // 32), hsum_ptr + s * (F // 16),
+                                 db, dh, df, row_off, rmask, F, sk, BN, NB, S)
+        else:
+            out += _mv_rows(hb, db, dh, df, gridp, ksigns, row_off, rmask, F, sk, 1.0, hb, 0.0, BN, TYPE, NB, VB,
+                            VA, 0, S)
     _split_store(out, out_ptr + t * E, rows, rmask, ws_ptr + t * S * E, cnt_ptr, t * tl.num_programs(0) + pid,
                  sk, E, S)
 
@@ -1117,7 +1294,10 @@ def embed_kernel(tok_ptr, wb, wh, wf, gridp, ksigns, x_ptr, E, RB,
 
 
 @triton.jit
-def rms_kernel(x_ptr, w_ptr, out_ptr, D, eps, BD: tl.constexpr, WEIGHTED: tl.constexpr):
+def rms_kernel(x_ptr, w_ptr, out_ptr, D, eps, xw_ptr, xs_ptr, xsum_ptr, BD: tl.constexpr, WEIGHTED: tl.constexpr,
+               XQ: tl.constexpr = False):
+    """One row's RMSNorm; XQ (BD = D, a multiple of 32) also stores the result in XQ form, for
+    the routed experts' integer decoder (418)."""
     r = tl.program_id(0)
     c = tl.arange(0, BD)
     cm = c < D
@@ -1126,6 +1306,10 @@ def rms_kernel(x_ptr, w_ptr, out_ptr, D, eps, BD: tl.constexpr, WEIGHTED: tl.con
     if WEIGHTED:
         y = y * tl.load(w_ptr + c, mask=cm, other=0.0)
     tl.store(out_ptr + r.to(tl.int64) * D + c, y, mask=cm)
+    if XQ:
+        NBLK: tl.constexpr = BD // 32
+        _xq_store(tl.reshape(y, [NBLK, 32]), xw_ptr + r * (D // 2), xs_ptr + r * (D // 32), xsum_ptr + r * (D // 16),
+                  0, tl.arange(0, NBLK) < NBLK)
 
 
 @triton.jit
