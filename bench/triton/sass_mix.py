@@ -27,7 +27,8 @@ from ds4.backends.triton import kernels as K  # noqa: E402
 BIN = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin")
 PTRS = dict(x_ptr="*fp32", nw_ptr="*fp32", wb="*u8", wh="*i16", wf="*i32", gridp="*i32", ksigns="*i32",
             out_ptr="*fp32", ids_ptr="*i32", wts_ptr="*fp32", gb="*u8", gh="*i16", gf="*i32", ub="*u8",
-            uh="*i16", uf="*i32", h_ptr="*fp32", db="*u8", dh="*i16", df="*i32", ws_ptr="*fp32", cnt_ptr="*i32")
+            uh="*i16", uf="*i32", h_ptr="*fp32", db="*u8", dh="*i16", df="*i32", ws_ptr="*fp32", cnt_ptr="*i32",
+            xw_ptr="*i32", xs_ptr="*fp32", hw_ptr="*i32", hs_ptr="*fp32", hsum_ptr="*fp32")
 
 
 def sass(kern, const: dict, warps: int) -> str:
@@ -59,10 +60,14 @@ def main() -> None:
         ("Q8C 308 (four rows per thread)", K.matvec_kernel, dict(TYPE=308, BN=4, NB=2, VB=256, VA=4, NORM=0, S=1), 2,
          4 * 2 * 256),
         ("IQ2_XXS 216 (one row per thread)", K.moe_gateup_mv_kernel,
-         dict(TYPE=216, BN=16, NB=16, VB=32, VA=1, ROUTED=True, S=1), 4, 16 * 16 * 32),
+         dict(TYPE=216, BN=16, NB=16, VB=32, VA=1, ROUTED=True, S=1, QOUT=False), 4, 16 * 16 * 32),
         ("IQ2_XXS 416 (four rows per thread)", K.moe_gateup_mv_kernel,
-         dict(TYPE=416, BN=32, NB=32, VB=32, VA=1, ROUTED=True, S=1), 4, 32 * 32 * 32),
+         dict(TYPE=416, BN=32, NB=32, VB=32, VA=1, ROUTED=True, S=1, QOUT=False), 4, 32 * 32 * 32),
+        ("IQ2_XXS 418 (x in XQ form, dp4a)", K.moe_gateup_mv_kernel,
+         dict(TYPE=418, BN=32, NB=32, VB=32, VA=1, ROUTED=True, S=1, QOUT=True), 4, 32 * 32 * 32),
         ("Q2_K 110", K.moe_down_mv_kernel, dict(TYPE=110, BN=8, NB=16, VB=64, VA=1, KSLOTS=6, S=1), 4, 8 * 16 * 64),
+        ("Q2_K 111 (h in XQ form, dp4a)", K.moe_down_mv_kernel, dict(TYPE=111, BN=8, NB=16, VB=64, VA=1, KSLOTS=6, S=1),
+         4, 8 * 16 * 64),
     ]
     print(f"{'decoder':36s} {'instr/value':>11s}  most frequent")
     for label, kern, const, warps, values in cases:
