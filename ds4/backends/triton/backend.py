@@ -501,12 +501,7 @@ class TritonBackend(Backend):
         if x.val is not None:
             return x.val
         if isinstance(x, _Normed):
-            src = self._val(x.x)
-            n, D = src.shape
-            out = self._new((n, D))
-            w = self._dummy_f if x.w is None else x.w.vec
-            self._launch(K.rms_kernel, (n,), src, w, out, D, self.cfg.rms_eps, self._dummy_i, self._dummy_f,
-                         self._dummy_f, BD=_pow2(D), WEIGHTED=x.w is not None, num_warps=4, nbytes=8 * src.numel())
+            out = self._rms(x)
         elif isinstance(x, _HeadNormed):
             src = self._val(x.x)
             n = src.shape[0]
@@ -1054,11 +1049,11 @@ class TritonBackend(Backend):
         routed = ids is not None
         if c is None:
             c = self._mv_cfg(gate.kt, F, E, slots, kind="gateup", x16=_x16(x, x.stride(0)))
-        if hq is not None:  # a tile stores whole 32-value XQ blocks of h
+        qout = hq is not None
+        if qout:  # a tile stores whole 32-value XQ blocks of h
             c = dict(c, BN=max(c["BN"], 32))
         S = c["S"]
         self._tiles_ok(_cdiv(F, c["BN"]) * slots, S)
-        qout = hq is not None
         hq = hq if qout else (self._dummy_i, self._dummy_f, self._dummy_f)
         xw, xs = (xq[0], xq[1]) if c["TYPE"] == 418 else (self._dummy_i, self._dummy_f)
         self._launch(K.moe_gateup_mv_kernel, (_cdiv(F, c["BN"]), slots, S), x, x.stride(0),
@@ -1102,6 +1097,19 @@ class TritonBackend(Backend):
         cd = self._mv_cfg(down.kt, E, F, n, kind="down", x16=_x16(h, F), xq=dq)
         return self._down_mv(h, ids, down, n, k, c=cd, hq=hq)
 
+    def _rms(self, x: _Normed, xq=None) -> torch.Tensor:
+        """x's RMSNorm (rms_kernel), and with xq (buffers from _xq_new; x's width a power of two)
+        the result in XQ form too."""
+        src = self._val(x.x)
+        n, D = src.shape
+        out = self._new((n, D))
+        w = self._dummy_f if x.w is None else x.w.vec
+        q = xq if xq is not None else (self._dummy_i, self._dummy_f, self._dummy_f)
+        self._launch(K.rms_kernel, (n,), src, w, out, D, self.cfg.rms_eps, *q, BD=_pow2(D),
+                     WEIGHTED=x.w is not None, XQ=xq is not None, num_warps=4,
+                     nbytes=8 * src.numel() + (3 * n * D if xq is not None else 0))
+        return out
+
     def _xq_new(self, n: int, Kd: int):
         """Buffers of n rows of Kd values in XQ form (kernels._xq_store): words, block scales,
         16-value sums."""
@@ -1115,12 +1123,7 @@ class TritonBackend(Backend):
         n, Kd = x.shape
         xq = self._xq_new(n, Kd)
         if isinstance(x, _Normed) and x.val is None and _pow2(Kd) == Kd:
-            src = self._val(x.x)
-            out = self._new((n, Kd))
-            w = self._dummy_f if x.w is None else x.w.vec
-            self._launch(K.rms_kernel, (n,), src, w, out, Kd, self.cfg.rms_eps, *xq, BD=Kd,
-                         WEIGHTED=x.w is not None, XQ=True, num_warps=4, nbytes=8 * src.numel() + 3 * n * Kd)
-            x.val = out
+            x.val = self._rms(x, xq)
         else:
             src = self._val(x)
             NBLK = 8

@@ -710,6 +710,17 @@ def _iq2_grid_index(g01, g23, sub: tl.constexpr):
 
 
 @triton.jit
+def _iq2_levels_smem(gs, tab):
+    """The level nibbles of the 16 grid entries of a K-step (entry sub of row set r at 4·sub + r)
+    for the groups' words gs (_iq2_group_words), from the table tab in shared memory (_lut16)."""
+    gis = ()
+    for sub in tl.static_range(4):
+        for r in tl.static_range(4):
+            gis = gis + (_iq2_grid_index(gs[r][0], gs[r][1], sub),)
+    return _lut16(tab, gis, 16 * gs[0][0].shape[0] * gs[0][0].shape[1])
+
+
+@triton.jit
 def _iq2_group_step(xu, wh, gridp, ro, m, u, tab, SMEM: tl.constexpr = False):
     """TYPE 416, one K-step: for each of the four row sets (ro, m: tuples of [BN/4, 1] byte
     offsets / masks) W·x over the 32-value IQ2_XXS groups u [1, NB]. Every x value is loaded
@@ -722,11 +733,7 @@ def _iq2_group_step(xu, wh, gridp, ro, m, u, tab, SMEM: tl.constexpr = False):
     of the step come from the table in shared memory (tab, _lut16), not through the L1."""
     gs = _iq2_group_words(wh, ro, m, u)
     if SMEM:
-        gis = ()
-        for sub in tl.static_range(4):
-            for r in tl.static_range(4):
-                gis = gis + (_iq2_grid_index(gs[r][0], gs[r][1], sub),)
-        sels = _lut16(tab, gis, 16 * gs[0][0].shape[0] * gs[0][0].shape[1])
+        sels = _iq2_levels_smem(gs, tab)
     for sub in tl.static_range(4):
         xs = _ld4(xu + 8 * sub) + _ld4(xu + 8 * sub + 4)
         nxt = ()
@@ -788,11 +795,7 @@ def _iq2_int_step(xw, wh, ro, m, u, tab):
     by the caller). Where 416 / 417 spend a byte-to-float and an FMA per value, this spends half
     a dp4a."""
     gs = _iq2_group_words(wh, ro, m, u)
-    gis = ()
-    for sub in tl.static_range(4):
-        for r in tl.static_range(4):
-            gis = gis + (_iq2_grid_index(gs[r][0], gs[r][1], sub),)
-    sels = _lut16(tab, gis, 16 * gs[0][0].shape[0] * gs[0][0].shape[1])
+    sels = _iq2_levels_smem(gs, tab)
     ah = ()
     al = ()
     for r in tl.static_range(4):
