@@ -567,7 +567,9 @@ def test_xq_form(pair, rng):
 def test_split_k_experts(pair, rng):
     """The routed gate/up (IQ2_XXS, 417 / 418), down (Q2_K, 110 / 111) and shared-expert products
     of a decode step with K split in two (the tile's last program adds the partials, then the
-    SwiGLU; 418 then stores h in XQ form) match the reference; twice, so the tickets reset."""
+    SwiGLU; 418 then stores h in XQ form) match the reference; twice, so the tickets reset. 418
+    takes two K-steps per part, loading each step's groups a step ahead the first time
+    (mv_prefetch) and not the second."""
     ref, wr, tri, wt = pair
     cfg = ref.cfg
     il = 4
@@ -576,7 +578,7 @@ def test_split_k_experts(pair, rng):
     saved = dict(tri.mv_shapes)
     try:
         for gp, dp in ((417, 110), (418, 111)):  # the float decoders, then those on x and h in XQ form
-            tri.mv_shapes = {("gateup", int(g.type), g.N, g.K): (gp, 128, 16, 4, 2),
+            tri.mv_shapes = {("gateup", int(g.type), g.N, g.K): (gp, 128 if gp == 417 else 64, 16, 4, 2),
                              ("down", int(d.type), d.N, d.K): (dp, 128, 16, 4, 2),
                              ("gateup", sg.kt, sg.N, sg.K): (308, 256, 16, 4, 2, 4)}
             for n in ((1, 3) if gp == 417 else (3,)):  # (the interpreter takes minutes over these)
@@ -588,7 +590,8 @@ def test_split_k_experts(pair, rng):
                 else:
                     want, tol = ref.moe(f, ids, w, L_r.ffn_gate_exps, L_r.ffn_up_exps, L_r.ffn_down_exps, il), 1e-5
                 want_sh = ref.shared_expert(f, L_r.ffn_gate_shexp, L_r.ffn_up_shexp, L_r.ffn_down_shexp, il)
-                for _ in range(2):
+                for again in (False, True):
+                    tri.mv_prefetch = not again
                     tri.ledger = []
                     got = tri.to_numpy(tri.moe(_t(tri, f), _t(tri, ids, torch.int32), _t(tri, w),
                                                L_t.ffn_gate_exps, L_t.ffn_up_exps, L_t.ffn_down_exps, il))
@@ -601,6 +604,7 @@ def test_split_k_experts(pair, rng):
             assert not tri._split_cnt.any()
     finally:
         tri.mv_shapes = saved
+        tri.mv_prefetch = True
 
 
 def test_embed_and_output_head(pair, rng):
@@ -615,17 +619,22 @@ def test_embed_and_output_head(pair, rng):
 
 
 def test_weights_stay_quantized(pair, model):
-    """Every uploaded tensor holds its GGUF bytes (no dequantized copy): as they are, or for Q8_0
-    rows of a multiple of 256 values the same bytes rearranged into Q8C chunks."""
+    """Every uploaded tensor holds its GGUF bytes (no dequantized copy): as they are, for Q8_0
+    rows of a multiple of 256 values the same bytes rearranged into Q8C chunks, and for IQ2_XXS
+    its blocks' quant bytes and scales in two arrays (IQ2S)."""
     _, _, tri, wt = pair
-    for name in ("blk.3.ffn_down_exps.weight", "blk.2.attn_q_b.weight", "output.weight"):
+    for name in ("blk.3.ffn_down_exps.weight", "blk.2.attn_q_b.weight", "output.weight", "blk.3.ffn_gate_exps.weight"):
         src = model.tensor(name)
         got = {"blk.3.ffn_down_exps.weight": wt.layers[3].ffn_down_exps,
-               "blk.2.attn_q_b.weight": wt.layers[2].attn_q_b, "output.weight": wt.output}[name]
+               "blk.2.attn_q_b.weight": wt.layers[2].attn_q_b, "output.weight": wt.output,
+               "blk.3.ffn_gate_exps.weight": wt.layers[3].ffn_gate_exps}[name]
         assert got.u8.dtype == torch.uint8 and got.nbytes == src.n_bytes
         raw = torch.from_numpy(np.array(src.raw, dtype=np.uint8).reshape(-1))
         chunked = src.type == T.Q8_0 and src.dims[0] % 256 == 0
         assert got.kt == (Q8C if chunked else int(src.type)), name
         want = q8_chunks(raw, src.dims[0]) if chunked else raw
+        if src.type == T.IQ2_XXS:  # blocks d | qs[64] -> all qs, then all d
+            blocks = raw.reshape(-1, 66)
+            want = torch.cat([blocks[:, 2:].reshape(-1), blocks[:, :2].reshape(-1)])
         assert np.array_equal(got.u8.cpu().numpy(), want.numpy()), name
     assert wt.output.kt == Q8C and wt.layers[2].attn_q_b.kt == int(T.Q8_0)  # both layouts are here

@@ -1,5 +1,5 @@
-"""The Q8C chunk layout of Q8_0 rows on the Triton backend's device (ds4/backends/triton/layout.py),
-against byte positions written out here."""
+"""The Q8C chunk layout of Q8_0 rows and the IQ2S split of IQ2_XXS blocks on the Triton backend's
+device (ds4/backends/triton/layout.py), against byte positions written out here."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
-from ds4.backends.triton.layout import Q8C, device_layout, q8_chunked, q8_chunks  # noqa: E402
+from ds4.backends.triton.layout import Q8C, device_layout, iq2_split, iq2_views, q8_chunked, q8_chunks  # noqa: E402
 from ds4.core.quants import GGMLType as T  # noqa: E402
 
 
@@ -55,3 +55,28 @@ def test_which_tensors_are_chunked_and_bad_input():
         q8_chunks(torch.from_numpy(raw160.copy()), 160)
     with pytest.raises(ValueError, match="rows of 272 bytes, got 271"):
         q8_chunks(t[:271], 256)
+
+
+def test_iq2_split_byte_layout():
+    """IQ2S: every block's 64 quant bytes in block order, then every block's 2-byte scale."""
+    rng = np.random.default_rng(2)
+    nblk = 5
+    d = rng.uniform(0.01, 1, nblk).astype(np.float16)
+    qs = rng.integers(0, 256, (nblk, 64)).astype(np.uint8)
+    raw = np.frombuffer(b"".join(d[b].tobytes() + qs[b].tobytes() for b in range(nblk)), np.uint8)  # GGUF: d | qs[64]
+    got = iq2_split(torch.from_numpy(raw.copy())).numpy()
+    assert got.size == raw.size == 66 * nblk
+    for b in range(nblk):
+        assert got[64 * b: 64 * b + 64].tobytes() == qs[b].tobytes()
+        assert got[64 * nblk + 2 * b: 64 * nblk + 2 * b + 2].tobytes() == d[b].tobytes()
+    words, scales = iq2_views(torch.from_numpy(got.copy()))
+    assert words.dtype == torch.int32 and words.numel() == 16 * nblk
+    assert scales.dtype == torch.int16 and scales.numel() == nblk
+    # group g of block b: its grid-index word 16b + 2g is quant bytes 8g..8g+3, little-endian
+    b, g = 3, 5
+    assert int(words[16 * b + 2 * g]) & 0xFFFFFFFF == int.from_bytes(qs[b, 8 * g: 8 * g + 4].tobytes(), "little")
+    assert scales[b:b + 1].numpy().view(np.float16)[0] == d[b]
+    u8, kt = device_layout(T.IQ2_XXS, 256, torch.from_numpy(raw.copy()))
+    assert kt == int(T.IQ2_XXS) and np.array_equal(u8.numpy(), got)
+    with pytest.raises(ValueError, match="blocks of 66 bytes, got 65"):
+        iq2_split(torch.from_numpy(raw[:65].copy()))

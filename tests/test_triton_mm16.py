@@ -153,7 +153,7 @@ def test_gateup_iq2xxs(tri, rng):
     clamp = 1.0e30
     lv8, sg8 = tri._gridp[256:768].view(torch.int64), tri._ksigns[128:384].view(torch.int64)
     tri._launch(K16.moe_gateup_mm16_kernel, (T_, _cdiv(F, BN)), xh, xl, xi, tok, wsort, te, tr0, tend,
-                gate.i16, up.i16, lv8, sg8, h, F, E, gate.RB, F * gate.RB, clamp,
+                gate.i16, up.i16, gate.f32, up.f32, lv8, sg8, h, F, E, gate.RB, F * gate.RB, clamp,
                 BM=tri.moe16_bm, BN=BN, KS=KS, ROUTED=True, num_warps=warps, num_stages=stages)
     t, e = order // k, ids.reshape(-1)[order]
     x64 = x.astype(np.float64)[t]

@@ -127,7 +127,8 @@ def compile_all(path: str, arch: int) -> int:
                   f"{time.time() - t0:5.1f}  {const}")
         except Exception as e:  # noqa: BLE001
             bad += 1
-            print(f"{name:24s} FAILED {const}\n{type(e).__name__}: {str(e)[:2000]}")
+            cause = f"\ncaused by {type(e.__cause__).__name__}: {str(e.__cause__)[:2000]}" if e.__cause__ else ""
+            print(f"{name:24s} FAILED {const}\n{type(e).__name__}: {str(e)[:2000]}{cause}")
     return bad
 
 

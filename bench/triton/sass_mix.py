@@ -11,6 +11,7 @@ are separate, so the count is per value of one weight.)
 from __future__ import annotations
 
 import collections
+import inspect
 import os
 import re
 import subprocess
@@ -33,6 +34,10 @@ PTRS = dict(x_ptr="*fp32", nw_ptr="*fp32", wb="*u8", wh="*i16", wf="*i32", gridp
 
 def sass(kern, const: dict, warps: int) -> str:
     sig = {}
+    const = dict(const)
+    for prm in kern.params:  # constexprs left out take their defaults, as in a launch
+        if prm.is_constexpr and prm.name not in const and prm.default is not inspect.Parameter.empty:
+            const[prm.name] = prm.default
     for name in kern.arg_names:
         sig[name] = "constexpr" if name in const else PTRS.get(name, "fp32" if name in ("eps", "clamp") else "i32")
     k = triton.compile(ASTSource(fn=kern, signature=sig, constexprs=const), target=GPUTarget("cuda", 90, 32),
@@ -65,6 +70,8 @@ def main() -> None:
          dict(TYPE=416, BN=32, NB=32, VB=32, VA=1, ROUTED=True, S=1, QOUT=False), 4, 32 * 32 * 32),
         ("IQ2_XXS 418 (x in XQ form, dp4a)", K.moe_gateup_mv_kernel,
          dict(TYPE=418, BN=32, NB=32, VB=32, VA=1, ROUTED=True, S=1, QOUT=True), 4, 32 * 32 * 32),
+        ("IQ2_XXS 418, loads a step ahead (PF)", K.moe_gateup_mv_kernel,
+         dict(TYPE=418, BN=32, NB=32, VB=32, VA=1, ROUTED=True, S=1, QOUT=True, PF=True), 4, 32 * 32 * 32),
         ("Q2_K 110", K.moe_down_mv_kernel, dict(TYPE=110, BN=8, NB=16, VB=64, VA=1, KSLOTS=6, S=1), 4, 8 * 16 * 64),
         ("Q2_K 111 (h in XQ form, dp4a)", K.moe_down_mv_kernel, dict(TYPE=111, BN=8, NB=16, VB=64, VA=1, KSLOTS=6, S=1),
          4, 8 * 16 * 64),

@@ -331,7 +331,8 @@ def decode_xq(be, rows, NE=256):
                 continue
             y, sec, ref = r
             emit(rows, dict(part="decode", op=f"xq_{kind}", key=",".join(str(k) for k in key), type=v[0], cap=0,
-                            BN=list(v[1:]), warps=0, us=sec * 1e6, GBps=nbytes / sec / 1e9, err=rel(y, ref)))
+                            BN=list(v[1:]), warps=0, us=sec * 1e6, GBps=nbytes / sec / 1e9, err=rel(y, ref),
+                            prefetch=be.mv_prefetch))
         del be.mv_shapes[key]
 
 
@@ -453,8 +454,11 @@ def main():
             save()
             if a.pick:
                 pick(rows, a.pick)
-    if "xq" in parts:
-        decode_xq(be, rows)
+    if "xq" in parts:  # 418 loading a K-step ahead (mv_prefetch), then not
+        for pf in (True, False):
+            be.mv_prefetch = pf
+            decode_xq(be, rows)
+        be.mv_prefetch = True
         print(f"[{time.time() - T0:.0f}s] xq", flush=True)
         save()
     if "rows" in parts:  # the floor in a matrix's access pattern: rows × bytes per step

@@ -42,7 +42,7 @@ from ..base import Backend  # noqa: E402
 from . import kernels as K  # noqa: E402
 from . import kernels_mm16 as K16  # noqa: E402
 from .lanes import Lanes  # noqa: E402
-from .layout import device_layout  # noqa: E402
+from .layout import device_layout, iq2_views  # noqa: E402
 
 MM_MIN = 16  # tokens from which linear layers use the matrix-matrix kernels (tl.dot needs 16)
 
@@ -69,7 +69,8 @@ def _largest_pow2_divisor(k: int, cap: int) -> int:
 
 class QWeight:
     """A tensor as it lives on the device: its bytes in the kernels' layout (layout.py: GGUF's,
-    or Q8C chunks for Q8_0; kt says which, as the kernels' type id), plus typed views.
+    Q8C chunks for Q8_0 (kt says which, as the kernels' type id), IQ2S for IQ2_XXS), plus typed
+    views (for IQ2_XXS, f32 is its quant words and i16 its scales).
     QWeight.place builds one from GGUF bytes."""
 
     def __init__(self, name: str, ttype: GGMLType, dims: tuple[int, ...], u8: torch.Tensor, kt: int | None = None):
@@ -84,6 +85,8 @@ class QWeight:
         # the 32-bit view: float32 for F32, int32 words otherwise (Q2_K's quants are word-aligned)
         self.f32 = (u8.view(torch.float32) if self.type == GGMLType.F32 else
                     u8.view(torch.int32) if u8.numel() % 4 == 0 else self.i16)
+        if self.kt == int(GGMLType.IQ2_XXS):  # IQ2S (layout.py): the quant words and the scales apart
+            self.f32, self.i16 = iq2_views(u8)
         self.i32 = u8.view(torch.int32) if self.type == GGMLType.I32 else None
 
     @classmethod
@@ -375,6 +378,11 @@ class TritonBackend(Backend):
         # XQ form (111; 418 + 111: 7.92 against 8.73 GPU ms a step for 417 + 110, same run);
         # anything else (GGUF-layout Q8_0 included) the generic block decoder
         self.mv_types = {K.Q8C: 308, int(K.IQ2_XXS): 418, int(K.Q2_K): 111}
+        # 418 issues each K-step's group loads one step ahead (kernels._iq2_group_rows: PF; 7.46
+        # against 7.80 GPU ms a step, same run: bench/triton/results_h200/prefetch/). The same in
+        # the Q8C (308) and Q2_K (111) decoders made the step slower (8.06 ms with all three) and is
+        # not kept.
+        self.mv_prefetch = True
         if os.environ.get("DS4_TRITON_MV_PLAIN") == "1":
             self.mv_types = {}
         # matrix-vector tiling per decoder: (K-step values, rows per program, warps), from
@@ -588,11 +596,12 @@ class TritonBackend(Backend):
         else:
             while BN > (4 if t in (416, 417, 418) else R) and _cdiv(N, BN) * slots * S < 264:  # two programs per SM
                 BN //= 2
+        pf = dict(PF=True) if t == 418 and self.mv_prefetch else {}
         if t in (416, 417, 418):  # four row sets of BN/4 rows × NB groups; no more threads than set elements
             NB = _largest_pow2_divisor(K_ // 32, max(1, cap // 32))
             BN = max(BN, 4)
             warps = max(1, min(warps, (BN // 4) * NB // 32))
-            return dict(TYPE=t, BN=BN, NB=NB, VB=32, VA=1, S=self._split(S, K_, NB * 32), num_warps=warps)
+            return dict(TYPE=t, BN=BN, NB=NB, VB=32, VA=1, S=self._split(S, K_, NB * 32), num_warps=warps, **pf)
         if t == 308:  # NB 256-value chunks per K-step, R rows per thread
             NB = _largest_pow2_divisor(K_ // 256, max(1, cap // 256))
             BN = max(BN, R)
@@ -1183,8 +1192,8 @@ class TritonBackend(Backend):
             BN, KS, warps, stages = self.moe16_tile["gateup"]
             lv8, sg8 = self._gridp[256:768].view(torch.int64), self._ksigns[128:384].view(torch.int64)
             self._launch(K16.moe_gateup_mm16_kernel, (T, _cdiv(F, BN)), xh, xl, xi, tok_sorted, w_sorted,
-                         tile_e, tile_r0, tile_end, gate.i16, up.i16, lv8, sg8, h, F, E, gate.RB, F * gate.RB,
-                         float(clamp), BM=BM, BN=BN, KS=KS, ROUTED=True, num_warps=warps, num_stages=stages,
+                         tile_e, tile_r0, tile_end, gate.i16, up.i16, gate.f32, up.f32, lv8, sg8, h, F, E,
+                         gate.RB, F * gate.RB, float(clamp), BM=BM, BN=BN, KS=KS, ROUTED=True, num_warps=warps, num_stages=stages,
                          nbytes=2 * gate.nbytes + 4 * n * k * (E + F))
         else:
             BN, warps = self.moe_tile["gateup"]

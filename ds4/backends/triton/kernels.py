@@ -1,10 +1,10 @@
 """The Triton kernels of the DS4 forward pass.
 
 Every kernel reads quantized weight blocks (no dequantized copy of any weight), as GGUF stores
-them or, for Q8_0, as the Q8C chunks below: `_wtile` decodes a [rows, units, values-per-unit]
-tile of F32/F16/BF16/Q8_0/Q8C/Q2_K/Q4_K/IQ2_XXS rows in registers, where a "unit" is the group
-of values that shares one scale (a Q8_0 block, a Q2_K sub-block, one IQ2_XXS grid entry). Matrix-vector kernels (decode) multiply that tile by the
-activation with FMAs; matrix-matrix kernels (prefill) reshape it to [rows, K-block] for `tl.dot`.
+them or rearranged (Q8C chunks for Q8_0, IQ2S for IQ2_XXS, below): `_wtile` decodes a
+[rows, units, values-per-unit] tile of F32/F16/BF16/Q8_0/Q8C/Q2_K/Q4_K/IQ2_XXS rows in registers,
+where a "unit" is the group of values that shares one scale (a Q8_0 block, a Q2_K sub-block, one
+IQ2_XXS grid entry). Matrix-vector kernels (decode) multiply that tile by the activation with FMAs; matrix-matrix kernels (prefill) reshape it to [rows, K-block] for `tl.dot`.
 Specialised decoders (`_mv_step`, `_q8c_rows`, `_iq2_group_rows`) serve the decode shapes of the
 shipped formats, and Q8_0 prefill products run as exact integers on bf16 tensor cores
 (`_dot_units`).
@@ -18,12 +18,13 @@ A weight is passed as three views of one byte buffer: `wb` (uint8), `wh` (int16:
 16-bit words, which sit at even offsets in every DS4 block format) and `wf` (float32 for F32, else
 int32 words).
 
-One format is rearranged at upload, not decoded: Q8_0 rows whose length is a multiple of 256 are
-stored as 256-value chunks (layout Q8C, `ds4.backends.triton.layout`): the chunk's 8 f16 scales
-(16 bytes), then its 256 quants as bytes q + 128, the 32 of each block ordered so that byte j of
-the block's word w holds value 8j + w. The bytes of a row and their count are the same (34 per 32
-values); every quant word is 4-byte aligned and each chunk 16-byte aligned, where GGUF's 34-byte
-blocks only align to 2 bytes.
+Two formats are rearranged at upload, not decoded (`ds4.backends.triton.layout`). IQ2_XXS blocks
+are split into their quant words and their scales (layout IQ2S: a group is one aligned 8-byte
+load; `_iq2_blk`). Q8_0 rows whose length is a multiple of 256 are stored as 256-value chunks
+(layout Q8C): the chunk's 8 f16 scales (16 bytes), then its 256 quants as bytes q + 128, the 32 of
+each block ordered so that byte j of the block's word w holds value 8j + w. The bytes of a row and
+their count are the same (34 per 32 values); every quant word is 4-byte aligned and each chunk
+16-byte aligned, where GGUF's 34-byte blocks only align to 2 bytes.
 """
 
 from __future__ import annotations
@@ -122,6 +123,28 @@ def _ld4(p, INT: tl.constexpr = False):
         return tl.inline_asm_elementwise("ld.global.nc.v4.f32 {$0, $1, $2, $3}, [$4];", "=f,=f,=f,=f,l", [p],
                                          dtype=(tl.float32, tl.float32, tl.float32, tl.float32),
                                          is_pure=True, pack=1)
+
+
+@triton.jit
+def _opaque(v):
+    """v (int64), with its pattern hidden from Triton's axis analysis. A load whose offsets it sees
+    as contiguous along a tile's last axis gets a layout of its own from the coalescing pass (lanes
+    along that axis), and the step's other tensors are then converted to or from it through shared
+    memory: in 418 four conversions a K-step for the IQ2S group loads (sm_90 SASS: ten barriers in
+    the K loop where there had been two). Behind this the load keeps the tile's layout, which
+    coalesces as well (a warp's lanes read 4 consecutive groups of each of 8 rows: whole 32-byte
+    sectors)."""
+    if _INTERP:
+        return v
+    else:
+        return tl.inline_asm_elementwise("mov.b64 $0, $1;", "=l,l", [v], dtype=tl.int64, is_pure=True, pack=1)
+
+
+@triton.jit
+def _iq2_blk(row_off):
+    """The index in the tensor of the first IQ2_XXS block of the rows at GGUF byte offsets row_off:
+    in IQ2S (layout.py) the quant words of block B start at word 16·B, its scale at halfword B."""
+    return row_off // 66
 
 
 @triton.jit
@@ -349,18 +372,14 @@ def _wtile(wb, wh, wf, gridp, ksigns, row_off, rmask, u0,
         qb = tl.load(wb + base + 16 + (s // 2) * 32 + iv, mask=m, other=0).to(tl.int32)
         q = ((qb >> ((s % 2) * 4)) & 15).to(tl.float32)
         w = (d * sc.to(tl.float32)) * q - dmin * mn.to(tl.float32)
-    else:  # IQ2_XXS: f16 d | 8 groups × (4 grid bytes, u32 signs+scale); unit = one grid entry
-        blk = u // 32
-        g = (u % 32) // 4
+    else:  # IQ2_XXS in IQ2S: 8 groups × (4 grid bytes, u32 signs+scale) a block; unit = one grid entry
+        blk = _iq2_blk(ro) + u // 32
+        gw = blk * 16 + ((u % 32) // 4) * 2
         sub = u % 4
-        base = ro + blk * 66
-        gb = base + 2 + g * 8
-        d = _ld_f16(wh, base, m)
-        a_lo = tl.load(wh + (gb + 4) // 2, mask=m, other=0).to(tl.int32) & 0xFFFF
-        a_hi = tl.load(wh + (gb + 6) // 2, mask=m, other=0).to(tl.int32) & 0xFFFF
-        aux = a_lo | (a_hi << 16)
+        d = _ld_f16(wh, 2 * blk, m)
+        aux = tl.load(wf + gw + 1, mask=m, other=0)
         db = d * (0.5 + ((aux >> 28) & 15).to(tl.float32)) * 0.25
-        gi = tl.load(wb + gb + sub, mask=m, other=0).to(tl.int32)
+        gi = (tl.load(wf + gw, mask=m, other=0) >> (8 * sub)) & 255
         gp = tl.load(gridp + gi)  # 8 two-bit level codes of grid entry gi
         ks = tl.load(ksigns + ((aux >> (7 * sub)) & 127))
         code = (gp >> (2 * iv)) & 3
@@ -431,15 +450,13 @@ def _mv_step(xb, k0, wb, wh, wf, gridp, ksigns, row_off, rmask, rs, nw_ptr,
     if TYPE == 216:  # IQ2_XXS, one 32-value group per tile element, levels and signs as bytes
         u = k0 // 32 + tl.arange(0, NB)[None, :]  # group index in the row
         m = rmask[:, None]
-        base = row_off[:, None] + (u // 8) * 66
-        gb = base + 2 + (u % 8) * 8
-        d = _ld_f16(wh, base, m)
-        # 66-byte blocks keep every field 2-byte aligned: grid bytes and aux come in halfwords
-        g01 = tl.load(wh + gb // 2, mask=m, other=0).to(tl.int32) & 0xFFFF
-        g23 = tl.load(wh + gb // 2 + 1, mask=m, other=0).to(tl.int32) & 0xFFFF
-        a_lo = tl.load(wh + gb // 2 + 2, mask=m, other=0).to(tl.int32) & 0xFFFF
-        a_hi = tl.load(wh + gb // 2 + 3, mask=m, other=0).to(tl.int32) & 0xFFFF
-        aux = a_lo | (a_hi << 16)
+        blk = _iq2_blk(row_off)[:, None] + u // 8  # IQ2S (layout.py)
+        gw = blk * 16 + (u % 8) * 2
+        d = _ld_f16(wh, 2 * blk, m)
+        gq = tl.load(wf + gw, mask=m, other=0)
+        aux = tl.load(wf + gw + 1, mask=m, other=0)
+        g01 = gq & 0xFFFF
+        g23 = (gq >> 16) & 0xFFFF
         db = d * (0.5 + ((aux >> 28) & 15).to(tl.float32)) * 0.25
         xu = xb + k0 + tl.arange(0, NB) * 32
         part = tl.zeros(d.shape, tl.float32)
@@ -657,21 +674,22 @@ def _iq2_sign_nibbles(s7):
 
 
 @triton.jit
-def _iq2_group_words(wh, ro, m, u):
-    """For each of the four row sets (ro, m: tuples of [BN/4, 1] byte offsets / masks) the words
-    of IQ2_XXS groups u [1, NB]: (grid indices 0-1, grid indices 2-3, signs + scale, d·(0.5 +
-    scale)/4, a zero partial sum)."""
+def _iq2_group_words(wh, wf, rb, m, u, ok=True):
+    """For each of the four row sets (rb, m: tuples of [BN/4, 1] first-block indices / masks) the
+    words of IQ2_XXS groups u [1, NB] in IQ2S (wf: quant words, wh: scales; layout.py): (grid
+    indices 0-3, signs + scale, d·(0.5 + scale)/4, a zero partial sum). A group's two words come
+    in one 8-byte load (where GGUF's 66-byte blocks took four 2-byte ones); nothing is read where
+    ok is false."""
     gs = ()
     for r in tl.static_range(4):
-        base = ro[r] + (u // 8) * 66
-        gh = (base + 2 + (u % 8) * 8) // 2
-        d = _ld_f16(wh, base, m[r])
-        g01 = tl.load(wh + gh, mask=m[r], other=0).to(tl.int32) & 0xFFFF
-        g23 = tl.load(wh + gh + 1, mask=m[r], other=0).to(tl.int32) & 0xFFFF
-        aux = (tl.load(wh + gh + 2, mask=m[r], other=0).to(tl.int32) & 0xFFFF) | \
-            (tl.load(wh + gh + 3, mask=m[r], other=0).to(tl.int32) << 16)
+        blk = rb[r] + u // 8
+        mk = m[r] & ok
+        d = _ld_f16(wh, 2 * blk, mk)
+        g2 = tl.load(wf.to(tl.pointer_type(tl.int64)) + _opaque(blk * 8 + u % 8), mask=mk, other=0)
+        gq = g2.to(tl.int32)
+        aux = (g2 >> 32).to(tl.int32)
         db = d * (0.5 + ((aux >> 28) & 15).to(tl.float32)) * 0.25
-        gs = gs + ((g01, g23, aux, db, tl.zeros(d.shape, tl.float32)),)
+        gs = gs + ((gq, aux, db, tl.zeros(d.shape, tl.float32)),)
     return gs
 
 
@@ -701,12 +719,9 @@ def _lut16(tab, gis, NE: tl.constexpr):
 
 
 @triton.jit
-def _iq2_grid_index(g01, g23, sub: tl.constexpr):
-    """Grid index of entry sub (0-3) of a group, from its grid bytes 0-1 (g01) and 2-3 (g23)."""
-    if sub < 2:
-        return (g01 >> (8 * sub)) & 255
-    else:
-        return (g23 >> (8 * (sub - 2))) & 255
+def _iq2_grid_index(gq, sub: tl.constexpr):
+    """Grid index of entry sub (0-3) of a group, from its grid-index word gq."""
+    return (gq >> (8 * sub)) & 255
 
 
 @triton.jit
@@ -716,12 +731,12 @@ def _iq2_levels_smem(gs, tab):
     gis = ()
     for sub in tl.static_range(4):
         for r in tl.static_range(4):
-            gis = gis + (_iq2_grid_index(gs[r][0], gs[r][1], sub),)
+            gis = gis + (_iq2_grid_index(gs[r][0], sub),)
     return _lut16(tab, gis, 16 * gs[0][0].shape[0] * gs[0][0].shape[1])
 
 
 @triton.jit
-def _iq2_group_step(xu, wh, gridp, ro, m, u, tab, SMEM: tl.constexpr = False):
+def _iq2_group_step(xu, wh, wf, gridp, rb, m, u, tab, SMEM: tl.constexpr = False):
     """TYPE 416, one K-step: for each of the four row sets (ro, m: tuples of [BN/4, 1] byte
     offsets / masks) W·x over the 32-value IQ2_XXS groups u [1, NB]. Every x value is loaded
     once for the four rows. A grid entry's 8 level codes come as nibbles from one 4-byte lookup
@@ -731,54 +746,67 @@ def _iq2_group_step(xu, wh, gridp, ro, m, u, tab, SMEM: tl.constexpr = False):
     and row, kept the L1 busy: 52.8 against 42.5 µs for the Flash routed gate/up,
     bench/triton/results_h200/tune_paths/iq2_rows_probe_g.json.) SMEM (TYPE 417): the 16 lookups
     of the step come from the table in shared memory (tab, _lut16), not through the L1."""
-    gs = _iq2_group_words(wh, ro, m, u)
+    gs = _iq2_group_words(wh, wf, rb, m, u)
     if SMEM:
         sels = _iq2_levels_smem(gs, tab)
     for sub in tl.static_range(4):
         xs = _ld4(xu + 8 * sub) + _ld4(xu + 8 * sub + 4)
         nxt = ()
         for r in tl.static_range(4):
-            g01, g23, aux, db, part = gs[r]
+            gq, aux, db, part = gs[r]
             if SMEM:
                 lv = sels[4 * sub + r]
             else:
-                lv = tl.load(gridp + 768 + _iq2_grid_index(g01, g23, sub))
+                lv = tl.load(gridp + 768 + _iq2_grid_index(gq, sub))
             sel = lv | _iq2_sign_nibbles((aux >> (7 * sub)) & 127)
             for h in tl.static_range(2):
                 qx = _iq2_lut(sel >> (16 * h))
                 for j in tl.static_range(4):
                     part += _b2f(qx, j) * xs[4 * h + j]
-            nxt = nxt + ((g01, g23, aux, db, part),)
+            nxt = nxt + ((gq, aux, db, part),)
         gs = nxt
-    return gs[0][3] * gs[0][4], gs[1][3] * gs[1][4], gs[2][3] * gs[2][4], gs[3][3] * gs[3][4]
+    return gs[0][2] * gs[0][3], gs[1][2] * gs[1][3], gs[2][2] * gs[2][3], gs[3][2] * gs[3][3]
 
 
 @triton.jit
-def _iq2_group_rows(xb, wh, gridp, row_off, rmask, K, sk, BN: tl.constexpr, NB: tl.constexpr,
-                    S: tl.constexpr, SMEM: tl.constexpr = False, xs=0, XQ: tl.constexpr = False):
-    """TYPE 416 / 417 (SMEM) / 418 (XQ): W[rows]·x for IQ2_XXS rows over part sk of S of K, NB
-    32-value groups per K-step, four rows per thread. XQ: x in XQ form, xb its words and xs its
-    block scales (an IQ2_XXS group and an XQ block are the same 32 values)."""
+def _iq2_group_rows(xb, wh, wf, gridp, row_off, rmask, K, sk, BN: tl.constexpr, NB: tl.constexpr,
+                    S: tl.constexpr, SMEM: tl.constexpr = False, xs=0, XQ: tl.constexpr = False,
+                    PF: tl.constexpr = False):
+    """TYPE 416 / 417 (SMEM) / 418 (XQ): W[rows]·x for IQ2_XXS rows (IQ2S: wf quant words, wh
+    scales) over part sk of S of K, NB 32-value groups per K-step, four rows per thread. XQ: x in
+    XQ form, xb its words and xs its block scales (an IQ2_XXS group and an XQ block are the same
+    32 values). PF (with XQ): each step first issues the next step's group loads, then works on the
+    ones the previous step issued (software pipelining by hand: a thread has two steps' weights in
+    flight; alone 24.8 against 26.9 µs for the Flash routed gate/up, and 7.46 against 7.80 GPU ms
+    a decode step, bench/triton/results_h200/prefetch/)."""
     tab = 0
     if SMEM or XQ:  # the level table, loaded once (_lut16 stores it to shared memory per K-step)
         tab = tl.load(gridp + 768 + tl.arange(0, 256))
-    o0, o1, o2, o3 = _split4(row_off, BN)
+    o0, o1, o2, o3 = _split4(_iq2_blk(row_off), BN)
     m0, m1, m2, m3 = _split4(rmask, BN)
-    ro = (o0[:, None], o1[:, None], o2[:, None], o3[:, None])
+    ro = (o0[:, None], o1[:, None], o2[:, None], o3[:, None])  # first-block indices
     m = (m0[:, None], m1[:, None], m2[:, None], m3[:, None])
     a0 = tl.zeros([BN // 4, NB], tl.float32)
     a1 = tl.zeros([BN // 4, NB], tl.float32)
     a2 = tl.zeros([BN // 4, NB], tl.float32)
     a3 = tl.zeros([BN // 4, NB], tl.float32)
     IS = K // (NB * 32) // S
-    for i in range(sk * IS, sk * IS + IS):
+    i0 = sk * IS
+    if PF:  # (with XQ)
+        nxt = _iq2_group_words(wh, wf, ro, m, i0 * NB + tl.arange(0, NB)[None, :])
+    for i in range(i0, i0 + IS):
         u = i * NB + tl.arange(0, NB)[None, :]
         if XQ:
-            p0, p1, p2, p3 = _iq2_int_step(xb + u * 16, wh, ro, m, u, tab)
+            if PF:
+                gs = nxt
+                nxt = _iq2_group_words(wh, wf, ro, m, u + NB, i + 1 < i0 + IS)
+            else:
+                gs = _iq2_group_words(wh, wf, ro, m, u)
+            p0, p1, p2, p3 = _iq2_int_step(xb + u * 16, gs, tab)
             sx = tl.load(xs + u)
             p0, p1, p2, p3 = p0 * sx, p1 * sx, p2 * sx, p3 * sx
         else:
-            p0, p1, p2, p3 = _iq2_group_step(xb + u * 32, wh, gridp, ro, m, u, tab, SMEM)
+            p0, p1, p2, p3 = _iq2_group_step(xb + u * 32, wh, wf, gridp, ro, m, u, tab, SMEM)
         a0 += p0
         a1 += p1
         a2 += p2
@@ -787,14 +815,13 @@ def _iq2_group_rows(xb, wh, gridp, row_off, rmask, K, sk, BN: tl.constexpr, NB: 
 
 
 @triton.jit
-def _iq2_int_step(xw, wh, ro, m, u, tab):
+def _iq2_int_step(xw, gs, tab):
     """TYPE 418, one K-step: for each of the four row sets (as _iq2_group_step) W·x over the
     IQ2_XXS groups u [1, NB], x in XQ form (xw: each group's first word). Per group and row the
     levels become signed bytes (one permute per 4 values) and meet x's hi and lo bytes in _dp4a,
     exactly in int32; one float product per group takes the scales (d·(0.5 + scale)/4 here, x's
     by the caller). Where 416 / 417 spend a byte-to-float and an FMA per value, this spends half
-    a dp4a."""
-    gs = _iq2_group_words(wh, ro, m, u)
+    a dp4a. gs: the groups' words (_iq2_group_words)."""
     sels = _iq2_levels_smem(gs, tab)
     ah = ()
     al = ()
@@ -806,7 +833,7 @@ def _iq2_int_step(xw, wh, ro, m, u, tab):
         nh = ()
         nl = ()
         for r in tl.static_range(4):
-            sel = sels[4 * sub + r] | _iq2_sign_nibbles((gs[r][2] >> (7 * sub)) & 127)
+            sel = sels[4 * sub + r] | _iq2_sign_nibbles((gs[r][1] >> (7 * sub)) & 127)
             q0 = _iq2_lut(sel, True)
             q1 = _iq2_lut(sel >> 16, True)
             nh = nh + (_dp4a(q1, h1, _dp4a(q0, h0, ah[r])),)
@@ -815,7 +842,7 @@ def _iq2_int_step(xw, wh, ro, m, u, tab):
         al = nl
     out = ()
     for r in tl.static_range(4):
-        out = out + (gs[r][3] * (ah[r] * 256 + al[r]).to(tl.float32),)
+        out = out + (gs[r][2] * (ah[r] * 256 + al[r]).to(tl.float32),)
     return out
 
 
@@ -936,7 +963,7 @@ def _mv_rows(xb, wb, wh, wf, gridp, ksigns, row_off, rmask, K, sk, rs, nw_ptr, e
     S = 1: the norm's scale comes from the x values the loop loads (rs unused); with S > 1 the
     caller passes it (matvec_kernel's prologue: a program then sees only part of x)."""
     if TYPE == 416 or TYPE == 417:  # no fused norm (nor in 216, 110: _mv_cfg picks the generic one then)
-        y = _iq2_group_rows(xb, wh, gridp, row_off, rmask, K, sk, BN, NB, S, TYPE == 417)
+        y = _iq2_group_rows(xb, wh, wf, gridp, row_off, rmask, K, sk, BN, NB, S, TYPE == 417)
     elif TYPE == 308:
         y, ss = _q8c_rows(xb, wf, wh, row_off, rmask, K, sk, rs, nw_ptr, BN, NB, VA, NORM, S)
     else:
@@ -1079,13 +1106,14 @@ def moe_gateup_mv_kernel(x_ptr, sx_t, ids_ptr, wts_ptr,
                          F, K, RB, EXP_BYTES, KSLOTS, clamp,
                          TYPE: tl.constexpr, BN: tl.constexpr, NB: tl.constexpr, VB: tl.constexpr,
                          VA: tl.constexpr, ROUTED: tl.constexpr, S: tl.constexpr = 1,
-                         QOUT: tl.constexpr = False):
+                         QOUT: tl.constexpr = False, PF: tl.constexpr = False):
     """h[s, r] = w_s · swiglu(gate_e[r]·x, up_e[r]·x) for slot s = t·KSLOTS + j of expert
     e = ids[s] (ROUTED), or the shared expert (e = 0, no weight); K split in S parts as in
     matvec_kernel (the last program of a tile adds the partial gate and up sums, then applies
     the SwiGLU). TYPE 418 reads x in XQ form (xw_ptr, xs_ptr: [n, K/2] words, [n, K/32] scales);
     QOUT also stores h in XQ form (hw_ptr, hs_ptr, hsum_ptr) for the down decoder 111: a tile's
-    BN rows (a multiple of 32) are whole blocks."""
+    BN rows (a multiple of 32) are whole blocks. PF: 418 issues each K-step's group loads one step
+    ahead (_iq2_group_rows)."""
     pid = tl.program_id(0)
     s = tl.program_id(1)
     sk = tl.program_id(2)
@@ -1101,8 +1129,8 @@ def moe_gateup_mv_kernel(x_ptr, sx_t, ids_ptr, wts_ptr,
     if TYPE == 418:
         xw = xw_ptr + t * (K // 2)
         xs = xs_ptr + t * (K // 32)
-        g = _iq2_group_rows(xw, gh, gridp, row_off, rmask, K, sk, BN, NB, S, False, xs, True)
-        u = _iq2_group_rows(xw, uh, gridp, row_off, rmask, K, sk, BN, NB, S, False, xs, True)
+        g = _iq2_group_rows(xw, gh, gf, gridp, row_off, rmask, K, sk, BN, NB, S, False, xs, True, PF)
+        u = _iq2_group_rows(xw, uh, uf, gridp, row_off, rmask, K, sk, BN, NB, S, False, xs, True, PF)
     else:
         g = _mv_rows(xb, gb, gh, gf, gridp, ksigns, row_off, rmask, K, sk, 1.0, xb, 0.0, BN, TYPE, NB, VB, VA, 0, S)
         u = _mv_rows(xb, ub, uh, uf, gridp, ksigns, row_off, rmask, K, sk, 1.0, xb, 0.0, BN, TYPE, NB, VB, VA, 0, S)

@@ -114,9 +114,9 @@ def _s8q(w, mul, off):
 
 
 @triton.jit
-def _iq2_tile(wh, lv8, sg8, bo, g0, rmask, NG: tl.constexpr):
-    """Groups [g0, g0 + NG) of the IQ2_XXS super-blocks at byte offsets bo [BN] of wh -> the
-    integers q [BN, 32·NG] fp16 of W = d/8·q (d: _iq2_scale).
+def _iq2_tile(wf, lv8, sg8, blk, g0, rmask, NG: tl.constexpr):
+    """Groups [g0, g0 + NG) of the IQ2_XXS super-blocks blk [BN] (indices from wf, IQ2S quant
+    words: layout.py) -> the integers q [BN, 32·NG] fp16 of W = d/8·q (d: _iq2_scale).
 
     Block: f16 d, then 8 groups of 32 values = 4 grid-index bytes + u32 aux (4 × 7 sign-index
     bits, ls in the top 4). Per grid entry (8 values) one 64-bit lookup gives its 8 levels as bytes
@@ -125,15 +125,13 @@ def _iq2_tile(wh, lv8, sg8, bo, g0, rmask, NG: tl.constexpr):
     with a shift, a mask-and-XOR and one fused multiply-add each (_s8q). A thread decodes whole
     groups: its 32 values are contiguous in K. (The group axis leads the work tensors [NG, BN]: Triton then lays threads
     along K first, and the tile reaches shared memory K-major, in 16-byte stores.)"""
-    BN: tl.constexpr = bo.shape[0]
+    BN: tl.constexpr = blk.shape[0]
     m = rmask[None, :]
-    # the 66-byte blocks keep every field 2-byte aligned: a group's 8 bytes come as 4 halfwords
-    hw = (bo[None, :] + 2 + 8 * (g0 + tl.arange(0, NG))[:, None]) >> 1  # [NG, BN]
-    g01 = tl.load(wh + hw, mask=m, other=0).to(tl.int32) & 0xFFFF
-    g23 = tl.load(wh + hw + 1, mask=m, other=0).to(tl.int32) & 0xFFFF
-    a_lo = tl.load(wh + hw + 2, mask=m, other=0).to(tl.int32) & 0xFFFF
-    a_hi = tl.load(wh + hw + 3, mask=m, other=0).to(tl.int32) & 0xFFFF
-    aux = a_lo | (a_hi << 16)
+    gw = blk[None, :] * 16 + 2 * (g0 + tl.arange(0, NG))[:, None]  # [NG, BN]: a group is 2 words
+    gq = tl.load(wf + gw, mask=m, other=0)
+    aux = tl.load(wf + gw + 1, mask=m, other=0)
+    g01 = gq & 0xFFFF
+    g23 = (gq >> 16) & 0xFFFF
     mul = _u8f(2 * ((aux >> 28) & 15) + 1)[:, :, None, None]  # 2·ls + 1, per group
     off = mul * -8388736.0  # exact: 5 × 17 significant bits
     gi = _join4(g01 & 255, g01 >> 8, g23 & 255, g23 >> 8)  # [NG, BN, 2, 2]: the 4 entries
@@ -149,9 +147,9 @@ def _iq2_tile(wh, lv8, sg8, bo, g0, rmask, NG: tl.constexpr):
 
 
 @triton.jit
-def _iq2_scale(wh, bo, rmask):
-    """d/8 of the IQ2_XXS super-blocks at byte offsets bo [BN] of wh (W = d/8·q)."""
-    return _ld_f16(wh, bo, rmask) * 0.125
+def _iq2_scale(wh, blk, rmask):
+    """d/8 of the IQ2_XXS super-blocks blk [BN] (indices from wh, IQ2S scales; W = d/8·q)."""
+    return _ld_f16(wh, 2 * blk, rmask) * 0.125
 
 
 @triton.jit
@@ -322,28 +320,28 @@ def _tile_rows(tok_ptr, tile_e_ptr, tile_r0_ptr, tile_end_ptr, tile, BM: tl.cons
 
 @triton.jit
 def moe_gateup_mm16_kernel(xh_ptr, xl_ptr, xi_ptr, tok_ptr, wts_ptr, tile_e_ptr, tile_r0_ptr, tile_end_ptr,
-                           gh, uh, lv8, sg8, h_ptr, F, K, RB, EXP_BYTES, clamp,
+                           gh, uh, gf, uf, lv8, sg8, h_ptr, F, K, RB, EXP_BYTES, clamp,
                            BM: tl.constexpr, BN: tl.constexpr, KS: tl.constexpr, ROUTED: tl.constexpr):
     """Prefill gate/up in IQ2_XXS for one tile of assignments and BN rows:
     h[a, r] = w_a · swiglu(gate_e[r]·x[tok_a], up_e[r]·x[tok_a]), x given split by
-    split16_kernel. Per super-block the scales d/8 and 1/s combine once; its 256 values go in
-    K-steps of KS (a divisor of 256) through both weights, which share the x tiles."""
+    split16_kernel; gh / uh, gf / uf: the IQ2S scales and quant words of gate and up. Per super-block
+    the scales d/8 and 1/s combine once; its 256 values go in K-steps of KS (a divisor of 256)
+    through both weights, which share the x tiles."""
     tile = tl.program_id(0)
     pn = tl.program_id(1)
     e, a, am, tok = _tile_rows(tok_ptr, tile_e_ptr, tile_r0_ptr, tile_end_ptr, tile, BM, ROUTED)
     if e >= 0:
         rows = pn * BN + tl.arange(0, BN)
         rmask = rows < F
-        eo = e.to(tl.int64) * (EXP_BYTES // 2)  # the expert's first halfword
-        ge = gh + eo
-        ue = uh + eo
-        ro = rows * RB  # row byte offsets inside the expert (32-bit)
         NS = K // 256
+        eb = e.to(tl.int64) * (EXP_BYTES // 66)  # the expert's first block: its scales and quant words
+        ge, ue, gq, uq = gh + eb, uh + eb, gf + eb * 16, uf + eb * 16
+        rb = rows * NS  # the rows' first blocks inside the expert (32-bit)
         xo = tok[:, None] * K + tl.arange(0, KS)[None, :]
         acc_g = tl.zeros([BM, BN], tl.float32)
         acc_u = tl.zeros([BM, BN], tl.float32)
         for sb in range(0, NS):
-            bo = ro + sb * 66
+            blk = rb + sb
             # the super-block's integer products accumulate on the tensor cores; its scales once
             p_g = tl.zeros([BM, BN], tl.float32)
             p_u = tl.zeros([BM, BN], tl.float32)
@@ -351,11 +349,11 @@ def moe_gateup_mm16_kernel(xh_ptr, xl_ptr, xi_ptr, tok_ptr, wts_ptr, tile_e_ptr,
                 k0 = sb * 256 + part * KS
                 xh = tl.load(xh_ptr + xo + k0, mask=am[:, None], other=0.0)
                 xl = tl.load(xl_ptr + xo + k0, mask=am[:, None], other=0.0)
-                p_g = _dot16(xh, xl, _iq2_tile(ge, lv8, sg8, bo, part * (KS // 32), rmask, KS // 32), p_g)
-                p_u = _dot16(xh, xl, _iq2_tile(ue, lv8, sg8, bo, part * (KS // 32), rmask, KS // 32), p_u)
+                p_g = _dot16(xh, xl, _iq2_tile(gq, lv8, sg8, blk, part * (KS // 32), rmask, KS // 32), p_g)
+                p_u = _dot16(xh, xl, _iq2_tile(uq, lv8, sg8, blk, part * (KS // 32), rmask, KS // 32), p_u)
             inv = tl.load(xi_ptr + tok * NS + sb, mask=am, other=0.0)[:, None]
-            acc_g += p_g * (inv * _iq2_scale(ge, bo, rmask)[None, :])
-            acc_u += p_u * (inv * _iq2_scale(ue, bo, rmask)[None, :])
+            acc_g += p_g * (inv * _iq2_scale(ge, blk, rmask)[None, :])
+            acc_u += p_u * (inv * _iq2_scale(ue, blk, rmask)[None, :])
         hv = _swiglu(acc_g, acc_u, clamp)
         if ROUTED:
             hv = hv * tl.load(wts_ptr + a, mask=am, other=0.0)[:, None]

@@ -1,5 +1,6 @@
 """How weights are laid out on the device: GGUF's bytes as they are, except Q8_0 rows whose
-length is a multiple of 256, which are rearranged (not decoded) into 256-value chunks (Q8C):
+length is a multiple of 256, which are rearranged (not decoded) into 256-value chunks (Q8C), and
+IQ2_XXS tensors, whose blocks are split into two arrays (IQ2S, below). Q8C:
 
     chunk = f16 d[8] (16 bytes) | 256 bytes, block b's 32 at 32·b, quant q of value v as the
             byte q + 128 at 4·(v % 8) + v // 8
@@ -10,6 +11,20 @@ at a time or unpicks 16-byte segments that straddle blocks; in chunks every quan
 a chunk's 64 words load as 16-byte vectors, a word's 4 values meet a contiguous slice of x
 (values 8j..8j+7 of the block for byte j), and the biased bytes become floats with one byte
 permute and one subtraction each (kernels._b2f), no sign handling.
+
+IQ2S: an IQ2_XXS tensor's bytes become, in block order (GGUF's: row by row, K within a row),
+
+    the 64 quant bytes of every block (block B's at 64·B), then the f16 scale d of every block
+    (block B's at 64·NB + 2·B, NB blocks in the tensor)
+
+so group g of block B (4 grid-index bytes, then the u32 of signs and scale) is the two 32-bit
+words 16·B + 2·g and 16·B + 2·g + 1. Why: GGUF's 66-byte blocks keep the groups only 2-byte
+aligned, so a decoder takes a group in four 2-byte loads (and the block scale in a fifth) that
+a warp repeats for the same L1 sectors; split, a group is one aligned 8-byte load. A row
+starts at block R·K/256 of both arrays; the kernels get the quant words and the scales as two
+views (QWeight.f32 and QWeight.i16) and find a row's first block as its GGUF byte offset / 66.
+Every IQ2_XXS row is whole blocks, so every IQ2_XXS tensor goes to the device this way (the
+kernels' type id stays IQ2_XXS's).
 """
 
 from __future__ import annotations
@@ -45,7 +60,30 @@ def q8_chunks(u8: torch.Tensor, K: int) -> torch.Tensor:
     return torch.cat([d, q.reshape(b.shape[0], K // 256, 256)], dim=-1).reshape(-1)
 
 
+IQ2_BLOCK = 66  # bytes of a GGUF IQ2_XXS block: f16 d, then 64 quant bytes (256 values)
+
+
+def iq2_split(u8: torch.Tensor) -> torch.Tensor:
+    """GGUF IQ2_XXS blocks (bytes, any number) -> IQ2S: every block's 64 quant bytes, then every
+    block's f16 scale, in block order."""
+    if u8.dtype != torch.uint8 or u8.numel() % IQ2_BLOCK:
+        raise ValueError(f"IQ2S: expected uint8 IQ2_XXS blocks of {IQ2_BLOCK} bytes, got {u8.numel()} "
+                         f"{u8.dtype} values")
+    b = u8.reshape(-1, IQ2_BLOCK)
+    return torch.cat([b[:, 2:].reshape(-1), b[:, :2].reshape(-1)])
+
+
+def iq2_views(u8: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """An IQ2S tensor's (quant words int32, scales int16 holding f16 bits) as views of its bytes."""
+    nq = u8.numel() // IQ2_BLOCK * 64
+    return u8[:nq].view(torch.int32), u8[nq:].view(torch.int16)
+
+
 def device_layout(ttype: GGMLType, K: int, u8: torch.Tensor) -> tuple[torch.Tensor, int]:
     """(bytes as the kernels read them, the kernels' type id: Q8C or the GGUF type)."""
     kt = kernel_type(ttype, K)
-    return (q8_chunks(u8, K) if kt == Q8C else u8), kt
+    if kt == Q8C:
+        return q8_chunks(u8, K), kt
+    if kt == int(GGMLType.IQ2_XXS):
+        return iq2_split(u8), kt
+    return u8, kt
