@@ -271,8 +271,8 @@ def main():
     F, Kd, NE, k = 2048, 4096, a.experts, 6  # DS4 Flash: expert rows, model width, experts probed, used
     gq = _quant_blocks(T.IQ2_XXS, NE * F * Kd, 1.0 / np.sqrt(Kd), dev, g)
     uq = _quant_blocks(T.IQ2_XXS, NE * F * Kd, 1.0 / np.sqrt(Kd), dev, g)
-    gate = QWeight("gate", T.IQ2_XXS, (Kd, F, NE), gq)
-    up = QWeight("up", T.IQ2_XXS, (Kd, F, NE), uq)
+    gate = QWeight.place("gate", T.IQ2_XXS, (Kd, F, NE), gq)
+    up = QWeight.place("up", T.IQ2_XXS, (Kd, F, NE), uq)
     gc, uc = iq2r(gq, NE * F, Kd), iq2r(uq, NE * F, Kd)
     x = torch.randn(1, Kd, device=dev)
     calls = 8

@@ -1,6 +1,6 @@
 """One launch each of the decode step's heaviest products at DS4 Flash shapes, for Nsight Compute:
-the routed experts' IQ2_XXS gate/up and Q2_K down (float decoders 417 / 110, then the integer
-ones on x and h in XQ form, 418 / 111), the Q8C wo_b product (308), and
+the routed experts' IQ2_XXS gate/up and Q2_K down on x and h in XQ form (418 / 111; the gate/up
+with its group loads a step ahead, then without: mv_prefetch), the Q8C wo_b product (308), and
 the Q2C probe's down kernel (q2k_rows_probe.py), so their stall reasons, occupancy and L1
 traffic can be read side by side. (results_h200/tune_paths/ncu_decode.txt was recorded with the
 416 of the time, which looked up levels and sign masks as 8-byte words. The regex below misses
@@ -32,13 +32,13 @@ def main():
     ids = torch.arange(k, device=dev, dtype=torch.int32).view(1, k)
     wts = torch.ones(1, k, device=dev)
     x = torch.randn(1, E, device=dev)
-    gate = QWeight("gate", T.IQ2_XXS, (E, F, NE), _quant_blocks(T.IQ2_XXS, NE * F * E, 1 / np.sqrt(E), dev, g))
-    up = QWeight("up", T.IQ2_XXS, (E, F, NE), _quant_blocks(T.IQ2_XXS, NE * F * E, 1 / np.sqrt(E), dev, g))
+    gate = QWeight.place("gate", T.IQ2_XXS, (E, F, NE), _quant_blocks(T.IQ2_XXS, NE * F * E, 1 / np.sqrt(E), dev, g))
+    up = QWeight.place("up", T.IQ2_XXS, (E, F, NE), _quant_blocks(T.IQ2_XXS, NE * F * E, 1 / np.sqrt(E), dev, g))
     dq = _quant_blocks(T.Q2_K, NE * E * F, 1 / np.sqrt(F), dev, g)
     down = QWeight("down", T.Q2_K, (F, E, NE), dq)
     wo_b = QWeight.place("wo_b", T.Q8_0, (8192, 4096), _quant_blocks(T.Q8_0, 8192 * 4096, 1 / 90.5, dev, g))
-    for gt, dt in ((417, 110), (418, 111)):  # the float decoders, then the integer ones on XQ x and h
-        be.mv_types = {**be.mv_types, int(T.IQ2_XXS): gt, int(T.Q2_K): dt}
+    for pf in (True, False):  # 418 loading a K-step ahead, then not
+        be.mv_prefetch = pf
         be._routed_mv(x, gate, up, down, ids, wts, 1, k, 1e9)
     be.linear(torch.randn(1, 8192, device=dev), wo_b)
     h = be._gateup_mv(x, gate, up, ids, wts, k, k, 1e9)
