@@ -1193,7 +1193,8 @@ class TritonBackend(Backend):
             lv8, sg8 = self._gridp[256:768].view(torch.int64), self._ksigns[128:384].view(torch.int64)
             self._launch(K16.moe_gateup_mm16_kernel, (T, _cdiv(F, BN)), xh, xl, xi, tok_sorted, w_sorted,
                          tile_e, tile_r0, tile_end, gate.i16, up.i16, gate.f32, up.f32, lv8, sg8, h, F, E,
-                         gate.RB, F * gate.RB, float(clamp), BM=BM, BN=BN, KS=KS, ROUTED=True, num_warps=warps, num_stages=stages,
+                         gate.RB, F * gate.RB, float(clamp), BM=BM, BN=BN, KS=KS, ROUTED=True, num_warps=warps,
+                         num_stages=stages,
                          nbytes=2 * gate.nbytes + 4 * n * k * (E + F))
         else:
             BN, warps = self.moe_tile["gateup"]

@@ -4,7 +4,8 @@ Every kernel reads quantized weight blocks (no dequantized copy of any weight), 
 them or rearranged (Q8C chunks for Q8_0, IQ2S for IQ2_XXS, below): `_wtile` decodes a
 [rows, units, values-per-unit] tile of F32/F16/BF16/Q8_0/Q8C/Q2_K/Q4_K/IQ2_XXS rows in registers,
 where a "unit" is the group of values that shares one scale (a Q8_0 block, a Q2_K sub-block, one
-IQ2_XXS grid entry). Matrix-vector kernels (decode) multiply that tile by the activation with FMAs; matrix-matrix kernels (prefill) reshape it to [rows, K-block] for `tl.dot`.
+IQ2_XXS grid entry). Matrix-vector kernels (decode) multiply that tile by the activation with FMAs;
+matrix-matrix kernels (prefill) reshape it to [rows, K-block] for `tl.dot`.
 Specialised decoders (`_mv_step`, `_q8c_rows`, `_iq2_group_rows`) serve the decode shapes of the
 shipped formats, and Q8_0 prefill products run as exact integers on bf16 tensor cores
 (`_dot_units`).
@@ -737,8 +738,8 @@ def _iq2_levels_smem(gs, tab):
 
 @triton.jit
 def _iq2_group_step(xu, wh, wf, gridp, rb, m, u, tab, SMEM: tl.constexpr = False):
-    """TYPE 416, one K-step: for each of the four row sets (ro, m: tuples of [BN/4, 1] byte
-    offsets / masks) W·x over the 32-value IQ2_XXS groups u [1, NB]. Every x value is loaded
+    """TYPE 416, one K-step: for each of the four row sets (rb, m: tuples of [BN/4, 1] first-block
+    indices / masks) W·x over the 32-value IQ2_XXS groups u [1, NB]. Every x value is loaded
     once for the four rows. A grid entry's 8 level codes come as nibbles from one 4-byte lookup
     (gridp[768:1024]); its signs are computed (parity, then spread to bit 2 of each nibble), not
     looked up; one byte permute per 4 values gives the biased bytes 128 ± level (_iq2_lut) and
