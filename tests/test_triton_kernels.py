@@ -575,7 +575,7 @@ def test_split_k_experts(pair, rng):
     il = 4
     L_r, L_t = wr.layers[il], wt.layers[il]
     g, d, sg = L_t.ffn_gate_exps, L_t.ffn_down_exps, L_t.ffn_gate_shexp
-    saved = dict(tri.mv_shapes)
+    saved, saved_pf = dict(tri.mv_shapes), tri.mv_prefetch
     try:
         for gp, dp in ((417, 110), (418, 111)):  # the float decoders, then those on x and h in XQ form
             tri.mv_shapes = {("gateup", int(g.type), g.N, g.K): (gp, 128 if gp == 417 else 64, 16, 4, 2),
@@ -604,7 +604,7 @@ def test_split_k_experts(pair, rng):
             assert not tri._split_cnt.any()
     finally:
         tri.mv_shapes = saved
-        tri.mv_prefetch = True
+        tri.mv_prefetch = saved_pf
 
 
 def test_embed_and_output_head(pair, rng):

@@ -455,10 +455,11 @@ def main():
             if a.pick:
                 pick(rows, a.pick)
     if "xq" in parts:  # 418 loading a K-step ahead (mv_prefetch), then not
+        default = be.mv_prefetch
         for pf in (True, False):
             be.mv_prefetch = pf
             decode_xq(be, rows)
-        be.mv_prefetch = True
+        be.mv_prefetch = default
         print(f"[{time.time() - T0:.0f}s] xq", flush=True)
         save()
     if "rows" in parts:  # the floor in a matrix's access pattern: rows × bytes per step

@@ -1100,10 +1100,11 @@ class TritonBackend(Backend):
         if xq is None:  # a float decoder of x: its own alignment check
             cg = self._mv_cfg(gate.kt, F, E, n * k, kind="gateup", x16=_x16(x, x.stride(0)))
         # the down's decoder: 111 reads h in XQ form, which the gate/up then also stores
-        dq = F % 32 == 0 and self._mv_cfg(down.kt, E, F, n, kind="down", xq=True)["TYPE"] == 111
-        hq = self._xq_new(n * k, F) if dq else None
+        cd = self._mv_cfg(down.kt, E, F, n, kind="down", xq=F % 32 == 0)
+        hq = self._xq_new(n * k, F) if cd["TYPE"] == 111 else None
         h = self._gateup_mv(x, gate, up, ids, wts, n * k, k, clamp, c=cg, xq=xq, hq=hq)
-        cd = self._mv_cfg(down.kt, E, F, n, kind="down", x16=_x16(h, F), xq=dq)
+        if hq is None:  # a float decoder of h: its own alignment check
+            cd = self._mv_cfg(down.kt, E, F, n, kind="down", x16=_x16(h, F))
         return self._down_mv(h, ids, down, n, k, c=cd, hq=hq)
 
     def _rms(self, x: _Normed, xq=None) -> torch.Tensor:

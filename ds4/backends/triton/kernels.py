@@ -456,16 +456,11 @@ def _mv_step(xb, k0, wb, wh, wf, gridp, ksigns, row_off, rmask, rs, nw_ptr,
         d = _ld_f16(wh, 2 * blk, m)
         gq = tl.load(wf + gw, mask=m, other=0)
         aux = tl.load(wf + gw + 1, mask=m, other=0)
-        g01 = gq & 0xFFFF
-        g23 = (gq >> 16) & 0xFFFF
         db = d * (0.5 + ((aux >> 28) & 15).to(tl.float32)) * 0.25
         xu = xb + k0 + tl.arange(0, NB) * 32
         part = tl.zeros(d.shape, tl.float32)
         for sub in tl.static_range(4):
-            if sub < 2:
-                gi = (g01 >> (8 * sub)) & 255
-            else:
-                gi = (g23 >> (8 * (sub - 2))) & 255
+            gi = _iq2_grid_index(gq, sub)
             si = (aux >> (7 * sub)) & 127
             for h in tl.static_range(2):
                 # 4 levels as int8 bytes, negated bytewise where the sign mask byte is 0xFF

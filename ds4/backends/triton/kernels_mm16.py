@@ -33,7 +33,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from .kernels import _INTERP, _dot16, _hi_lo, _ld_f16, _pow2_scale, _q8c_block, _q8c_value, _swiglu, _u8f
+from .kernels import _INTERP, _dot16, _iq2_grid_index, _hi_lo, _ld_f16, _pow2_scale, _q8c_block, _q8c_value, _swiglu, _u8f
 
 _MAGIC = tl.constexpr(8388608.0)  # 2^23: an integer OR-ed into its mantissa is exact (see _u8f)
 
@@ -130,11 +130,10 @@ def _iq2_tile(wf, lv8, sg8, blk, g0, rmask, NG: tl.constexpr):
     gw = blk[None, :] * 16 + 2 * (g0 + tl.arange(0, NG))[:, None]  # [NG, BN]: a group is 2 words
     gq = tl.load(wf + gw, mask=m, other=0)
     aux = tl.load(wf + gw + 1, mask=m, other=0)
-    g01 = gq & 0xFFFF
-    g23 = (gq >> 16) & 0xFFFF
     mul = _u8f(2 * ((aux >> 28) & 15) + 1)[:, :, None, None]  # 2·ls + 1, per group
     off = mul * -8388736.0  # exact: 5 × 17 significant bits
-    gi = _join4(g01 & 255, g01 >> 8, g23 & 255, g23 >> 8)  # [NG, BN, 2, 2]: the 4 entries
+    gi = _join4(_iq2_grid_index(gq, 0), _iq2_grid_index(gq, 1), _iq2_grid_index(gq, 2),
+                _iq2_grid_index(gq, 3))  # [NG, BN, 2, 2]: the 4 entries
     si = _join4(aux & 127, (aux >> 7) & 127, (aux >> 14) & 127, (aux >> 21) & 127)
     mk = tl.load(sg8 + si)
     sv = (tl.load(lv8 + gi) ^ mk) + (mk & 0x0101010101010101)  # 8 signed level bytes
