@@ -11,9 +11,6 @@ if [ "${RUN_TESTS:-1}" = 1 ]; then
   timeout ${TEST_TIMEOUT:-240} python3 -m pytest -q -x -n ${XDIST:-8} tests/test_triton_kernels.py tests/test_triton_model.py \
     -p no:cacheprovider 2>&1 | tail -${TEST_TAIL:-40} | tee $OUT/results/tests.log
 fi
-if [ "${RUN_TUNE:-0}" = 1 ]; then
-  timeout ${TUNE_TIMEOUT:-150} python3 bench/triton/tune_mv.py --out $OUT/results/tune.json 2>&1 | tail -${TUNE_TAIL:-60} | tee $OUT/results/tune.log
-fi
 if [ "${RUN_BENCH:-1}" = 1 ]; then
   timeout ${BENCH_TIMEOUT:-330} python3 bench/triton/bench_full.py --out $OUT/results --budget ${BUDGET:-250} ${BENCH_ARGS:-} 2>&1 | tee $OUT/results/bench.log
 fi
