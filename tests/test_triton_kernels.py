@@ -252,15 +252,19 @@ def test_indexer_qat_matches_numerics(pair, rng, monkeypatch):
 
 # ---- mHC, norms, RoPE ---------------------------------------------------------------------------
 
-def test_hc_pre_post(pair, rng):
+def test_hc_pre_post(pair, rng, monkeypatch):
     ref, wr, tri, wt = pair
     cfg = ref.cfg
     for n in (1, 4, 20):  # 4 and 20: several tokens per mixing program (one partial)
         X = rng.standard_normal((n, cfg.n_hc, cfg.n_embd)).astype(np.float32)
         a = ref.hc_pre(X, wr.layers[1].hc_ffn)
-        b = [tri.to_numpy(v) for v in tri.hc_pre(_t(tri, X), wt.layers[1].hc_ffn)]
-        for u, v in zip(a, b):
-            assert _rel(v, u) < 1e-5
+        # one token: the finalize as two launches (x_in; post and comb) and as one
+        for beside in ((True, False) if n == 1 else (True,)):
+            monkeypatch.setattr(tri, "hc_comb_beside", beside)
+            b = [tri.to_numpy(v) for v in tri.hc_pre(_t(tri, X), wt.layers[1].hc_ffn)]
+            for u, v in zip(a, b):
+                assert _rel(v, u) < 1e-5, (n, beside)
+        monkeypatch.setattr(tri, "hc_comb_beside", True)
         y = rng.standard_normal((n, cfg.n_embd)).astype(np.float32)
         y2 = rng.standard_normal((n, cfg.n_embd)).astype(np.float32)
         want = ref.hc_post(y + y2, X, a[1], a[2])
@@ -356,6 +360,26 @@ def test_indexer_select(pair, rng):
         assert np.array_equal(got.mask(want.shape[1]), want), (p0, n)
 
 
+def test_topk_ties_and_signed_zeros():
+    """The register top-k on scores with many ties, ±0 among them and negative values, against
+    a stable sort written here: the TOPK largest, equal scores by lower row, rows increasing."""
+    from ds4.backends.triton import kernels as K
+
+    gen = np.random.default_rng(7)
+    CS, TOPK = 200, 37
+    for levels in ([-0.0, 0.0, 1.5, -2.0, 3.0], [0.0, -0.0], [-1.0, -1.5, -0.0, 2.0 ** -140]):
+        sc = gen.choice(np.array(levels, np.float32), CS).astype(np.float32)
+        # -0.0 and +0.0 are one value; the rest by value, then row
+        order = sorted(range(CS), key=lambda r: (-(float(sc[r]) + 0.0), r))
+        want = np.sort(np.array(order[:TOPK]))
+        idx = torch.zeros(TOPK, dtype=torch.int32, device=DEVICE)
+        cnt = torch.zeros(1, dtype=torch.int32, device=DEVICE)
+        pos = torch.tensor([CS - 1], dtype=torch.int32, device=DEVICE)
+        K.topk_kernel[(1,)](torch.from_numpy(sc).to(DEVICE), idx, cnt, pos, 1, CS, TOPK, BC=256, CMAX=256)
+        assert int(cnt[0]) == TOPK
+        assert np.array_equal(idx.cpu().numpy(), want), levels
+
+
 @pytest.mark.parametrize("il", [0, 2, 3], ids=["sliding", "csa", "hca"])
 def test_attention(pair, il, rng, monkeypatch):
     """Both product paths against the reference: under ds4 numerics fp16 tensor cores (the
@@ -426,6 +450,17 @@ def test_router_ties_pick_the_lower_expert(model):
     ids, _ = ref.router(f, t, None, None, np.zeros(2, np.int64), 4)
     tids, _ = tri.router(_t(tri, f), tri.upload(t), None, None, np.zeros(2, np.int64), 4)
     assert np.array_equal(tri.to_numpy(tids), ids)
+    # every logit 0: equal scores p0 = sqrt(softplus(0)); a bias of -p0 brings experts 3 and 7 to
+    # the same score near zero (a few ulps either side, or ±0), the rest to p0 - 5: negative, tied
+    t0 = Tensor("g0", T.F32, (cfg.n_embd, cfg.n_expert), np.zeros(gate.size, np.float32).view(np.uint8))
+    bias = np.full(cfg.n_expert, -5.0, np.float32)
+    bias[[3, 7]] = -np.sqrt(np.log1p(np.exp(np.float32(0))), dtype=np.float32)
+    b = Tensor("b", T.F32, (cfg.n_expert,), bias.view(np.uint8))
+    ids, w = ref.router(f, t0, b, None, np.zeros(2, np.int64), 4)
+    tids, tw = tri.router(_t(tri, f), tri.upload(t0), tri.upload(b), None, np.zeros(2, np.int64), 4)
+    assert ids[0, :2].tolist() == [3, 7] and ids[0, 2:].tolist() == [0, 1, 2, 4, 5, 6][:cfg.n_expert_used - 2]
+    assert np.array_equal(tri.to_numpy(tids), ids)
+    assert _rel(tri.to_numpy(tw), w) < 1e-6
 
 
 def _xq_round(v: np.ndarray) -> np.ndarray:

@@ -101,3 +101,25 @@ def test_unused_side_streams_are_not_joined():
     _launch(ln, 0, x)
     ln.end()
     assert main.log == [] and s1.log == [] and s2.log == []
+
+
+def test_hold_main_orders_lane_0_after_the_branch():
+    ln, main, s1, s2 = _lanes()
+    a, b = torch.empty(2), torch.empty(2)
+    ln.arena(a)
+    ln.arena(b)
+    _launch(ln, 0, a)
+    _launch(ln, 1, b)  # the branch: joins lane 0, then produces b
+    _, ev = _launch(ln, 1)
+    ln.hold_main()  # on lane 1: lane 0 waits for lane 1's last launch, once
+    assert main.log == [("event", ev)]
+    ln.hold_main()
+    assert main.log == [("event", ev)]
+    ln.lane = 0
+    ln.hold_main()  # on lane 0 itself: nothing to wait for
+    ln.lane = 2
+    ln.hold_main()  # a side lane with no launches yet: nothing either
+    assert main.log == [("event", ev)]
+    _launch(ln, 0, b)  # a later read of b on lane 0 needs no second wait
+    assert main.log == [("event", ev)]
+

@@ -352,6 +352,20 @@ class TritonBackend(Backend):
         self.hc_mix_bt = (16, 64) if not self.interpret else (2, 16)
         # decode: the mixing kernel of an mHC collapse computes the pending expand (hc_post) itself
         self.fuse_expand = True
+        # decode mHC: K parts of the mixing projections (programs per token), collapse values per
+        # finalize program, and whether a one-token finalize computes post and comb (the Sinkhorn
+        # iterations) in a launch of its own, beside the sublayer in a decode step, instead of
+        # before it (hc_finalize_kernel PART). 7.11 against 7.50 GPU ms a step at 4096 with 64
+        # parts, 1024 values and one launch (bench/triton/results_h200/mhc_side/run2_variants)
+        self.hc_mix_split = 128
+        self.hc_fin_be = 256
+        self.hc_comb_beside = True
+        # decode steps in a layer with an indexer: the query's product waits for the indexer's
+        # scores ("score") or its query RoPE ("rope"), or for neither ("none"): it fills every
+        # SM, and the indexer's small kernels behind it (RoPE, scores, top-k) are the layer's
+        # critical chain. 7.80 against 8.05 ("none") and 8.02 ("rope") GPU ms at 32768, 7.07
+        # against 7.10 and 7.04 at 4096 (mhc_side/run3_variants)
+        self.query_waits_index = "score"
         # decode products fuse a pending RMSNorm of x (every program normalises the x values it
         # loads) unless their programs together would read x this many times over or more; then x
         # is normalised once first. The query's 32768-row product (4096 programs over 1024
@@ -706,6 +720,12 @@ class TritonBackend(Backend):
                 if isinstance(t, torch.Tensor):
                     ln.state(t)
 
+    def _hold_main(self) -> None:
+        """In a decode step with side streams: the main stream's next launches (the query's
+        32768-row product) wait for this branch's last launch (Lanes.hold_main)."""
+        if self._lanes is not None and self._lanes.active:
+            self._lanes.hold_main()
+
     def _end_lanes(self) -> None:
         if self._lanes is not None:
             self._lanes.end()
@@ -818,10 +838,12 @@ class TritonBackend(Backend):
         else:
             X = ex.val = self._new((n, HC, E))
             expand = (ex.y, ex.y2 if ex.y2 is not None else ex.y, ex.X, ex.post, ex.comb)
-        # (32-value K-steps for BT > 1: larger ones spill registers, sm_90 SASS)
-        NB, VB = self._blocks(fn.kt, Kd, 1024 if self.interpret else 32 if BT > 1 else 128)
+        # (32-value K-steps for BT > 1: larger ones spill registers, sm_90 SASS; one token: up to
+        # 128, one K-step per program where hc_mix_split parts make them shorter)
+        cap = 32 if BT > 1 else max(32, min(128, Kd // self.hc_mix_split))
+        NB, VB = self._blocks(fn.kt, Kd, 1024 if self.interpret else cap)
         BK = NB * VB
-        split = 1 if self.interpret else max(1, min(64, 128 // _cdiv(n, BT)))
+        split = 1 if self.interpret else max(1, min(self.hc_mix_split, max(128, self.hc_mix_split) // _cdiv(n, BT)))
         split = min(split, Kd // BK)
         split = _largest_pow2_divisor(Kd // BK, split)
         part = self._new((n, split, NM))
@@ -834,11 +856,25 @@ class TritonBackend(Backend):
         post = self._dummy_f if head else self._new((n, HC))
         comb = self._dummy_f if head else self._new((n, HC, HC))
         BT = min(_pow2(n), 32) if self.interpret else 1
-        BE = min(1024 // BT if self.interpret else 1024, _pow2(E))
-        self._launch(K.hc_finalize_kernel, (_cdiv(n, BT), _cdiv(E, BE)), X, part, ss, hc.scale.vec, hc.base.vec,
-                     x_in, post, comb, n, E, cfg.rms_eps, cfg.hc_eps, cfg.hc_sinkhorn_iter,
-                     SPLIT=split, HC=HC, NM=NM, BE=BE, BT=BT, HEAD=head, num_warps=4,
-                     nbytes=4 * (X.numel() + n * E))
+        BE = min(1024 // BT if self.interpret else self.hc_fin_be, _pow2(E))
+        consts = (n, E, cfg.rms_eps, cfg.hc_eps, cfg.hc_sinkhorn_iter)
+        kw = dict(SPLIT=split, HC=HC, NM=NM, BE=BE, BT=BT, HEAD=head, num_warps=4)
+        d = self._dummy_f
+        if not head and self.hc_comb_beside and n == 1:
+            # x_in first, post and comb (the Sinkhorn) beside the sublayer, which needs only x_in
+            # (on a side stream in a decode step; in order elsewhere, so that every one-token
+            # collapse runs the same two kernels: one launch doing both parts gave other bits, as
+            # the compiler laid out its reductions differently). Each launch takes only the
+            # buffers it writes: the side streams order readers after the launch that took a
+            # buffer first (lanes.py)
+            self._launch(K.hc_finalize_kernel, (_cdiv(n, BT), _cdiv(E, BE)), X, part, ss, hc.scale.vec,
+                         hc.base.vec, x_in, d, d, *consts, PART=1, **kw, nbytes=4 * (X.numel() + n * E))
+            with self.branch():
+                self._launch(K.hc_finalize_kernel, (_cdiv(n, BT), 1), d, part, ss, hc.scale.vec, hc.base.vec,
+                             d, post, comb, *consts, PART=2, **kw, nbytes=4 * n * split * NM)
+        else:
+            self._launch(K.hc_finalize_kernel, (_cdiv(n, BT), _cdiv(E, BE)), X, part, ss, hc.scale.vec,
+                         hc.base.vec, x_in, post, comb, *consts, **kw, nbytes=4 * (X.numel() + n * E))
         return x_in, post, comb
 
     @_op
@@ -962,9 +998,13 @@ class TritonBackend(Backend):
         iq = self._rope(self._linear(qr, w.q_b), il, inverse=False, qat=self.ds4_numerics, rows_dim=(IH, ID))
         scores = self._new((n, cs))
         BC = 64 if not self.interpret else 128
+        if self.query_waits_index == "rope":
+            self._hold_main()
         self._launch(K.idx_score_kernel, (n, _cdiv(cs, BC)), iq, hw, st["index"], scores, self._pos, m, IH, cs,
                      float(np.float32(np.sqrt(ID * IH))), IHP=max(16, _pow2(IH)), ID=ID, BC=BC, EXACT=self.ds4_numerics,
                      num_warps=4, nbytes=4 * n * (cs * ID + IH * ID + cs))
+        if self.query_waits_index == "score":
+            self._hold_main()
         idx = self._new((n, top_k), torch.int32)
         cnt = self._new((n,), torch.int32)
         cmax = _pow2(cs) if cs <= self.topk_reg_max else 0

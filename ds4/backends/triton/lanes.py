@@ -78,6 +78,14 @@ class Lanes:
         self._next = self._next % self.n_side + 1
         return self._next
 
+    def hold_main(self) -> None:
+        """Lane 0's later launches wait for the current lane's last launch, though they do not
+        read what it wrote. A large kernel on lane 0 fills every SM with its programs, and the
+        small kernels of a branch that become ready after it then wait for SM slots: where that
+        branch is the critical one (the indexer's chain), it goes first."""
+        if self.lane != 0 and self.count[self.lane]:
+            self._wait(0, self.lane, self.count[self.lane])
+
     def tickets(self) -> torch.Tensor:
         return self.tickets_of[self.lane]
 
