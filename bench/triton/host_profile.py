@@ -44,8 +44,9 @@ class _TimedGraph:
 
 def phases(eng, s, steps: int = 32) -> dict:
     """Median host time of each phase of a replayed step, in ms: up to graph.replay()'s return
-    (token and position to the device, the launch; and the replay() call alone), the op walk after it, the wait + copy of
-    the logits (to_numpy), and what the session does after; then the logits copy alone."""
+    (token and position to the device, the launch; and the replay() call alone), the op walk
+    after it, the wait + copy of the logits (to_numpy), and what the session does after; then
+    the logits copy alone."""
     be = eng.backend
     entry = next(e for e in be._graphs.values() if e.states is s.states)
     marks: dict = {}

@@ -813,7 +813,7 @@ def _iq2_group_rows(xb, wh, wf, gridp, row_off, rmask, K, sk, BN: tl.constexpr, 
 @triton.jit
 def _iq2_int_step(xw, gs, tab):
     """TYPE 418, one K-step: for each of the four row sets (as _iq2_group_step) W·x over the
-    IQ2_XXS groups u [1, NB], x in XQ form (xw: each group's first word). Per group and row the
+    step's IQ2_XXS groups (gs), x in XQ form (xw: each group's first word). Per group and row the
     levels become signed bytes (one permute per 4 values) and meet x's hi and lo bytes in _dp4a,
     exactly in int32; one float product per group takes the scales (d·(0.5 + scale)/4 here, x's
     by the caller). Where 416 / 417 spend a byte-to-float and an FMA per value, this spends half
