@@ -108,7 +108,10 @@ def test_linear_reads_every_block_format(ttype, K, rng):
         x = rng.standard_normal((n, K)).astype(np.float32)
         y = tri.to_numpy(tri.linear(_t(tri, x), w))
         assert y.shape == (n, N)
-        assert _rel(y, x.astype(np.float64) @ dense.T) < 2e-6, (ttype.name, n, plain, prec)
+        want_x = x.astype(np.float64)
+        if mv_types.get(w.kt) == 309:  # x in XQ8 form: the product of the x it stands for
+            want_x = _check_xq(*[tri.to_numpy(t) for t in tri._xq(_t(tri, x), perm=True)], x, perm=True)
+        assert _rel(y, want_x @ dense.T) < 2e-6, (ttype.name, n, plain, prec)
     # decode with the RMSNorm fused into the product (decoders without a fused norm hand it on)
     tri.mv_types = dict(TritonBackend(cfg, device=DEVICE).mv_types)
     x = rng.standard_normal((1, K)).astype(np.float32) * 3
@@ -419,8 +422,13 @@ def _check_attention(ref, wr, tri, wt, il, rng):
         assert _rel(got, want) < 1e-5, (p0, n, tri.attn_f16)
         if n == 1:  # the split decode path with the inverse RoPE fused into the merge
             want_inv = ref.rope(want, p0, il, inverse=True)
-            got_inv = tri.to_numpy(tri.rope(tri.attention(_t(tri, q), ts, sinks_t, p0, il, tsel), p0, il, inverse=True))
+            comb = tri.rope(tri.attention(_t(tri, q), ts, sinks_t, p0, il, tsel), p0, il, inverse=True)
+            tri.ledger = []
+            xq = [tri.to_numpy(t) for t in tri._xq(comb, perm=True)]  # the merge stores both forms
+            assert [k for k, _ in tri.ledger] == ["attn_combine_kernel"]
+            got_inv = tri.to_numpy(comb)
             assert _rel(got_inv, want_inv) < 1e-5
+            _check_xq(*xq, got_inv.reshape(1, -1), perm=True)
 
 
 # ---- routing and experts ------------------------------------------------------------------------
@@ -551,18 +559,24 @@ def test_iq2_nibble_table():
     assert np.array_equal(np.array([8.0, 25.0, 43.0])[codes], np.asarray(gq.IQ2_XXS.grid).reshape(256, 8))
 
 
-def _check_xq(words, scales, sums, x):
+def _check_xq(words, scales, sums, x, perm=False):
     """The XQ form of x [n, K] (words [n, K/2] int32, scales [n, K/32], 16-value sums [n, K/16])
     read back byte by byte as the layout is written out here: per 32-value block 16 words, for
     each 8 values j the hi bytes of values 8j..8j+3, of 8j+4..8j+7, then their lo bytes;
-    q = 256·hi + lo. Against x rounded by hand: q within 1 of floor(x·32639/amax + 0.5) (the
-    GPU's division may round the other way), s = amax / 32639, sums s·Σq per 16 values."""
+    q = 256·hi + lo. perm (XQ8): for each pair of words 2p, 2p+1 the hi bytes of word w = values
+    w, w+8, w+16, w+24 (byte j: value 8j + w), then their lo bytes. Against x rounded by hand: q
+    within 1 of floor(x·32639/amax + 0.5) (the GPU's division may round the other way),
+    s = amax / 32639, sums s·Σq per 16 values. Returns the x the form stands for, q·s."""
     n, Kd = x.shape
     b = x.reshape(n, Kd // 32, 32).astype(np.float32)
     amax = np.abs(b).max(axis=2)
-    by = words.reshape(n, Kd // 32, 4, 4, 1).view(np.uint8).reshape(n, Kd // 32, 4, 4, 4)  # [.., j, word, byte]
-    hi = np.concatenate([by[:, :, :, 0], by[:, :, :, 1]], axis=3).view(np.int8).astype(np.int64)
-    lo = np.concatenate([by[:, :, :, 2], by[:, :, :, 3]], axis=3).view(np.int8).astype(np.int64)
+    by = words.reshape(n, Kd // 32, 4, 4, 1).view(np.uint8).reshape(n, Kd // 32, 4, 4, 4)  # [.., j | p, word, byte]
+    if perm:  # [.., p, e, byte j] of word w = 2p + e -> value 8j + w
+        hi = by[:, :, :, 0:2].reshape(n, Kd // 32, 8, 4).transpose(0, 1, 3, 2).view(np.int8).astype(np.int64)
+        lo = by[:, :, :, 2:4].reshape(n, Kd // 32, 8, 4).transpose(0, 1, 3, 2).view(np.int8).astype(np.int64)
+    else:
+        hi = np.concatenate([by[:, :, :, 0], by[:, :, :, 1]], axis=3).view(np.int8).astype(np.int64)
+        lo = np.concatenate([by[:, :, :, 2], by[:, :, :, 3]], axis=3).view(np.int8).astype(np.int64)
     q = (256 * hi + lo).reshape(n, Kd // 32, 32)
     inv = np.where(amax > 0, np.float32(32639) / np.where(amax > 0, amax, np.float32(1)), np.float32(0))
     want_q = np.floor(b * inv[:, :, None].astype(np.float32) + np.float32(0.5)).astype(np.int64)
@@ -571,6 +585,7 @@ def _check_xq(words, scales, sums, x):
     assert np.allclose(scales, amax / 32639, rtol=1e-6, atol=0)
     want_sums = q.reshape(n, Kd // 16, 16).sum(axis=2) * np.repeat(scales, 2, axis=1)
     assert np.allclose(sums, want_sums, rtol=1e-6, atol=1e-30)
+    return (q * scales.astype(np.float64)[:, :, None]).reshape(n, Kd)
 
 
 def test_xq_form(pair, rng):
@@ -599,10 +614,76 @@ def test_xq_form(pair, rng):
     _check_xq(*xq, xn)
 
 
+def test_q8c_on_xq8(rng):
+    """Decoder 309: Q8C rows on x in XQ8 form (xq_kernel for a plain x, rms_kernel for a normed
+    one, the layout checked by _check_xq), through the per-shape table: one to eight rows per
+    thread, K whole and split in parts, grouped rows, one and three tokens. Against the x the
+    XQ8 words stand for (read back by hand) times numpy's decode of the GGUF rows, in float64;
+    a 308 entry of the same shape keeps x as floats."""
+    cfg = _cfg()
+    tri = TritonBackend(cfg, device=DEVICE)
+    N, K = 48, 1024
+    raw = random_blocks(T.Q8_0, N * K, rng, scale=0.05)
+    w = tri.upload(Tensor("w", T.Q8_0, (K, N), raw))
+    dense = dequantize_rows(raw.reshape(N, row_bytes(T.Q8_0, K)), T.Q8_0, K).astype(np.float64)
+    nwv = rng.uniform(0.5, 1.5, K).astype(np.float32)
+    nw = tri.upload(Tensor("nw", T.F32, (K,), nwv.view(np.uint8)))
+    for entry in ((309, 256, 16, 4, 4, 4), (309, 512, 16, 4, 2, 8), (309, 256, 8, 4, 1, 1), (309, 1024, 8, 2, 1, 2)):
+        tri.mv_shapes[("linear", w.kt, N, K)] = entry
+        for n in (1, 3):
+            x = (rng.standard_normal((n, K)) * rng.uniform(0.1, 3, (n, K))).astype(np.float32)
+            tri.ledger = []
+            xq = tri._xq(_t(tri, x), perm=True)
+            xd = _check_xq(*[tri.to_numpy(t) for t in xq], x, perm=True)
+            for _ in range(2):  # twice: the split-K tickets reset
+                y = tri.to_numpy(tri.linear(_t(tri, x), w))
+                assert _rel(y, xd @ dense.T) < 2e-6, (entry, n)
+                assert _rel(y, x.astype(np.float64) @ dense.T) < 1e-4, (entry, n)
+            assert [k for k, _ in tri.ledger] == ["xq_kernel"] + ["xq_kernel", "matvec_xq_kernel"] * 2
+            f = tri.rms_norm(_t(tri, x), nw)
+            tri.ledger = []
+            y = tri.to_numpy(tri.linear(f, w))
+            assert [k for k, _ in tri.ledger] == ["rms_kernel", "matvec_xq_kernel"]
+            xn = tri.to_numpy(tri._val(f))
+            xd = _check_xq(*[tri.to_numpy(t) for t in f.xq8], xn, perm=True)
+            assert _rel(y, xd @ dense.T) < 2e-6, (entry, n, "norm")
+            xg = (rng.standard_normal((n, 3 * K))).astype(np.float32)
+            y = tri.to_numpy(tri._linear(_t(tri, xg), w, group_rows=16, group_stride=K))
+            xd = _check_xq(*[tri.to_numpy(t) for t in tri._xq(_t(tri, xg), perm=True)], xg, perm=True)
+            want = np.concatenate([xd[:, g * K:(g + 1) * K] @ dense[16 * g:16 * (g + 1)].T for g in range(3)], 1)
+            assert _rel(y, want) < 2e-6, (entry, n, "groups")
+    # the result in XQ8 form too (XQOUT): 16-row programs in groups (the last of a block's two
+    # stores it), 64-row programs (each its own blocks); with K in parts a plain result
+    N2 = 64
+    raw2 = random_blocks(T.Q8_0, N2 * K, rng, scale=0.05)
+    w2 = tri.upload(Tensor("w2", T.Q8_0, (K, N2), raw2))
+    dense2 = dequantize_rows(raw2.reshape(N2, row_bytes(T.Q8_0, K)), T.Q8_0, K).astype(np.float64)
+    for entry, gr in (((309, 256, 16, 4, 1, 4), 16), ((309, 256, 64, 4, 1, 8), 0), ((309, 256, 16, 4, 2, 4), 0)):
+        tri.mv_shapes[("linear", w2.kt, N2, K)] = entry
+        for n in (1, 2):
+            x = rng.standard_normal((n, (N2 // gr if gr else 1) * K)).astype(np.float32)
+            y = tri._linear(_t(tri, x), w2, group_rows=gr, group_stride=K if gr else 0, xq_out=True)
+            xd = _check_xq(*[tri.to_numpy(t) for t in tri._xq(_t(tri, x), perm=True)], x, perm=True)
+            want = (np.concatenate([xd[:, g * K:(g + 1) * K] @ dense2[gr * g:gr * (g + 1)].T for g in range(N2 // gr)], 1)
+                    if gr else xd @ dense2.T)
+            assert _rel(tri.to_numpy(y), want) < 2e-6, (entry, n)
+            if entry[4] == 1:
+                _check_xq(*[tri.to_numpy(t) for t in y.xq8], tri.to_numpy(y), perm=True)
+            else:
+                assert isinstance(y, torch.Tensor)
+    tri.mv_shapes[("linear", w.kt, N, K)] = (308, 256, 16, 4, 1, 4)
+    x = rng.standard_normal((1, K)).astype(np.float32)
+    tri.ledger = []
+    assert _rel(tri.to_numpy(tri.linear(_t(tri, x), w)), x.astype(np.float64) @ dense.T) < 2e-6
+    assert [k for k, _ in tri.ledger] == ["matvec_kernel"]
+    assert not tri._split_cnt.any()
+
+
 def test_split_k_experts(pair, rng):
     """The routed gate/up (IQ2_XXS, 417 / 418), down (Q2_K, 110 / 111) and shared-expert products
-    of a decode step with K split in two (the tile's last program adds the partials, then the
-    SwiGLU; 418 then stores h in XQ form) match the reference; twice, so the tickets reset. 418
+    (gate/up 308, then 309) of a decode step with K split in two (the tile's last program adds
+    the partials, then the SwiGLU; 418 then stores h in XQ form) match the reference; twice, so
+    the tickets reset. 418
     takes two K-steps per part, loading each step's groups a step ahead the first time
     (mv_prefetch) and not the second."""
     ref, wr, tri, wt = pair
@@ -615,7 +696,7 @@ def test_split_k_experts(pair, rng):
         for gp, dp in ((417, 110), (418, 111)):  # the float decoders, then those on x and h in XQ form
             tri.mv_shapes = {("gateup", int(g.type), g.N, g.K): (gp, 128 if gp == 417 else 64, 16, 4, 2),
                              ("down", int(d.type), d.N, d.K): (dp, 128, 16, 4, 2),
-                             ("gateup", sg.kt, sg.N, sg.K): (308, 256, 16, 4, 2, 4)}
+                             ("gateup", sg.kt, sg.N, sg.K): (308 if gp == 417 else 309, 256, 16, 4, 2, 4)}
             for n in ((1, 3) if gp == 417 else (3,)):  # (the interpreter takes minutes over these)
                 f = rng.standard_normal((n, cfg.n_embd)).astype(np.float32)
                 ids = np.stack([rng.choice(cfg.n_expert, cfg.n_expert_used, replace=False) for _ in range(n)])
@@ -633,7 +714,8 @@ def test_split_k_experts(pair, rng):
                     assert _rel(got, want) < tol, (gp, n)
                     got = tri.to_numpy(tri.shared_expert(_t(tri, f), L_t.ffn_gate_shexp, L_t.ffn_up_shexp,
                                                          L_t.ffn_down_shexp, il))
-                    assert _rel(got, want_sh) < 1e-5, (gp, n)
+                    # (309: the shared gate/up on x in XQ8 form, which rounds x to amax / 65278)
+                    assert _rel(got, want_sh) < (1e-5 if gp == 417 else 1e-4), (gp, n)
                     kernels = [k for k, _ in tri.ledger if k != "xq_kernel"]
                     assert kernels[:3] == ["moe_gateup_mv_kernel", "moe_down_mv_kernel", "moe_gateup_mv_kernel"]
             assert not tri._split_cnt.any()

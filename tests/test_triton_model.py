@@ -76,9 +76,16 @@ def prompt(cases):
 
 @pytest.fixture(scope="module")
 def engines(cases):
-    return {num: (ds4.Engine.open(p, backend="reference", numerics=num),
-                  ds4.Engine.open(p, backend="triton", numerics=num, device=DEVICE))
-            for num, (p, _) in cases.items()}
+    from ds4.backends.triton.layout import Q8C
+
+    out = {}
+    for num, (p, _) in cases.items():
+        tri = ds4.Engine.open(p, backend="triton", numerics=num, device=DEVICE)
+        if num == "exact":  # its Q8C decode products on x in XQ8 form (decoder 309), the ds4 case's on floats (308)
+            tri.backend.mv_types = {**tri.backend.mv_types, Q8C: 309}
+            tri.backend.mv_shapes = {}  # (on a GPU the shipped table names the full model's shapes only)
+        out[num] = (ds4.Engine.open(p, backend="reference", numerics=num), tri)
+    return out
 
 
 @pytest.mark.parametrize("numerics", ["ds4", "exact"])
@@ -89,6 +96,7 @@ def test_logits_and_greedy_tokens_match_reference(engines, cases, numerics):
     a, b = ref.session(ctx=64), tri.session(ctx=64)
     a.sync(prompt)  # 24 tokens: the matrix-matrix (prefill) kernels
     b.sync(prompt)
+    tri.backend.ledger = []
     for _ in range(3):  # eager, captured and replayed decode steps on a GPU
         assert _rel(b.logits, a.logits) <= rtol
         assert _same_greedy(b.logits, a.logits)
@@ -96,6 +104,10 @@ def test_logits_and_greedy_tokens_match_reference(engines, cases, numerics):
         a.eval(t)
         b.eval(t)
     assert _rel(b.logits, a.logits) <= rtol
+    xq8 = [k for k, _ in tri.backend.ledger].count("matvec_xq_kernel")
+    tri.backend.ledger = None
+    # exact: per layer wq_a, wkv and wo_a (x from the attention's merge) on 309, then the head
+    assert xq8 >= 3 * tri.config.n_layer + 1 if numerics == "exact" else xq8 == 0
     if numerics != "exact":
         return  # ds4 rounding flips drift the cache rows apart; their kernels are tested bit-exact
     # the per-layer state agrees too

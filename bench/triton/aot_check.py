@@ -36,6 +36,8 @@ def record(preset: str, prefill: int, out: str) -> None:
     be = B.TritonBackend(cfg, device="cpu")
     be.interpret = False  # GPU heuristics (block sizes), interpreter imports
     be.mv_shapes = B.load_mv_shapes(os.path.join(os.path.dirname(B.__file__), "mv_shapes_h200.json"))  # as on the GPU
+    if os.environ.get("DS4_TRITON_MV_SHAPES"):  # entries over it (a probe's variants)
+        be.mv_shapes.update(B.load_mv_shapes(os.environ["DS4_TRITON_MV_SHAPES"]))
     # the GPU's defaults: the constructor saw the interpreter and chose ieee for float tiles
     be.prec = os.environ.get("DS4_TRITON_DOT", "bf16x3")
     be.prec_f = "tf32x3" if be.prec == "bf16x3" else be.prec

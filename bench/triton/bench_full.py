@@ -312,8 +312,11 @@ def main() -> None:
         for name, attrs in json.loads(a.variants).items():
             be = eng.backend
             saved = {k: getattr(be, k) for k in attrs}
-            for k, v in attrs.items():
-                setattr(be, k, {int(t): x for t, x in v.items()} if k == "mv_types" else v)
+            from ds4.backends.triton.backend import parse_mv_shapes  # (here: a base tree may lack it)
+
+            for k, v in attrs.items():  # mv_shapes: entries over the shipped table
+                setattr(be, k, {int(t): x for t, x in v.items()} if k == "mv_types" else
+                        {**be.mv_shapes, **parse_mv_shapes(v, f"variant {name}")} if k == "mv_shapes" else v)
             be._graphs.clear()  # recapture under the variant
             rv = bench_decode(eng, ctx, a.steps, seed=ctx)
             for k, v in saved.items():

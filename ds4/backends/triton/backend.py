@@ -116,10 +116,10 @@ class _Lazy:
 
 
 class _Normed(_Lazy):
-    __slots__ = ("x", "w", "xq")
+    __slots__ = ("x", "w", "xq", "xq8")
 
     def __init__(self, x, w):
-        self.x, self.w, self.val, self.xq = x, w, None, None
+        self.x, self.w, self.val, self.xq, self.xq8 = x, w, None, None, None
 
     @property
     def shape(self):
@@ -158,6 +158,31 @@ class _AttnParts(_Lazy):
     @property
     def shape(self):
         return (self.n, self.H, self.D)
+
+
+class _Combined(_Lazy):
+    """The attention's merged splits with the inverse tail RoPE (attn_combine_kernel), launched
+    when read: the output projection may ask for them in XQ8 form beside the float result."""
+    __slots__ = ("parts", "xq8")
+
+    def __init__(self, parts):
+        self.parts, self.val, self.xq8 = parts, None, None
+
+    @property
+    def shape(self):
+        return self.parts.shape
+
+
+class _Quantized(_Lazy):
+    """A result with its XQ8 form beside it (a product that stored both: matvec_xq_kernel's XQOUT)."""
+    __slots__ = ("xq8",)
+
+    def __init__(self, val, xq8):
+        self.val, self.xq8 = val, xq8
+
+    @property
+    def shape(self):
+        return tuple(self.val.shape)
 
 
 class _Expanded(_Lazy):
@@ -247,8 +272,8 @@ class TritonBackend(Backend):
     name = "triton"
     # the specialised matrix-vector decoders of each layout (mv_types picks one)
     # (418 and 111 read x in XQ form, so only the routed experts take them: _mv_cfg's xq)
-    MV_PATHS = {K.Q8C: (308,), int(K.IQ2_XXS): (216, 416, 417, 418), int(K.Q2_K): (110, 111)}
-    XQ_PATHS = {418: 417, 111: 110}  # integer decoder -> the float one where x is not in XQ form
+    MV_PATHS = {K.Q8C: (308, 309), int(K.IQ2_XXS): (216, 416, 417, 418), int(K.Q2_K): (110, 111)}
+    XQ_PATHS = {418: 417, 111: 110, 309: 308}  # integer decoder -> the float one where x is not in XQ form
 
     @staticmethod
     def runs_here() -> bool:
@@ -373,9 +398,11 @@ class TritonBackend(Backend):
         # one 4.9 against 6.1 (bench/triton/results_h200/decode_chain/run2_norm_probe_partials/
         # norm_probe.json); a decode step 8.60 against 9.05 GPU ms with every norm fused.
         self.norm_fuse_max = 1 << 22
-        # decode attention merge: value pairs of a head per program (a power of two; the
-        # interpreter's small heads still take several programs per head)
-        self.combine_pairs = 64 if not self.interpret else 16
+        # decode attention merge: value pairs of a head per program (a power of two, at least 16
+        # where the merge also stores XQ8 blocks; the interpreter's small heads still take several
+        # programs per head). 32 since the merge stores XQ8: 6.79 against 6.85 GPU ms a step at
+        # 4096 for 64, same run (bench/triton/results_h200/q8c_xq8/run5_pairs64/)
+        self.combine_pairs = 32 if not self.interpret else 16
         # decode RoPE: heads per program. 16 left 4 programs for a token's 64 heads; the query's
         # RoPE then took 7 µs and the indexer's (with its Hadamard + FP4 simulation) 14 µs on
         # the critical path of a layer (results_h200/decode_chain/run4_gateup_417/
@@ -397,12 +424,15 @@ class TritonBackend(Backend):
         # the Q8C (308) and Q2_K (111) decoders made the step slower (8.06 ms with all three) and is
         # not kept.
         self.mv_prefetch = True
+        # decode: a Q8C product whose result the next one reads in XQ8 form (309) stores that form
+        # too (matvec_xq_kernel's XQOUT: wo_a for wo_b), instead of an xq_kernel launch between them
+        self.xq_out = True
         if os.environ.get("DS4_TRITON_MV_PLAIN") == "1":
             self.mv_types = {}
         # matrix-vector tiling per decoder: (K-step values, rows per program, warps), from
         # bench/triton/tune_paths.py and the decode benchmark on an H200; a fourth
         # value splits K in that many parts (_split_store), a fifth is 308's rows per thread
-        self.mv_tune = {"default": (256, 8, 4), 308: (1024, 4, 4, 1, 4), 110: (1024, 8, 4),
+        self.mv_tune = {"default": (256, 8, 4), 308: (1024, 4, 4, 1, 4), 309: (1024, 4, 4, 1, 4), 110: (1024, 8, 4),
                         216: (512, 16, 4), 416: (1024, 32, 4), 417: (1024, 32, 4), 418: (1024, 32, 4),
                         111: (1024, 4, 2, 2), int(K.F16): (512, 4, 4)}
         self.mv_tune.update({int(k): tuple(v) for k, v in
@@ -538,6 +568,8 @@ class TritonBackend(Backend):
             self._launch(K.add_kernel, (_cdiv(N, 1024),), a, b, out, N, BLOCK=1024, nbytes=12 * N)
         elif isinstance(x, _AttnParts):
             out = self._combine(x, rope_inverse=False)
+        elif isinstance(x, _Combined):
+            out = self._combine(x.parts, rope_inverse=True)
         elif isinstance(x, _Expanded):
             X = x.X
             n, HC, E = X.shape
@@ -603,7 +635,7 @@ class TritonBackend(Backend):
             t, tune = ttype, self.mv_tune.get(ttype, self.mv_tune["default"])
         cap, BN, warps = tune[:3]
         S = tune[3] if len(tune) > 3 else 1  # K split in S parts (_split_store)
-        R = (tune[4] if len(tune) > 4 else 4) if t == 308 else 1  # 308's rows per thread
+        R = (tune[4] if len(tune) > 4 else 4) if t in (308, 309) else 1  # 308 / 309's rows per thread
         if self.interpret:  # few, large programs (a per-shape entry keeps its K-step: tests split K)
             cap = cap if (kind, ttype, int(N), int(K_)) in self.mv_shapes else 1024
             BN = min(64, _pow2(N))
@@ -616,7 +648,7 @@ class TritonBackend(Backend):
             BN = max(BN, 4)
             warps = max(1, min(warps, (BN // 4) * NB // 32))
             return dict(TYPE=t, BN=BN, NB=NB, VB=32, VA=1, S=self._split(S, K_, NB * 32), num_warps=warps, **pf)
-        if t == 308:  # NB 256-value chunks per K-step, R rows per thread
+        if t in (308, 309):  # NB 256-value chunks per K-step, R rows per thread
             NB = _largest_pow2_divisor(K_ // 256, max(1, cap // 256))
             BN = max(BN, R)
             return dict(TYPE=t, BN=BN, NB=NB, VB=256, VA=R, S=self._split(S, K_, NB * 256), num_warps=warps)
@@ -638,10 +670,17 @@ class TritonBackend(Backend):
 
     # ---- linear layers --------------------------------------------------------------------------
 
-    def _linear(self, x, w: QWeight, group_rows: int = 0, group_stride: int = 0):
-        """x [n, K(·groups)] -> [n, N]. Rows of group g read x columns [g·stride, +K)."""
+    def _takes_xq8(self, w: QWeight, n: int) -> bool:
+        """Whether a decode product of n tokens on w reads x in XQ8 form (decoder 309)."""
+        return n < MM_MIN and w.kt == K.Q8C and self._mv_cfg(w.kt, w.N, w.K, n, xq=True)["TYPE"] == 309
+
+    def _linear(self, x, w: QWeight, group_rows: int = 0, group_stride: int = 0, xq_out: bool = False):
+        """x [n, K(·groups)] -> [n, N]. Rows of group g read x columns [g·stride, +K). xq_out: the
+        result also in XQ8 form where the product can store it (309; then a _Quantized)."""
         N, Kd = w.N, w.K
         gr = group_rows or (1 << 30)
+        if self._takes_xq8(w, x.shape[0]) and group_stride % 32 == 0:
+            return self._linear_xq(x, w, self._mv_cfg(w.kt, N, Kd, x.shape[0], xq=True), gr, group_stride, xq_out)
         norm = 0
         nw = self._dummy_f
         if isinstance(x, _Normed) and x.val is None and x.shape[0] < MM_MIN and not group_rows:
@@ -686,6 +725,27 @@ class TritonBackend(Backend):
                          n, N, Kd, w.RB, gr, TYPE=w.kt, BM=BM, BN=BN, **mc,
                          num_warps=warps, num_stages=2, nbytes=w.RB * N + 4 * n * (Kd + N))
         return out
+
+    def _linear_xq(self, x, w: QWeight, c: dict, gr: int, group_stride: int, xq_out: bool):
+        """A decode product on Q8C rows through decoder 309 (c: its _mv_cfg), x in XQ8 form; with
+        xq_out and one K part, the result in XQ8 form too (-> _Quantized)."""
+        xw, xs, _ = self._xq(x, perm=True)
+        n, N = x.shape[0], w.N
+        width = 2 * xw.shape[1]
+        BN = min(c["BN"], _largest_pow2_divisor(gr, c["BN"])) if gr < (1 << 30) else c["BN"]
+        S = c["S"]
+        tiles = _cdiv(N, BN)
+        self._tiles_ok(tiles * n, S)
+        xq_out = xq_out and S == 1 and N % 32 == 0
+        if xq_out:
+            self._tiles_ok(n * N // 32, 2)  # a ticket per 32-row block
+        q = self._xq_new(n, N) if xq_out else (self._dummy_i, self._dummy_f, self._dummy_f)
+        out = self._new((n, N))
+        ws = self._new((n, S, N)) if S > 1 else self._dummy_f
+        self._launch(K.matvec_xq_kernel, (tiles, n, S), xw, xs, width, group_stride, w.i16, w.f32, out, N,
+                     ws, self._tickets(), N, w.K, w.RB, gr, *q, BN=BN, NB=c["NB"], R=c["VA"], S=S, XQOUT=xq_out,
+                     num_warps=c["num_warps"], nbytes=w.RB * N + 2 * n * width + (7 if xq_out else 4) * n * N)
+        return _Quantized(out, q) if xq_out else out
 
     # ---- decode-step machinery ------------------------------------------------------------------
 
@@ -938,7 +998,7 @@ class TritonBackend(Backend):
     def rope(self, x, p0, il, inverse=False):
         self._set_pos(p0)
         if inverse and isinstance(x, _AttnParts) and x.val is None:
-            return self._combine(x, rope_inverse=True)
+            return _Combined(x)
         return self._rope(x, il, inverse)
 
     @_op
@@ -1055,22 +1115,29 @@ class TritonBackend(Backend):
                      F16=f16, num_warps=8, nbytes=4 * ((W + ncomp) * D * _cdiv(H, HB) + 2 * S * H * D))
         return _AttnParts(mo, lo, ao, S, sinks, il, n, H, D)
 
-    def _combine(self, x: _AttnParts, rope_inverse: bool):
+    def _combine(self, x: _AttnParts, rope_inverse: bool, xq=None):
+        """The merged splits; with xq (buffers from _xq_new; 32-value blocks within a program's
+        pairs) also in XQ8 form."""
         out = self._new((x.n, x.H, x.D))
         BI = min(x.D // 2, self.combine_pairs)
+        if xq is not None and (2 * BI) % 32:
+            raise ValueError(f"attention merge in XQ8 form: expected 32-value blocks per program, got {2 * BI} values")
+        q = xq if xq is not None else (self._dummy_i, self._dummy_f, self._dummy_f)
         self._launch(K.attn_combine_kernel, (x.n, x.H, x.D // 2 // BI), x.mo, x.lo, x.ao, x.sink.vec,
-                     self._freq[x.il], self._pos, out, x.H, S=x.S, SP=_pow2(x.S), D=x.D, NROT=self.cfg.n_rot,
-                     ROPE_INV=rope_inverse, BI=BI,
-                     num_warps=4, nbytes=4 * x.ao.numel() + 4 * out.numel())
+                     self._freq[x.il], self._pos, out, x.H, *q, S=x.S, SP=_pow2(x.S), D=x.D, NROT=self.cfg.n_rot,
+                     ROPE_INV=rope_inverse, BI=BI, XQ8=xq is not None,
+                     num_warps=4, nbytes=4 * x.ao.numel() + 4 * out.numel() + (3 * out.numel() if xq else 0))
         return out
 
     @_op
     def grouped_output(self, o, w_a, w_b):
         cfg = self.cfg
-        o = self._val(o)
         n = o.shape[0]
-        x = o.reshape(n, -1)
-        low = self._linear(x, w_a, group_rows=cfg.o_lora_rank, group_stride=x.shape[1] // cfg.o_groups)
+        width = int(np.prod(o.shape[1:]))
+        # o stays lazy (the merge then stores its XQ8 form too) where w_a's decoder reads that form
+        x = o if isinstance(o, _Combined) and self._takes_xq8(w_a, n) else self._val(o).reshape(n, width)
+        low = self._linear(x, w_a, group_rows=cfg.o_lora_rank, group_stride=width // cfg.o_groups,
+                           xq_out=self.xq_out and self._takes_xq8(w_b, n))
         return self._linear(low, w_b)
 
     @_op
@@ -1104,7 +1171,7 @@ class TritonBackend(Backend):
         S = c["S"]
         self._tiles_ok(_cdiv(F, c["BN"]) * slots, S)
         hq = hq if qout else (self._dummy_i, self._dummy_f, self._dummy_f)
-        xw, xs = (xq[0], xq[1]) if c["TYPE"] == 418 else (self._dummy_i, self._dummy_f)
+        xw, xs = (xq[0], xq[1]) if c["TYPE"] in (418, 309) else (self._dummy_i, self._dummy_f)
         self._launch(K.moe_gateup_mv_kernel, (_cdiv(F, c["BN"]), slots, S), x, x.stride(0),
                      ids if routed else self._dummy_i, wts if routed else self._dummy_f,
                      gate.u8, gate.i16, gate.f32, up.u8, up.i16, up.f32, self._gridp, self._ksigns, h,
@@ -1147,16 +1214,16 @@ class TritonBackend(Backend):
             cd = self._mv_cfg(down.kt, E, F, n, kind="down", x16=_x16(h, F))
         return self._down_mv(h, ids, down, n, k, c=cd, hq=hq)
 
-    def _rms(self, x: _Normed, xq=None) -> torch.Tensor:
+    def _rms(self, x: _Normed, xq=None, perm: bool = False) -> torch.Tensor:
         """x's RMSNorm (rms_kernel), and with xq (buffers from _xq_new; x's width a power of two)
-        the result in XQ form too."""
+        the result in XQ form too (XQ8 with perm)."""
         src = self._val(x.x)
         n, D = src.shape
         out = self._new((n, D))
         w = self._dummy_f if x.w is None else x.w.vec
         q = xq if xq is not None else (self._dummy_i, self._dummy_f, self._dummy_f)
         self._launch(K.rms_kernel, (n,), src, w, out, D, self.cfg.rms_eps, *q, BD=_pow2(D),
-                     WEIGHTED=x.w is not None, XQ=xq is not None, num_warps=4,
+                     WEIGHTED=x.w is not None, XQ=xq is not None, PERM=perm, num_warps=4,
                      nbytes=8 * src.numel() + (3 * n * D if xq is not None else 0))
         return out
 
@@ -1165,22 +1232,26 @@ class TritonBackend(Backend):
         16-value sums."""
         return self._new((n, Kd // 2), torch.int32), self._new((n, Kd // 32)), self._new((n, Kd // 16))
 
-    def _xq(self, x):
-        """x [n, K] (K a multiple of 32) in XQ form. A normed x not yet materialised gets it from
-        its rms_kernel, with no launch of its own, and keeps it for its next reader."""
-        if isinstance(x, _Normed) and x.xq is not None:
-            return x.xq
-        n, Kd = x.shape
+    def _xq(self, x, perm: bool = False):
+        """x [n, K] (K a multiple of 32) in XQ form, or XQ8 with perm (the Q8C decoder 309). A
+        normed x not yet materialised gets it from its rms_kernel, the attention's merge (XQ8) from
+        attn_combine_kernel, with no launch of their own, and keeps it for its next reader."""
+        slot = "xq8" if perm else "xq"
+        if getattr(x, slot, None) is not None:
+            return getattr(x, slot)
+        n, Kd = x.shape[0], int(np.prod(x.shape[1:]))
         xq = self._xq_new(n, Kd)
         if isinstance(x, _Normed) and x.val is None and _pow2(Kd) == Kd:
-            x.val = self._rms(x, xq)
+            x.val = self._rms(x, xq, perm)
+        elif isinstance(x, _Combined) and x.val is None and perm:
+            x.val = self._combine(x.parts, rope_inverse=True, xq=xq)
         else:
             src = self._val(x)
             NBLK = 8
             self._launch(K.xq_kernel, (n, _cdiv(Kd // 32, NBLK)), src, src.stride(0), *xq, Kd, NBLK=NBLK,
-                         num_warps=4, nbytes=7 * n * Kd)
-        if isinstance(x, _Normed):
-            x.xq = xq
+                         PERM=perm, num_warps=4, nbytes=7 * n * Kd)
+        if isinstance(x, (_Normed, _Combined)):
+            setattr(x, slot, xq)
         return xq
 
     def _tiles(self, n_assign: int, counts: torch.Tensor, BM: int):
@@ -1300,7 +1371,10 @@ class TritonBackend(Backend):
         F = gate.N
         clamp = cfg.swiglu_clamp[il]
         if n < MM_MIN:
-            h = self._gateup_mv(x, gate, up, None, None, n, 1, clamp)
+            c = self._mv_cfg(gate.kt, F, E, n, kind="gateup", x16=_x16(x, x.stride(0)),
+                             xq=gate.kt == K.Q8C and up.kt == gate.kt)
+            xq = self._xq(f, perm=True) if c["TYPE"] == 309 else None  # (f's norm wrote XQ: a launch)
+            h = self._gateup_mv(x, gate, up, None, None, n, 1, clamp, c=c, xq=xq)
         elif self._q8_16(gate, x) and up.type == gate.type:
             BM, BN, warps, stages = self.q8_16_tile["gateup"]
             T = _cdiv(n, BM)
@@ -1352,15 +1426,20 @@ def load_mv_shapes(path: str) -> dict[tuple, tuple]:
     """A per-shape decoder table: JSON {"kind,type,rows,K": [decoder, tuning...]}."""
     with open(path) as f:
         raw = json.load(f)
+    return parse_mv_shapes(raw.get("shapes", raw), path)
+
+
+def parse_mv_shapes(raw: dict, where: str) -> dict[tuple, tuple]:
+    """{"kind,type,rows,K": [decoder, tuning...]} -> the backend's mv_shapes entries."""
     out = {}
-    for key, val in raw.get("shapes", raw).items():
+    for key, val in raw.items():
         try:
             kind, ttype, n, k = key.split(",")
             if kind not in ("linear", "gateup", "down"):
                 raise ValueError(kind)
             out[(kind, int(ttype), int(n), int(k))] = tuple(int(v) for v in val)
         except ValueError:
-            raise ValueError(f"{path}: shape {key!r}: expected \"linear|gateup|down,type,rows,K\": "
+            raise ValueError(f"{where}: shape {key!r}: expected \"linear|gateup|down,type,rows,K\": "
                              f"[decoder, K-step, rows, warps(, K parts)], got {val!r}") from None
     return out
 

@@ -619,24 +619,38 @@ def _dp4a(a, b, c):
 # q = 256·hi + lo with hi, lo signed bytes; its 16 words are, for each 8 values j = 0..3, the hi
 # bytes of values 8j..8j+3 and 8j+4..8j+7, then their lo bytes (one 16-byte load per 8 values).
 # Beside them: s_b, and s_b·Σq over each 16 values (the Q2_K minimum term). x is then exact to
-# s_b / 2 = amax_b / 65278, where an f16 copy would be to 2^-11 of each value.
+# s_b / 2 = amax_b / 65278, where an f16 copy would be to 2^-11 of each value. XQ8 is the same
+# with the 32 values of a block in the byte order of a Q8C block (word w: values w, w+8, w+16,
+# w+24, its hi word at 4·(w // 2) + w % 2, its lo word 2 after it), so that one 16-byte load
+# gives the x words of two Q8C quant words (decoder 309).
 XQ_MAX = tl.constexpr(32639.0)  # 127·257: the largest q whose hi byte (q + 128) >> 8 is 127
 
 
 @triton.jit
-def _xq_store(v, w_ptr, s_ptr, sum_ptr, blk0, bmask):
+def _xq_words(v, PERM: tl.constexpr):
+    """[NBLK, 32] signed bytes -> [NBLK, 8] words of 4: word w holds values 4w..4w+3, or with PERM
+    values w, w+8, w+16, w+24 (the byte order of a Q8C block's word w)."""
+    NBLK: tl.constexpr = v.shape[0]
+    sh = tl.arange(0, 4)[None, None, :] * 8
+    if PERM:
+        g = tl.permute(tl.reshape(v, [NBLK, 4, 8]), (0, 2, 1))
+    else:
+        g = tl.reshape(v, [NBLK, 8, 4])
+    return tl.sum((g & 255) << sh, axis=2)  # disjoint bytes: the sum of the shifted bytes is their OR
+
+
+@triton.jit
+def _xq_store(v, w_ptr, s_ptr, sum_ptr, blk0, bmask, PERM: tl.constexpr = False):
     """Blocks blk0 + [0, NBLK) of a vector, v [NBLK, 32] float, stored in XQ form (bmask [NBLK]:
-    which blocks exist)."""
+    which blocks exist); PERM: in the Q8C byte order (XQ8, for decoder 309)."""
     NBLK: tl.constexpr = v.shape[0]
     amax = tl.max(tl.abs(v), axis=1)
     inv = tl.where(amax > 0, XQ_MAX / tl.where(amax > 0, amax, 1.0), 0.0)
     q = tl.floor(v * inv[:, None] + 0.5).to(tl.int32)
     hi = (q + 128) >> 8
     lo = q - hi * 256
-    sh = tl.arange(0, 4)[None, None, :] * 8
-    # disjoint bytes: the sum of the four shifted bytes is their OR
-    hw = tl.sum((tl.reshape(hi, [NBLK, 8, 4]) & 255) << sh, axis=2)  # [NBLK, 8]: 4 values a word
-    lw = tl.sum((tl.reshape(lo, [NBLK, 8, 4]) & 255) << sh, axis=2)
+    hw = _xq_words(hi, PERM)  # [NBLK, 8]
+    lw = _xq_words(lo, PERM)
     b = blk0 + tl.arange(0, NBLK)
     w = tl.arange(0, 8)[None, :]
     off = b[:, None] * 16 + (w // 2) * 4 + (w % 2)
@@ -649,14 +663,15 @@ def _xq_store(v, w_ptr, s_ptr, sum_ptr, blk0, bmask):
 
 
 @triton.jit
-def xq_kernel(x_ptr, sx_t, w_ptr, s_ptr, sum_ptr, K, NBLK: tl.constexpr):
-    """x [n, K] -> XQ (K a multiple of 32): NBLK blocks of one token per program."""
+def xq_kernel(x_ptr, sx_t, w_ptr, s_ptr, sum_ptr, K, NBLK: tl.constexpr, PERM: tl.constexpr = False):
+    """x [n, K] -> XQ, or XQ8 with PERM (K a multiple of 32): NBLK blocks of one token per program."""
     t = tl.program_id(0)
     b = tl.program_id(1) * NBLK + tl.arange(0, NBLK)
     bm = b < K // 32
     v = tl.load(x_ptr + t.to(tl.int64) * sx_t + b[:, None] * 32 + tl.arange(0, 32)[None, :], mask=bm[:, None],
                 other=0.0)
-    _xq_store(v, w_ptr + t * (K // 2), s_ptr + t * (K // 32), sum_ptr + t * (K // 16), tl.program_id(1) * NBLK, bm)
+    _xq_store(v, w_ptr + t * (K // 2), s_ptr + t * (K // 32), sum_ptr + t * (K // 16), tl.program_id(1) * NBLK, bm,
+              PERM)
 
 
 @triton.jit
@@ -876,10 +891,16 @@ def _q2k_int_rows(xw, xs, xsum, wb, wh, wf, row_off, rmask, K, sk, BN: tl.conste
 
 @triton.jit
 def _row_sets(v, R: tl.constexpr):
-    """[BN] -> a tuple of R row sets [BN/R, 1, 1, 1] (R = 1, 2 or 4): a thread holds one row of
+    """[BN] -> a tuple of R row sets [BN/R, 1, 1, 1] (R = 1, 2, 4 or 8): a thread holds one row of
     each, so what it loads once (x) serves R rows. _row_join is the inverse."""
     BN: tl.constexpr = v.shape[0]
-    if R == 4:
+    if R == 8:
+        a, b = tl.split(tl.reshape(v, [BN // 2, 2]))
+        a0, a1, a2, a3 = _split4(a, BN // 2)
+        b0, b1, b2, b3 = _split4(b, BN // 2)
+        return (a0[:, None, None, None], a1[:, None, None, None], a2[:, None, None, None], a3[:, None, None, None],
+                b0[:, None, None, None], b1[:, None, None, None], b2[:, None, None, None], b3[:, None, None, None])
+    elif R == 4:
         v0, v1, v2, v3 = _split4(v, BN)
         return v0[:, None, None, None], v1[:, None, None, None], v2[:, None, None, None], v3[:, None, None, None]
     elif R == 2:
@@ -891,7 +912,11 @@ def _row_sets(v, R: tl.constexpr):
 
 @triton.jit
 def _row_join(ys, R: tl.constexpr, BN: tl.constexpr):
-    if R == 4:
+    if R == 8:
+        a = _join4(ys[0], ys[1], ys[2], ys[3], BN // 2)
+        b = _join4(ys[4], ys[5], ys[6], ys[7], BN // 2)
+        return tl.reshape(tl.join(a, b), [BN])
+    elif R == 4:
         return _join4(ys[0], ys[1], ys[2], ys[3], BN)
     elif R == 2:
         return tl.reshape(tl.join(ys[0], ys[1]), [BN])
@@ -948,6 +973,80 @@ def _q8c_rows(xb, ww, wh, row_off, rmask, K, sk, rs, nw_ptr, BN: tl.constexpr, N
     for r in tl.static_range(R):
         ys = ys + (tl.sum(tl.sum(tl.sum(acc[r], axis=3), axis=2), axis=1),)
     return _row_join(ys, R, BN), tl.sum(ssv)
+
+
+@triton.jit
+def _q8c_xq_rows(xw, xs, wf, wh, row_off, rmask, K, sk, BN: tl.constexpr, NC: tl.constexpr, R: tl.constexpr,
+                 S: tl.constexpr):
+    """TYPE 309: W[rows]·x for Q8C rows on x in XQ8 form (xw: its words, xs: its block scales)
+    over part sk of S of K, NC 256-value chunks per K-step, R rows per thread. A tile element is
+    a pair of a block's quant words (one 8-byte load per row) and the four x words they meet (one
+    16-byte load for the R rows): a quant byte q + 128 becomes q by one XOR per word, and the
+    block's partial sum is four integer dot products (hi and lo bytes of x), exact in int32,
+    scaled once by d·s. Where 308 loads x as floats (4 bytes a value), this loads 2."""
+    ro = _row_sets(tl.multiple_of(row_off // 4, 4), R)  # in words (rows start on 16 bytes)
+    m = _row_sets(rmask, R)
+    c = tl.arange(0, NC)[None, :, None, None]
+    b = tl.arange(0, 8)[None, None, :, None]
+    p = tl.arange(0, 4)[None, None, None, :]  # the quant word pair 2p, 2p + 1 of block b
+    w64 = wf.to(tl.pointer_type(tl.int64))
+    acc = ()
+    for r in tl.static_range(R):
+        acc = acc + (tl.zeros([BN // R, NC, 8, 4], tl.float32),)
+    IS = K // (256 * NC) // S
+    for i in range(sk * IS, sk * IS + IS):
+        c0 = i * NC
+        blk = (c0 + c) * 8 + b  # x's 32-value block
+        h0, h1, l0, l1 = _ld4(xw + blk * 16 + p * 4, True)
+        sx = tl.load(xs + blk)
+        nacc = ()
+        for r in tl.static_range(R):
+            q2 = tl.load(w64 + ro[r] // 2 + (c0 + c) * 34 + 2 + b * 4 + p, mask=m[r], other=0)
+            qa = q2.to(tl.int32) ^ -2139062144  # 0x80808080: biased bytes -> signed
+            qb = (q2 >> 32).to(tl.int32) ^ -2139062144
+            z = tl.zeros(qa.shape, tl.int32)
+            hs = _dp4a(qb, h1, _dp4a(qa, h0, z))
+            ls = _dp4a(qb, l1, _dp4a(qa, l0, z))
+            d = tl.load(wh + ro[r] * 2 + (c0 + c) * 136 + b, mask=m[r], other=0).to(tl.float16, bitcast=True)
+            nacc = nacc + (acc[r] + (hs * 256 + ls).to(tl.float32) * (d.to(tl.float32) * sx),)
+        acc = nacc
+    ys = ()
+    for r in tl.static_range(R):
+        ys = ys + (tl.sum(tl.sum(tl.sum(acc[r], axis=3), axis=2), axis=1),)
+    return _row_join(ys, R, BN)
+
+
+@triton.jit
+def matvec_xq_kernel(xw_ptr, xs_ptr, sx_t, sx_g, wh, wf, out_ptr, so_t, ws_ptr, cnt_ptr, N, K, RB, GROUP_ROWS,
+                     qw_ptr, qs_ptr, qsum_ptr,
+                     BN: tl.constexpr, NB: tl.constexpr, R: tl.constexpr, S: tl.constexpr = 1,
+                     XQOUT: tl.constexpr = False):
+    """matvec_kernel for Q8C rows on x in XQ8 form (decoder 309): out[t, r] = W[r] · x[t], K split
+    in S parts as there. sx_t, sx_g (values, multiples of 32): x's token stride and the column
+    offset of each group of GROUP_ROWS rows. XQOUT (S = 1, N a multiple of 32): out also in XQ8
+    form (qw_ptr, qs_ptr, qsum_ptr), for the next product's 309 without a launch of its own: a
+    program of 32 rows or more stores its blocks, else the last of a block's 32 / BN programs to
+    arrive (a ticket, as in _split_store) reads the block back from L2 and stores it."""
+    pid = tl.program_id(0)
+    t = tl.program_id(1)
+    sk = tl.program_id(2)
+    rows = pid * BN + tl.arange(0, BN)
+    rmask = rows < N
+    xo = t * sx_t + ((pid * BN) // GROUP_ROWS) * sx_g
+    y = _q8c_xq_rows(xw_ptr + xo // 2, xs_ptr + xo // 32, wf, wh, rows.to(tl.int64) * RB, rmask, K, sk, BN, NB, R, S)
+    _split_store(y, out_ptr + t * so_t, rows, rmask, ws_ptr + t * S * N, cnt_ptr, t * tl.num_programs(0) + pid,
+                 sk, N, S)
+    if XQOUT:
+        qw, qs, qsum = qw_ptr + t * (N // 2), qs_ptr + t * (N // 32), qsum_ptr + t * (N // 16)
+        if BN >= 32:
+            b = (pid * BN) // 32 + tl.arange(0, BN // 32)
+            _xq_store(tl.reshape(y, [BN // 32, 32]), qw, qs, qsum, (pid * BN) // 32, b < N // 32, True)
+        else:
+            blk = (pid * BN) // 32
+            if _split_last(cnt_ptr, t * (N // 32) + blk, 32 // BN):
+                v = tl.load(out_ptr + t * so_t + blk * 32 + tl.arange(0, 32), cache_modifier=".cg")
+                _xq_store(tl.reshape(v, [1, 32]), qw, qs, qsum, blk, tl.arange(0, 1) < 1, True)
+                _split_reset(cnt_ptr, t * (N // 32) + blk)
 
 
 @triton.jit
@@ -1106,7 +1205,8 @@ def moe_gateup_mv_kernel(x_ptr, sx_t, ids_ptr, wts_ptr,
     """h[s, r] = w_s · swiglu(gate_e[r]·x, up_e[r]·x) for slot s = t·KSLOTS + j of expert
     e = ids[s] (ROUTED), or the shared expert (e = 0, no weight); K split in S parts as in
     matvec_kernel (the last program of a tile adds the partial gate and up sums, then applies
-    the SwiGLU). TYPE 418 reads x in XQ form (xw_ptr, xs_ptr: [n, K/2] words, [n, K/32] scales);
+    the SwiGLU). TYPE 418 reads x in XQ form (xw_ptr, xs_ptr: [n, K/2] words, [n, K/32] scales),
+    309 (Q8C, the shared expert) in XQ8 form;
     QOUT also stores h in XQ form (hw_ptr, hs_ptr, hsum_ptr) for the down decoder 111: a tile's
     BN rows (a multiple of 32) are whole blocks. PF: 418 issues each K-step's group loads one step
     ahead (_iq2_group_rows)."""
@@ -1127,6 +1227,11 @@ def moe_gateup_mv_kernel(x_ptr, sx_t, ids_ptr, wts_ptr,
         xs = xs_ptr + t * (K // 32)
         g = _iq2_group_rows(xw, gh, gf, gridp, row_off, rmask, K, sk, BN, NB, S, False, xs, True, PF)
         u = _iq2_group_rows(xw, uh, uf, gridp, row_off, rmask, K, sk, BN, NB, S, False, xs, True, PF)
+    elif TYPE == 309:
+        xw = xw_ptr + t * (K // 2)
+        xs = xs_ptr + t * (K // 32)
+        g = _q8c_xq_rows(xw, xs, gf, gh, row_off, rmask, K, sk, BN, NB, VA, S)
+        u = _q8c_xq_rows(xw, xs, uf, uh, row_off, rmask, K, sk, BN, NB, VA, S)
     else:
         g = _mv_rows(xb, gb, gh, gf, gridp, ksigns, row_off, rmask, K, sk, 1.0, xb, 0.0, BN, TYPE, NB, VB, VA, 0, S)
         u = _mv_rows(xb, ub, uh, uf, gridp, ksigns, row_off, rmask, K, sk, 1.0, xb, 0.0, BN, TYPE, NB, VB, VA, 0, S)
@@ -1322,9 +1427,9 @@ def embed_kernel(tok_ptr, wb, wh, wf, gridp, ksigns, x_ptr, E, RB,
 
 @triton.jit
 def rms_kernel(x_ptr, w_ptr, out_ptr, D, eps, xw_ptr, xs_ptr, xsum_ptr, BD: tl.constexpr, WEIGHTED: tl.constexpr,
-               XQ: tl.constexpr = False):
+               XQ: tl.constexpr = False, PERM: tl.constexpr = False):
     """One row's RMSNorm; XQ (BD = D, a multiple of 32) also stores the result in XQ form, for
-    the routed experts' integer decoder (418)."""
+    the routed experts' integer decoder (418), or XQ8 with PERM (309)."""
     r = tl.program_id(0)
     c = tl.arange(0, BD)
     cm = c < D
@@ -1336,7 +1441,7 @@ def rms_kernel(x_ptr, w_ptr, out_ptr, D, eps, xw_ptr, xs_ptr, xsum_ptr, BD: tl.c
     if XQ:
         NBLK: tl.constexpr = BD // 32
         _xq_store(tl.reshape(y, [NBLK, 32]), xw_ptr + r * (D // 2), xs_ptr + r * (D // 32), xsum_ptr + r * (D // 16),
-                  0, tl.arange(0, NBLK) < NBLK)
+                  0, tl.arange(0, NBLK) < NBLK, PERM)
 
 
 @triton.jit
@@ -1952,12 +2057,14 @@ def attn_kernel(q_ptr, raw_ptr, comp_ptr, sel_ptr, cnt_ptr, pos_ptr, sink_ptr,
 
 
 @triton.jit
-def attn_combine_kernel(mo_ptr, lo_ptr, ao_ptr, sink_ptr, freq_ptr, pos_ptr, out_ptr, H,
+def attn_combine_kernel(mo_ptr, lo_ptr, ao_ptr, sink_ptr, freq_ptr, pos_ptr, out_ptr, H, qw_ptr, qs_ptr, qsum_ptr,
                         S: tl.constexpr, SP: tl.constexpr, D: tl.constexpr, NROT: tl.constexpr,
-                        ROPE_INV: tl.constexpr, BI: tl.constexpr):
+                        ROPE_INV: tl.constexpr, BI: tl.constexpr, XQ8: tl.constexpr = False):
     """Merge the S splits of one (query, head) with the sink, for the pairs [BI·program, +BI) of
     the head (grid axis 2: one program per head left most SMs idle, 10 µs for the 20 splits of
-    a decode query over top-k rows); optionally the inverse tail RoPE."""
+    a decode query over top-k rows); optionally the inverse tail RoPE. XQ8 (2·BI a multiple of
+    32): the result also in XQ8 form (qw_ptr, qs_ptr, qsum_ptr: a token's H·D values a row), for
+    the output projection's decoder 309."""
     t = tl.program_id(0)
     h = tl.program_id(1)
     sp = tl.arange(0, SP)
@@ -1987,3 +2094,9 @@ def attn_combine_kernel(mo_ptr, lo_ptr, ao_ptr, sink_ptr, freq_ptr, pos_ptr, out
     ob = out_ptr + (t * H + h).to(tl.int64) * D + 2 * i
     tl.store(ob, xe)
     tl.store(ob + 1, xo)
+    if XQ8:
+        NBLK: tl.constexpr = 2 * BI // 32
+        hd = H * D
+        v = tl.reshape(tl.join(xe, xo), [NBLK, 32])  # the values 2i, 2i + 1 in order
+        _xq_store(v, qw_ptr + t * (hd // 2), qs_ptr + t * (hd // 32), qsum_ptr + t * (hd // 16),
+                  (h * D + 2 * BI * tl.program_id(2)) // 32, tl.arange(0, NBLK) < NBLK, True)
