@@ -679,8 +679,10 @@ class TritonBackend(Backend):
         result also in XQ8 form where the product can store it (309; then a _Quantized)."""
         N, Kd = w.N, w.K
         gr = group_rows or (1 << 30)
-        if self._takes_xq8(w, x.shape[0]) and group_stride % 32 == 0:
-            return self._linear_xq(x, w, self._mv_cfg(w.kt, N, Kd, x.shape[0], xq=True), gr, group_stride, xq_out)
+        if x.shape[0] < MM_MIN and w.kt == K.Q8C and group_stride % 32 == 0:
+            c = self._mv_cfg(w.kt, N, Kd, x.shape[0], xq=True)  # (the test of _takes_xq8, its config kept)
+            if c["TYPE"] == 309:
+                return self._linear_xq(x, w, c, gr, group_stride, xq_out)
         norm = 0
         nw = self._dummy_f
         if isinstance(x, _Normed) and x.val is None and x.shape[0] < MM_MIN and not group_rows:
@@ -732,7 +734,7 @@ class TritonBackend(Backend):
         xw, xs, _ = self._xq(x, perm=True)
         n, N = x.shape[0], w.N
         width = 2 * xw.shape[1]
-        BN = min(c["BN"], _largest_pow2_divisor(gr, c["BN"])) if gr < (1 << 30) else c["BN"]
+        BN = _largest_pow2_divisor(gr, c["BN"])  # a program's rows within one group (gr: 2^30 without groups)
         S = c["S"]
         tiles = _cdiv(N, BN)
         self._tiles_ok(tiles * n, S)
