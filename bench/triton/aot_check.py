@@ -12,6 +12,7 @@ sm_90 and print registers, spills and shared memory. Catches compile errors befo
 from __future__ import annotations
 
 import argparse
+import inspect
 import json
 import os
 import subprocess
@@ -46,25 +47,30 @@ def record(preset: str, prefill: int, out: str) -> None:
     def launch(self, kern, grid, *args, nbytes=0, **kw):
         stages = kw.pop("num_stages", 3)  # Triton's default for CUDA
         warps = kw.pop("num_warps", 4)
-        names = kern.arg_names
-        sig, const = {}, {}
-        # the JIT's specialisation: 16-byte aligned pointers and ints divisible by 16
-        aligned = [i for i, a in enumerate(args) if
-                   (a.data_ptr() % 16 == 0 if isinstance(a, torch.Tensor) else
-                    isinstance(a, int) and not isinstance(a, bool) and a % 16 == 0)]
-        for name, a in zip(names, args):
+        sig, const, aligned = {}, {}, []
+        # every parameter in order: given by position or keyword, else its default (a None
+        # runtime argument is a constexpr None, as the JIT specialises it)
+        params = list(inspect.signature(kern.fn).parameters.values())
+        given = {**dict(zip([p.name for p in params], args)), **kw}
+        for i, prm in enumerate(params):
+            a = given[prm.name] if prm.name in given else prm.default
+            if "constexpr" in str(prm.annotation) or a is None:
+                sig[prm.name] = "constexpr"
+                const[prm.name] = a
+                continue
+            # the JIT's specialisation: 16-byte aligned pointers and ints divisible by 16
+            if (a.data_ptr() % 16 == 0 if isinstance(a, torch.Tensor) else
+                    isinstance(a, int) and not isinstance(a, bool) and a % 16 == 0):
+                aligned.append(i)
             if isinstance(a, torch.Tensor):
-                sig[name] = {torch.float32: "*fp32", torch.float16: "*fp16", torch.uint8: "*u8", torch.int16: "*i16",
-                             torch.int32: "*i32", torch.int64: "*i64"}[a.dtype]
+                sig[prm.name] = {torch.float32: "*fp32", torch.float16: "*fp16", torch.uint8: "*u8",
+                                 torch.int16: "*i16", torch.int32: "*i32", torch.int64: "*i64"}[a.dtype]
             elif isinstance(a, bool):
-                sig[name] = "i1"
+                sig[prm.name] = "i1"
             elif isinstance(a, int):
-                sig[name] = "i64" if abs(a) >= 2**31 else "i32"
+                sig[prm.name] = "i64" if abs(a) >= 2**31 else "i32"
             else:
-                sig[name] = "fp32"
-        for name, v in kw.items():
-            sig[name] = "constexpr"
-            const[name] = v
+                sig[prm.name] = "fp32"
         key = json.dumps([kern.fn.__name__, sig, const, warps, stages, aligned], sort_keys=True)
         seen[key] = seen.get(key, 0) + 1
 
