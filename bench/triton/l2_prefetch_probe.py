@@ -17,7 +17,8 @@ gate/up's too.
 
 On the H200 (results_h200/sched/run1_l2_prefetch/) every prefetched product was slower than the
 cold one (wo_a 16.0-17.8 against 12.0 µs), so the decode step has no prefetch; this probe and
-its kernel stay for the record.
+its kernel stay for the record. (That run had the same kernel in ds4/backends/triton/kernels.py,
+its code.diff; moved here it was compiled for sm_90 but not run again.)
 
     PYTHONPATH=. python bench/triton/l2_prefetch_probe.py --out l2_prefetch_probe.json
 """
