@@ -501,7 +501,7 @@ def _moe_rounded(ref, f, ids, w, L, il, x_xq: bool, h_xq: bool) -> np.ndarray:
 @pytest.mark.parametrize("n", [1, 3, 20], ids=["decode", "few", "prefill"])
 def test_moe_and_shared_expert(pair, n, rng):
     """Routed and shared experts against the reference. The decode decoders on x (h) in XQ form
-    (418 gate/up, 111 down) match the reference on XQ-rounded x (h) to 3e-5 (h's rounding can
+    (418 gate/up, 111 / 113 down) match the reference on XQ-rounded x (h) to 3e-5 (h's rounding can
     go the other way where the two h differ in their last bits: a step of 1/32639 of a block's
     largest value), and the float reference to 1e-4 (XQ keeps 16 bits of each block's largest
     value); the float decoders match it to 1e-5."""
@@ -522,18 +522,18 @@ def test_moe_and_shared_expert(pair, n, rng):
     if n >= 16:
         assert _rel(routed(), want) < 1e-5
     else:  # the routed-expert decoders of the matrix-vector kernels: each gate/up decoder with
-        # the default down (111), the float down with the default gate/up (418), and both float;
+        # the default down (113), the other downs with the default gate/up (418), and both float;
         # three tokens only the defaults and both float (the interpreter takes seconds a call)
         saved = dict(tri.mv_types)
         gt, dt = int(L_t.ffn_gate_exps.type), int(L_t.ffn_down_exps.type)
-        assert (saved[gt], saved[dt]) == (418, 111)  # the defaults
-        pairs = [(gp, 111) for gp in TritonBackend.MV_PATHS[gt]] + [(418, 110), (417, 110)]
-        assert set(TritonBackend.MV_PATHS[dt]) == {110, 111}
+        assert (saved[gt], saved[dt]) == (418, 113)  # the defaults
+        pairs = [(gp, 113) for gp in TritonBackend.MV_PATHS[gt]] + [(418, 111), (418, 110), (417, 110)]
+        assert set(TritonBackend.MV_PATHS[dt]) == {110, 111, 113}
         try:
-            for gp, dp in (pairs if n == 1 else [(418, 111), (417, 110)]):
+            for gp, dp in (pairs if n == 1 else [(418, 113), (417, 110)]):
                 tri.mv_types = {**saved, gt: gp, dt: dp}
                 got = routed()
-                x_xq, h_xq = gp == 418, dp == 111
+                x_xq, h_xq = gp == 418, dp in (111, 113)
                 assert ("xq_kernel" in [k for k, _ in tri.ledger]) == x_xq
                 if x_xq or h_xq:
                     assert _rel(got, _moe_rounded(ref, f, ids, w, L_r, il, x_xq, h_xq)) < 3e-5, (gp, dp)
@@ -680,7 +680,7 @@ def test_q8c_on_xq8(rng):
 
 
 def test_split_k_experts(pair, rng):
-    """The routed gate/up (IQ2_XXS, 417 / 418), down (Q2_K, 110 / 111) and shared-expert products
+    """The routed gate/up (IQ2_XXS, 417 / 418), down (Q2_K, 110 / 113) and shared-expert products
     (gate/up 308, then 309) of a decode step with K split in two (the tile's last program adds
     the partials, then the SwiGLU; 418 then stores h in XQ form) match the reference; twice, so
     the tickets reset. 418
@@ -693,9 +693,11 @@ def test_split_k_experts(pair, rng):
     g, d, sg = L_t.ffn_gate_exps, L_t.ffn_down_exps, L_t.ffn_gate_shexp
     saved, saved_pf = dict(tri.mv_shapes), tri.mv_prefetch
     try:
-        for gp, dp in ((417, 110), (418, 111)):  # the float decoders, then those on x and h in XQ form
+        for gp, dp in ((417, 110), (418, 113)):  # the float decoders, then those on x and h in XQ form
+            # (113: 128-value halves, one a K-step, two rows per thread)
             tri.mv_shapes = {("gateup", int(g.type), g.N, g.K): (gp, 128 if gp == 417 else 64, 16, 4, 2),
-                             ("down", int(d.type), d.N, d.K): (dp, 128, 16, 4, 2),
+                             ("down", int(d.type), d.N, d.K): (dp, 128, 16, 4, 2) if dp == 110 else
+                             (dp, 128, 16, 4, 2, 2),
                              ("gateup", sg.kt, sg.N, sg.K): (308 if gp == 417 else 309, 256, 16, 4, 2, 4)}
             for n in ((1, 3) if gp == 417 else (3,)):  # (the interpreter takes minutes over these)
                 f = rng.standard_normal((n, cfg.n_embd)).astype(np.float32)
@@ -753,5 +755,8 @@ def test_weights_stay_quantized(pair, model):
         if src.type == T.IQ2_XXS:  # blocks d | qs[64] -> all qs, then all d
             blocks = raw.reshape(-1, 66)
             want = torch.cat([blocks[:, 2:].reshape(-1), blocks[:, :2].reshape(-1)])
+        if src.type == T.Q2_K:  # blocks scales[16] | qs[64] | d | dmin -> all qs, all scales, all (d, dmin)
+            blocks = raw.reshape(-1, 84)
+            want = torch.cat([blocks[:, 16:80].reshape(-1), blocks[:, :16].reshape(-1), blocks[:, 80:].reshape(-1)])
         assert np.array_equal(got.u8.cpu().numpy(), want.numpy()), name
     assert wt.output.kt == Q8C and wt.layers[2].attn_q_b.kt == int(T.Q8_0)  # both layouts are here

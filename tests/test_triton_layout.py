@@ -1,5 +1,6 @@
-"""The Q8C chunk layout of Q8_0 rows and the IQ2S split of IQ2_XXS blocks on the Triton backend's
-device (ds4/backends/triton/layout.py), against byte positions written out here."""
+"""The Q8C chunk layout of Q8_0 rows, the IQ2S split of IQ2_XXS blocks and the Q2S split of Q2_K
+blocks on the Triton backend's device (ds4/backends/triton/layout.py), against byte positions
+written out here."""
 
 from __future__ import annotations
 
@@ -8,7 +9,8 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
-from ds4.backends.triton.layout import Q8C, device_layout, iq2_split, iq2_views, q8_chunked, q8_chunks  # noqa: E402
+from ds4.backends.triton.layout import (Q8C, device_layout, iq2_split, iq2_views, q2_split, q2_views,  # noqa: E402
+                                        q8_chunked, q8_chunks)
 from ds4.core.quants import GGMLType as T  # noqa: E402
 
 
@@ -80,3 +82,37 @@ def test_iq2_split_byte_layout():
     assert kt == int(T.IQ2_XXS) and np.array_equal(u8.numpy(), got)
     with pytest.raises(ValueError, match="blocks of 66 bytes, got 65"):
         iq2_split(torch.from_numpy(raw[:65].copy()))
+
+
+def test_q2_split_byte_layout():
+    """Q2S: every block's 64 quant bytes in block order, then every block's 16 scale bytes, then
+    every block's f16 d and dmin."""
+    rng = np.random.default_rng(3)
+    nblk = 5
+    sc = rng.integers(0, 256, (nblk, 16)).astype(np.uint8)
+    qs = rng.integers(0, 256, (nblk, 64)).astype(np.uint8)
+    d = rng.uniform(0.01, 1, nblk).astype(np.float16)
+    dmin = rng.uniform(0.01, 1, nblk).astype(np.float16)
+    # GGUF: scales[16] | qs[64] | d | dmin
+    raw = np.frombuffer(b"".join(sc[b].tobytes() + qs[b].tobytes() + d[b].tobytes() + dmin[b].tobytes()
+                                 for b in range(nblk)), np.uint8)
+    got = q2_split(torch.from_numpy(raw.copy())).numpy()
+    assert got.size == raw.size == 84 * nblk
+    for b in range(nblk):
+        assert got[64 * b: 64 * b + 64].tobytes() == qs[b].tobytes()
+        assert got[64 * nblk + 16 * b: 64 * nblk + 16 * b + 16].tobytes() == sc[b].tobytes()
+        assert got[80 * nblk + 4 * b: 80 * nblk + 4 * b + 4].tobytes() == d[b].tobytes() + dmin[b].tobytes()
+    words, scales, dd = q2_views(torch.from_numpy(got.copy()))
+    assert words.dtype == torch.int32 and words.numel() == 16 * nblk
+    assert scales.dtype == torch.uint8 and scales.numel() == 16 * nblk
+    assert dd.dtype == torch.int16 and dd.numel() == 2 * nblk
+    # half h of block b: quant words 16b + 8h .. +7, scale bytes 16b + 8h .. +7, d / dmin halfwords 2b, 2b + 1
+    b, h = 3, 1
+    assert int(words[16 * b + 8 * h + 5]) & 0xFFFFFFFF == int.from_bytes(qs[b, 32 * h + 20: 32 * h + 24].tobytes(),
+                                                                          "little")
+    assert scales[16 * b + 8 * h: 16 * b + 8 * h + 8].numpy().tobytes() == sc[b, 8 * h: 8 * h + 8].tobytes()
+    assert dd[2 * b: 2 * b + 2].numpy().view(np.float16).tolist() == [d[b], dmin[b]]
+    u8, kt = device_layout(T.Q2_K, 256, torch.from_numpy(raw.copy()))
+    assert kt == int(T.Q2_K) and np.array_equal(u8.numpy(), got)
+    with pytest.raises(ValueError, match="blocks of 84 bytes, got 83"):
+        q2_split(torch.from_numpy(raw[:83].copy()))

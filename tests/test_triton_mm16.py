@@ -179,7 +179,7 @@ def test_down_q2k(tri, rng):
     out = torch.zeros((n * k, E), dtype=torch.float32, device=tri.dev)
     BN, KS, warps, stages = tri.moe16_tile["down"]
     tri._launch(K16.moe_down_mm16_kernel, (T_, _cdiv(E, BN)), hh, hl, hi, gh, gl, te, tr0, tend,
-                down.f32, down.i16, out, E, F, down.RB, E * down.RB,
+                down.f32, down.b8.view(torch.int32), down.i16, out, E, F, down.RB, E * down.RB,
                 BM=tri.moe16_bm, BN=BN, KS=KS, num_warps=warps, num_stages=stages)
     e = ids.reshape(-1)[order]
     want = np.einsum("aek,ak->ae", D[e], hs.astype(np.float64))

@@ -42,7 +42,7 @@ from ..base import Backend  # noqa: E402
 from . import kernels as K  # noqa: E402
 from . import kernels_mm16 as K16  # noqa: E402
 from .lanes import Lanes  # noqa: E402
-from .layout import device_layout, iq2_views  # noqa: E402
+from .layout import device_layout, iq2_views, q2_views  # noqa: E402
 
 MM_MIN = 16  # tokens from which linear layers use the matrix-matrix kernels (tl.dot needs 16)
 
@@ -69,9 +69,10 @@ def _largest_pow2_divisor(k: int, cap: int) -> int:
 
 class QWeight:
     """A tensor as it lives on the device: its bytes in the kernels' layout (layout.py: GGUF's,
-    Q8C chunks for Q8_0 (kt says which, as the kernels' type id), IQ2S for IQ2_XXS), plus typed
-    views (for IQ2_XXS, f32 is its quant words and i16 its scales).
-    QWeight.place builds one from GGUF bytes."""
+    Q8C chunks for Q8_0 (kt says which, as the kernels' type id), IQ2S for IQ2_XXS, Q2S for
+    Q2_K), plus the typed views the kernels take as wb, wh and wf: b8, i16, f32 (for IQ2_XXS,
+    f32 is its quant words and i16 its scales; for Q2_K, f32 its quant words, b8 its scale bytes
+    and i16 its (d, dmin) pairs). QWeight.place builds one from GGUF bytes."""
 
     def __init__(self, name: str, ttype: GGMLType, dims: tuple[int, ...], u8: torch.Tensor, kt: int | None = None):
         self.name, self.type, self.dims = name, GGMLType(int(ttype)), tuple(dims)
@@ -81,12 +82,15 @@ class QWeight:
         self.n_exp = dims[2] if len(dims) > 2 else 1
         self.RB = row_bytes(self.type, dims[0])
         self.u8 = u8
+        self.b8 = u8
         self.i16 = u8.view(torch.int16) if u8.numel() % 2 == 0 else u8
         # the 32-bit view: float32 for F32, int32 words otherwise (Q2_K's quants are word-aligned)
         self.f32 = (u8.view(torch.float32) if self.type == GGMLType.F32 else
                     u8.view(torch.int32) if u8.numel() % 4 == 0 else self.i16)
         if self.kt == int(GGMLType.IQ2_XXS):  # IQ2S (layout.py): the quant words and the scales apart
             self.f32, self.i16 = iq2_views(u8)
+        elif self.kt == int(GGMLType.Q2_K):  # Q2S: quant words, scale bytes and (d, dmin) apart
+            self.f32, self.b8, self.i16 = q2_views(u8)
         self.i32 = u8.view(torch.int32) if self.type == GGMLType.I32 else None
 
     @classmethod
@@ -271,9 +275,9 @@ def _op(fn):
 class TritonBackend(Backend):
     name = "triton"
     # the specialised matrix-vector decoders of each layout (mv_types picks one)
-    # (418 and 111 read x in XQ form, so only the routed experts take them: _mv_cfg's xq)
-    MV_PATHS = {K.Q8C: (308, 309), int(K.IQ2_XXS): (216, 416, 417, 418), int(K.Q2_K): (110, 111)}
-    XQ_PATHS = {418: 417, 111: 110, 309: 308}  # integer decoder -> the float one where x is not in XQ form
+    # (418, 111 and 113 read x in XQ form, so only the routed experts take them: _mv_cfg's xq)
+    MV_PATHS = {K.Q8C: (308, 309), int(K.IQ2_XXS): (216, 416, 417, 418), int(K.Q2_K): (110, 111, 113)}
+    XQ_PATHS = {418: 417, 111: 110, 113: 110, 309: 308}  # integer decoder -> the float one where x is not in XQ form
 
     @staticmethod
     def runs_here() -> bool:
@@ -416,9 +420,11 @@ class TritonBackend(Backend):
         # table in shared memory (417: 8.60 against 8.86 GPU ms a decode step at 4096, same run;
         # 216 = one row per thread, levels and signs as looked-up bytes), and on x in XQ form with
         # integer products (418); Q2_K with the 64 values of a 16-byte run unrolled (110), on h in
-        # XQ form (111; 418 + 111: 7.92 against 8.73 GPU ms a step for 417 + 110, same run);
+        # XQ form (111; 418 + 111: 7.92 against 8.73 GPU ms a step for 417 + 110, same run), and in
+        # 128-value halves of Q2S blocks, two rows per thread, the slots added per tile element
+        # (113: 6.52 against 6.78 GPU ms a step at 4096 for 111, same run; bench/triton/results_h200);
         # anything else (GGUF-layout Q8_0 included) the generic block decoder
-        self.mv_types = {K.Q8C: 308, int(K.IQ2_XXS): 418, int(K.Q2_K): 111}
+        self.mv_types = {K.Q8C: 308, int(K.IQ2_XXS): 418, int(K.Q2_K): 113}
         # 418 issues each K-step's group loads one step ahead (kernels._iq2_group_rows: PF; 7.46
         # against 7.80 GPU ms a step, same run: bench/triton/results_h200/prefetch/). The same in
         # the Q8C (308) and Q2_K (111) decoders made the step slower (8.06 ms with all three) and is
@@ -431,10 +437,10 @@ class TritonBackend(Backend):
             self.mv_types = {}
         # matrix-vector tiling per decoder: (K-step values, rows per program, warps), from
         # bench/triton/tune_paths.py and the decode benchmark on an H200; a fourth
-        # value splits K in that many parts (_split_store), a fifth is 308's rows per thread
+        # value splits K in that many parts (_split_store), a fifth is 308 / 309 / 113's rows per thread
         self.mv_tune = {"default": (256, 8, 4), 308: (1024, 4, 4, 1, 4), 309: (1024, 4, 4, 1, 4), 110: (1024, 8, 4),
                         216: (512, 16, 4), 416: (1024, 32, 4), 417: (1024, 32, 4), 418: (1024, 32, 4),
-                        111: (1024, 4, 2, 2), int(K.F16): (512, 4, 4)}
+                        111: (1024, 4, 2, 2), 113: (2048, 8, 2, 1, 2), int(K.F16): (512, 4, 4)}
         self.mv_tune.update({int(k): tuple(v) for k, v in
                              json.loads(os.environ.get("DS4_TRITON_MV_TUNE", "{}")).items()})
         # per-shape decoder choices, (kind, GGUF type, rows, K) -> (decoder, its tuning), measured on
@@ -618,9 +624,11 @@ class TritonBackend(Backend):
         """Launch parameters of a matrix-vector kernel: decoder (308 = Q8C chunks, 216 / 416 =
         IQ2_XXS groups (one / four rows per thread; 417: 416 with its level lookups from shared
         memory; 418: 417 on x in XQ form, integer products), 110 = Q2_K runs (111: on x in XQ
-        form), else the generic decoder of layout kt), rows per program, units per K-step,
-        values per unit, accumulator width (308: rows per thread), warps, K parts. xq: whether
-        the caller can give x in XQ form (the routed experts); else 418 / 111 become 417 / 110."""
+        form; 113: 128-value halves on x in XQ form, the routed down only), else the generic
+        decoder of layout kt), rows per program, units per K-step, values per unit, accumulator
+        width (308, 309, 113: rows per thread), warps, K parts (113 also IS, the K-steps of a
+        part). xq: whether the caller can give x in XQ form (the routed experts); else 418 / 111 /
+        113 become 417 / 110 / 110."""
         ttype = int(kt)
         t, tune = self._mv_path(kind, ttype, N, K_)
         if t != ttype and t not in self.MV_PATHS.get(ttype, ()):
@@ -631,15 +639,17 @@ class TritonBackend(Backend):
             tune = self.mv_tune.get(t, self.mv_tune["default"])
         # the generic decoder where a specialised one has no fused RMSNorm, or loads x 16 bytes at
         # a time (kernels._ld4) and x rows do not start on 16 bytes
-        if (norm and t in (110, 111, 216, 416, 417, 418)) or (not x16 and t in (110, 416, 417)):
+        if (norm and t in (110, 111, 113, 216, 416, 417, 418)) or (not x16 and t in (110, 416, 417)):
             t, tune = ttype, self.mv_tune.get(ttype, self.mv_tune["default"])
         cap, BN, warps = tune[:3]
         S = tune[3] if len(tune) > 3 else 1  # K split in S parts (_split_store)
-        R = (tune[4] if len(tune) > 4 else 4) if t in (308, 309) else 1  # 308 / 309's rows per thread
+        # rows per thread: 308 / 309's (default 4), 113's (default 2)
+        R = (tune[4] if len(tune) > 4 else 4) if t in (308, 309) else (tune[4] if len(tune) > 4 else 2) if t == 113 \
+            else 1
         if self.interpret:  # few, large programs (a per-shape entry keeps its K-step: tests split K)
             cap = cap if (kind, ttype, int(N), int(K_)) in self.mv_shapes else 1024
-            BN = min(64, _pow2(N))
-        else:
+            BN = min(256 if t == 113 else 64, _pow2(N))  # (113's unrolled slots cost per program)
+        elif t != 113:  # (113's programs are [BN / R, halves] threads: its tuning sets BN as it is)
             while BN > (4 if t in (416, 417, 418) else R) and _cdiv(N, BN) * slots * S < 264:  # two programs per SM
                 BN //= 2
         pf = dict(PF=True) if t == 418 and self.mv_prefetch else {}
@@ -652,6 +662,12 @@ class TritonBackend(Backend):
             NB = _largest_pow2_divisor(K_ // 256, max(1, cap // 256))
             BN = max(BN, R)
             return dict(TYPE=t, BN=BN, NB=NB, VB=256, VA=R, S=self._split(S, K_, NB * 256), num_warps=warps)
+        if t == 113:  # NB 128-value halves of Q2_K blocks per K-step, R rows per thread
+            NB = _largest_pow2_divisor(K_ // 128, max(1, cap // 128))
+            BN = max(BN, R)
+            warps = max(1, min(warps, (BN // R) * NB // 32))
+            S = self._split(S, K_, NB * 128)
+            return dict(TYPE=t, BN=BN, NB=NB, VB=128, VA=R, S=S, IS=K_ // (NB * 128) // S, num_warps=warps)
         if t in (110, 111, 216):  # unrolled units: 32 (IQ2_XXS) or 64 (Q2_K) values per tile element
             VB = {216: 32, 110: 64, 111: 64}[t]
             NB = _largest_pow2_divisor(K_ // VB, max(1, cap // VB))
@@ -706,7 +722,7 @@ class TritonBackend(Backend):
             self._tiles_ok(tiles * n, S)
             ws = self._new((n, S, N)) if S > 1 else self._dummy_f
             self._launch(K.matvec_kernel, (tiles, n, S), src, sx_t, group_stride, nw,
-                         w.u8, w.i16, w.f32, self._gridp, self._ksigns, out, N, ws, self._tickets(),
+                         w.b8, w.i16, w.f32, self._gridp, self._ksigns, out, N, ws, self._tickets(),
                          N, Kd, w.RB, gr, self.cfg.rms_eps, NORM=norm, **c,
                          nbytes=w.RB * N + 4 * n * (Kd + N))
         elif self._q8_16(w, src, group_stride):
@@ -723,7 +739,7 @@ class TritonBackend(Backend):
             if group_rows:
                 BN = min(BN, _largest_pow2_divisor(group_rows, BN))
             self._launch(K.matmul_kernel, (_cdiv(n, BM), _cdiv(N, BN)), src, sx_t, group_stride,
-                         w.u8, w.i16, w.f32, self._gridp, self._ksigns, out, N,
+                         w.b8, w.i16, w.f32, self._gridp, self._ksigns, out, N,
                          n, N, Kd, w.RB, gr, TYPE=w.kt, BM=BM, BN=BN, **mc,
                          num_warps=warps, num_stages=2, nbytes=w.RB * N + 4 * n * (Kd + N))
         return out
@@ -877,7 +893,7 @@ class TritonBackend(Backend):
         tok = self._tokens_dev(tokens)
         X = self._new((n, HC, E))
         NB, VB = self._blocks(token_embd.kt, E, 1024)
-        self._launch(K.embed_kernel, (n, E // (NB * VB)), tok, token_embd.u8, token_embd.i16, token_embd.f32,
+        self._launch(K.embed_kernel, (n, E // (NB * VB)), tok, token_embd.b8, token_embd.i16, token_embd.f32,
                      self._gridp, self._ksigns, X, E, token_embd.RB, HC=HC, TYPE=token_embd.kt,
                      NB=NB, VB=VB, nbytes=n * (token_embd.RB + 4 * HC * E))
         return X
@@ -910,7 +926,7 @@ class TritonBackend(Backend):
         split = _largest_pow2_divisor(Kd // BK, split)
         part = self._new((n, split, NM))
         ss = self._new((n, split))
-        self._launch(K.hc_mix_kernel, (_cdiv(n, BT), split), X, fn.u8, fn.i16, fn.f32, self._gridp, self._ksigns,
+        self._launch(K.hc_mix_kernel, (_cdiv(n, BT), split), X, fn.b8, fn.i16, fn.f32, self._gridp, self._ksigns,
                      part, ss, n, NR, Kd, fn.RB, Kd // split, *expand, E, NM=NM, TYPE=fn.kt, NB=NB, VB=VB,
                      BT=BT, EXPAND=ex is not None, HAS_Y2=ex is not None and ex.y2 is not None, HC=HC,
                      num_warps=4, nbytes=fn.RB * NR * _cdiv(n, BT) + 4 * X.numel() * (3 if ex is not None else 1))
@@ -1176,7 +1192,7 @@ class TritonBackend(Backend):
         xw, xs = (xq[0], xq[1]) if c["TYPE"] in (418, 309) else (self._dummy_i, self._dummy_f)
         self._launch(K.moe_gateup_mv_kernel, (_cdiv(F, c["BN"]), slots, S), x, x.stride(0),
                      ids if routed else self._dummy_i, wts if routed else self._dummy_f,
-                     gate.u8, gate.i16, gate.f32, up.u8, up.i16, up.f32, self._gridp, self._ksigns, h,
+                     gate.b8, gate.i16, gate.f32, up.b8, up.i16, up.f32, self._gridp, self._ksigns, h,
                      self._new((slots, S, 2, F)) if S > 1 else self._dummy_f, self._tickets(),
                      xw, xs, *hq, F, E, gate.RB, F * gate.RB, kslots, float(clamp), ROUTED=routed, QOUT=qout, **c,
                      nbytes=slots * (2 * F * gate.RB + 4 * (E + F)))
@@ -1184,15 +1200,15 @@ class TritonBackend(Backend):
 
     def _down_mv(self, h, ids, down: QWeight, n: int, k: int, c: dict | None = None, hq=None):
         """Decode down products: out[t] = Σ_j down_{ids[t, j]} · h[t·k + j], in slot order (h in
-        XQ form, hq, where c's decoder reads it: 111)."""
+        XQ form, hq, where c's decoder reads it: 111, 113)."""
         F, E = down.K, down.N
         out = self._new((n, E))
         if c is None:
             c = self._mv_cfg(down.kt, E, F, n, kind="down", x16=_x16(h, F))
         S = c["S"]
         self._tiles_ok(_cdiv(E, c["BN"]) * n, S)
-        hq = hq if c["TYPE"] == 111 else (self._dummy_i, self._dummy_f, self._dummy_f)
-        self._launch(K.moe_down_mv_kernel, (_cdiv(E, c["BN"]), n, S), h, ids, down.u8, down.i16, down.f32,
+        hq = hq if c["TYPE"] in (111, 113) else (self._dummy_i, self._dummy_f, self._dummy_f)
+        self._launch(K.moe_down_mv_kernel, (_cdiv(E, c["BN"]), n, S), h, ids, down.b8, down.i16, down.f32,
                      self._gridp, self._ksigns, out, self._new((n, S, E)) if S > 1 else self._dummy_f,
                      self._tickets(), *hq, E, F, down.RB, E * down.RB, KSLOTS=k, **c,
                      nbytes=n * k * (E * down.RB + 4 * F) + 4 * n * E)
@@ -1200,7 +1216,7 @@ class TritonBackend(Backend):
 
     def _routed_mv(self, f, gate: QWeight, up: QWeight, down: QWeight, ids, wts, n: int, k: int, clamp: float):
         """The routed experts of a decode step. With the integer decoders (418 for the gate/up,
-        111 for the down) x and h go to them in XQ form: x from the norm's kernel
+        113 or 111 for the down) x and h go to them in XQ form: x from the norm's kernel
         (_xq), h from the gate/up's own tiles."""
         E, F = gate.K, gate.N
         cg = self._mv_cfg(gate.kt, F, E, n * k, kind="gateup", xq=E % 32 == 0 and up.kt == gate.kt)
@@ -1208,9 +1224,9 @@ class TritonBackend(Backend):
         x = self._val(f)
         if xq is None:  # a float decoder of x: its own alignment check
             cg = self._mv_cfg(gate.kt, F, E, n * k, kind="gateup", x16=_x16(x, x.stride(0)))
-        # the down's decoder: 111 reads h in XQ form, which the gate/up then also stores
+        # the down's decoder: 111 and 113 read h in XQ form, which the gate/up then also stores
         cd = self._mv_cfg(down.kt, E, F, n, kind="down", xq=F % 32 == 0)
-        hq = self._xq_new(n * k, F) if cd["TYPE"] == 111 else None
+        hq = self._xq_new(n * k, F) if cd["TYPE"] in (111, 113) else None
         h = self._gateup_mv(x, gate, up, ids, wts, n * k, k, clamp, c=cg, xq=xq, hq=hq)
         if hq is None:  # a float decoder of h: its own alignment check
             cd = self._mv_cfg(down.kt, E, F, n, kind="down", x16=_x16(h, F))
@@ -1313,7 +1329,7 @@ class TritonBackend(Backend):
         else:
             BN, warps = self.moe_tile["gateup"]
             self._launch(K.moe_gateup_mm_kernel, (T, _cdiv(F, BN)), x, x.stride(0), tok_sorted, w_sorted,
-                         tile_e, tile_r0, tile_end, gate.u8, gate.i16, gate.f32, up.u8, up.i16, up.f32,
+                         tile_e, tile_r0, tile_end, gate.b8, gate.i16, gate.f32, up.b8, up.i16, up.f32,
                          self._gridp, self._ksigns, h, F, E, gate.RB, F * gate.RB, float(clamp),
                          TYPE=gate.kt, BM=BM, BN=BN, ROUTED=True, **self._mm_cfg(gate.kt, E),
                          num_warps=warps, num_stages=2, nbytes=2 * gate.nbytes + 4 * n * k * (E + F))
@@ -1322,12 +1338,13 @@ class TritonBackend(Backend):
             hh, hl, hi, gh, gl = self._split16(h, sums=True)
             BN, KS, warps, stages = self.moe16_tile["down"]
             self._launch(K16.moe_down_mm16_kernel, (T, _cdiv(E, BN)), hh, hl, hi, gh, gl, tile_e, tile_r0,
-                         tile_end, down.f32, down.i16, osort, E, F, down.RB, E * down.RB, BM=BM, BN=BN, KS=KS,
+                         tile_end, down.f32, down.b8.view(torch.int32), down.i16, osort, E, F, down.RB,
+                         E * down.RB, BM=BM, BN=BN, KS=KS,
                          num_warps=warps, num_stages=stages, nbytes=down.nbytes + 4 * n * k * (E + F))
         else:
             BN, warps = self.moe_tile["down"]
             self._launch(K.moe_down_mm_kernel, (T, _cdiv(E, BN)), h, tile_e, tile_r0, tile_end,
-                         down.u8, down.i16, down.f32, self._gridp, self._ksigns, osort, E, F, down.RB,
+                         down.b8, down.i16, down.f32, self._gridp, self._ksigns, osort, E, F, down.RB,
                          E * down.RB, TYPE=down.kt, BM=BM, BN=BN, **self._mm_cfg(down.kt, F),
                          num_warps=warps, num_stages=2, nbytes=down.nbytes + 4 * n * k * (E + F))
         out = self._new((n, E))
@@ -1399,7 +1416,7 @@ class TritonBackend(Backend):
             tile_end = torch.full((T,), n, dtype=torch.int32, device=self.dev)
             h = torch.empty((n, F), dtype=torch.float32, device=self.dev)
             self._launch(K.moe_gateup_mm_kernel, (T, _cdiv(F, BN)), x, x.stride(0), self._dummy_i, self._dummy_f,
-                         tile_e, tile_r0, tile_end, gate.u8, gate.i16, gate.f32, up.u8, up.i16, up.f32,
+                         tile_e, tile_r0, tile_end, gate.b8, gate.i16, gate.f32, up.b8, up.i16, up.f32,
                          self._gridp, self._ksigns, h, F, E, gate.RB, 0, float(clamp),
                          TYPE=gate.kt, BM=BM, BN=BN, ROUTED=False, **mc,
                          num_warps=warps, num_stages=2, nbytes=2 * gate.nbytes + 4 * n * (E + F))

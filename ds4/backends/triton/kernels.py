@@ -127,6 +127,16 @@ def _ld4(p, INT: tl.constexpr = False):
 
 
 @triton.jit
+def _ld2(p):
+    """The 2 int32 words at p (8-byte aligned) as 2 tensors shaped like p: one 8-byte load."""
+    if _INTERP:
+        return tl.load(p), tl.load(p + 1)
+    else:
+        return tl.inline_asm_elementwise("ld.global.nc.v2.b32 {$0, $1}, [$2];", "=r,=r,l", [p],
+                                         dtype=(tl.int32, tl.int32), is_pure=True, pack=1)
+
+
+@triton.jit
 def _opaque(v):
     """v (int64), with its pattern hidden from Triton's axis analysis. A load whose offsets it sees
     as contiguous along a tile's last axis gets a layout of its own from the coalescing pass (lanes
@@ -139,6 +149,14 @@ def _opaque(v):
         return v
     else:
         return tl.inline_asm_elementwise("mov.b64 $0, $1;", "=l,l", [v], dtype=tl.int64, is_pure=True, pack=1)
+
+
+@triton.jit
+def _q2_blk(row_off):
+    """The index in the tensor of the first Q2_K block of the rows at GGUF byte offsets row_off:
+    in Q2S (layout.py) block B's quant words start at word 16·B, its scales at byte 16·B of the
+    scale plane, its (d, dmin) at halfword 2·B."""
+    return row_off // 84
 
 
 @triton.jit
@@ -343,17 +361,17 @@ def _wtile(wb, wh, wf, gridp, ksigns, row_off, rmask, u0,
         d = _ld_f16(wh, so, m)
         q = tl.load(wb + qo + (iv % 8) * 4 + iv // 8, mask=m, other=128).to(tl.int32)
         w = (q - 128).to(tl.float32) * d
-    elif TYPE == 10:  # Q2_K: scales[16] | qs[64] | f16 d | f16 dmin; unit = 16-value sub-block
-        blk = u // 16
+    elif TYPE == 10:  # Q2_K in Q2S (layout.py): qs[64] | scales[16] | f16 d, dmin; unit = 16-value sub-block
+        B = _q2_blk(ro) + u // 16
         s = u % 16
-        base = ro + blk * 84
-        sc = tl.load(wb + base + s, mask=m, other=0).to(tl.int32)
-        d = _ld_f16(wh, base + 80, m)
-        dmin = _ld_f16(wh, base + 82, m)
-        # value v = 128h + 32·shift + l sits in byte 32h + l at bit 2·shift
+        sc = tl.load(wb + B * 16 + s, mask=m, other=0).to(tl.int32)
+        d = _ld_f16(wh, B * 4, m)
+        dmin = _ld_f16(wh, B * 4 + 2, m)
+        # value v = 128h + 32·shift + l sits in quant byte 32h + l at bit 2·shift
         h = s // 8
         sh = (s % 8) // 2
-        qb = tl.load(wb + base + 16 + h * 32 + (s % 2) * 16 + iv, mask=m, other=0).to(tl.int32)
+        qo = B * 64 + h * 32 + (s % 2) * 16 + iv  # quant byte offset in the quant plane
+        qb = tl.load(wf + qo // 4, mask=m, other=0) >> ((qo % 4) * 8)
         q = ((qb >> (sh * 2)) & 3).to(tl.float32)
         dl = d * (sc & 15).to(tl.float32)
         ml = dmin * (sc >> 4).to(tl.float32)
@@ -514,21 +532,21 @@ def _mv_step(xb, k0, wb, wh, wf, gridp, ksigns, row_off, rmask, rs, nw_ptr,
 
 @triton.jit
 def _q2k_unit(wh, wf, row_off, m, u):
-    """Q2_K 64-value units u [1, NB] of the rows at row_off (110, 111): 16 quant bytes of one
+    """Q2_K 64-value units u [1, NB] of the rows at row_off (110, 111; Q2S): 16 quant bytes of one
     half (h) of a 128-value run, bytes [16·half, +16) of it, as 4 words, each shifted by 2·j
-    holding 16 values of one 16-value run j. Returns (block offset, h, half, d, dmin, the words)."""
-    blk = u // 4
+    holding 16 values of one 16-value run j. Returns (the block's first scale byte, h, half, d,
+    dmin, the words)."""
+    B = _q2_blk(row_off)[:, None] + u // 4
     h = (u % 4) // 2
     half = u % 2
-    base = row_off[:, None] + blk * 84
-    d = _ld_f16(wh, base + 80, m)
-    dmin = _ld_f16(wh, base + 82, m)
-    qw = (base + 16 + h * 32 + half * 16) // 4
+    d = _ld_f16(wh, B * 4, m)
+    dmin = _ld_f16(wh, B * 4 + 2, m)
+    qw = B * 16 + h * 8 + half * 4
     w0 = tl.load(wf + qw, mask=m, other=0)
     w1 = tl.load(wf + qw + 1, mask=m, other=0)
     w2 = tl.load(wf + qw + 2, mask=m, other=0)
     w3 = tl.load(wf + qw + 3, mask=m, other=0)
-    return base, h, half, d, dmin, w0, w1, w2, w3
+    return B * 16, h, half, d, dmin, w0, w1, w2, w3
 
 
 @triton.jit
@@ -887,6 +905,123 @@ def _q2k_int_rows(xw, xs, xsum, wb, wh, wf, row_off, rmask, K, sk, BN: tl.conste
             acc += (d * sx) * (sc & 15).to(tl.float32) * (qh * 256 + ql).to(tl.float32) - \
                 (dmin * sm) * (sc >> 4).to(tl.float32)
     return tl.sum(acc, axis=1)
+
+
+@triton.jit
+def _q2s_half_words(wb, wh, wf, B, h):
+    """The words of half h (values 128h .. 128h + 127) of Q2_K blocks B in Q2S (layout.py), for
+    decoder 113: its 8 quant words (two 16-byte loads; word 4·half + i holds, at bits 2·sh of
+    byte b, the value 128h + 32·sh + 16·half + 4i + b), its 8 scale bytes (sub-blocks 8h .. 8h + 7
+    in one 8-byte load: sub-block 8h + 2·sh + half is byte 2·sh + half), and d, dmin. Loads
+    without masks: B must be a block of the tensor."""
+    qa0, qa1, qa2, qa3 = _ld4(wf + B * 16 + h * 8, True)
+    qb0, qb1, qb2, qb3 = _ld4(wf + B * 16 + h * 8 + 4, True)
+    s0, s1 = _ld2(wb.to(tl.pointer_type(tl.int32)) + B * 4 + h * 2)
+    dd = tl.load(wh.to(tl.pointer_type(tl.int32)) + B)  # f16 d in the low half, f16 dmin in the high
+    d = (dd & 0xFFFF).to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)
+    dmin = (dd >> 16).to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)
+    return (qa0, qa1, qa2, qa3), (qb0, qb1, qb2, qb3), (s0, s1), d, dmin
+
+
+@triton.jit
+def _q2s_half_x(xw, xs, xsum, b0):
+    """x in XQ form for the halves whose first 32-value block is b0 (their four blocks are the
+    four shifts): per shift and run, the words of its 16 values (hi, hi, lo, lo of values 0-7, then
+    of values 8-15: two 16-byte loads), the 4 block scales (one 16-byte load) and the 8 16-value
+    sums (two)."""
+    xq = ()
+    for sh in tl.static_range(4):
+        for half in tl.static_range(2):
+            xq = xq + (_ld4(xw + (b0 + sh) * 16 + half * 8, True) + _ld4(xw + (b0 + sh) * 16 + half * 8 + 4, True),)
+    sx = _ld4(xs + b0)
+    sm = _ld4(xsum + b0 * 2) + _ld4(xsum + b0 * 2 + 4)
+    return xq, sx, sm
+
+
+@triton.jit
+def _q2s_half_dot(ws, xh, acc):
+    """acc + one half of Q2_K blocks (ws, from _q2s_half_words) · x (xh, from _q2s_half_x). Per
+    shift: the 16 values of each of the two runs meet x's hi and lo bytes in 4 + 4 _dp4a
+    (Σq·(256·hi + lo) exactly in int32), the two runs' sums take their scales sc in int32, and the
+    shift adds d·s·Σ sc·q·(256·hi + lo) − dmin·Σ m·(s·Σq over the run) (one int-to-float per 32
+    values; past 2^24 that conversion rounds, to 2^-24 of the shift's sum)."""
+    qa, qb, sw, d, dmin = ws
+    xq, sx, sm = xh
+    for sh in tl.static_range(4):
+        scw = sw[sh // 2]
+        iq = tl.zeros(d.shape, tl.int32)
+        for half in tl.static_range(2):
+            if half == 0:
+                qw = qa
+            else:
+                qw = qb
+            a0, a1, a2, a3, c0, c1, c2, c3 = xq[2 * sh + half]
+            q0 = (qw[0] >> (2 * sh)) & 0x03030303
+            q1 = (qw[1] >> (2 * sh)) & 0x03030303
+            q2 = (qw[2] >> (2 * sh)) & 0x03030303
+            q3 = (qw[3] >> (2 * sh)) & 0x03030303
+            qh = _dp4a(q3, c1, _dp4a(q2, c0, _dp4a(q1, a1, _dp4a(q0, a0, tl.zeros(q0.shape, tl.int32)))))
+            qhl = _dp4a(q3, c3, _dp4a(q2, c2, _dp4a(q1, a3, _dp4a(q0, a2, qh * 256))))
+            sc = (scw >> (8 * (2 * (sh % 2) + half))) & 255
+            iq += qhl * (sc & 15)
+            acc -= (dmin * sm[2 * sh + half]) * _u8f(sc >> 4)
+        acc += (d * sx[sh]) * iq.to(tl.float32)
+    return acc
+
+
+@triton.jit
+def _q2s_slots(ids_ptr, t, hw_ptr, hs_ptr, hsum_ptr, wb, wh, wf, rows, rmask, F, RB, EXP_BYTES, sk,
+               KSLOTS: tl.constexpr, BN: tl.constexpr, NH: tl.constexpr, R: tl.constexpr, IS: tl.constexpr):
+    """TYPE 113: Σ_j down_{ids[t, j]}[rows]·h[t·KSLOTS + j] for Q2_K experts in Q2S (layout.py)
+    over part sk of F (IS K-steps a part), h in XQ form. A tile element is one 128-value half of
+    a block of R rows (R rows per thread share the loads of h), NH halves per K-step: per row, two
+    16-byte loads of quant words, one 8-byte load of the half's 8 scales and one word of (d, dmin),
+    where 110 / 111 on GGUF's 84-byte blocks took four word loads, a load per scale byte and two
+    for d, dmin. The tile is [BN / R, NH], a warp's lanes along the halves of a row; the slots
+    add into it, and it is reduced over the halves once at the end (a reduction per slot, with
+    its layout conversions through shared memory: 12.1 against 10.5 µs for the routed down;
+    lanes along rows instead, sharing each load of h: 14.9 at best; bench/triton/q2s_down_probe.py).
+    Each slot's weights are loaded before the slot before it computes, and the code has no loops
+    (IS is a constexpr): a loop counted at run time took 17.3 against 14.6 µs. Rows past the
+    tensor read the expert's first row."""
+    rsel = tl.where(rmask, rows, 0).to(tl.int64) * RB
+    es = ()
+    for j in tl.static_range(KSLOTS):
+        es = es + (tl.load(ids_ptr + t * KSLOTS + j).to(tl.int64),)
+    acc = ()
+    for r in tl.static_range(R):
+        acc = acc + (tl.zeros([BN // R, NH], tl.float32),)
+    for i in tl.static_range(IS):
+        g = (sk * IS + i) * NH + tl.arange(0, NH)[None, :]  # half index in the row
+        bb = g // 2
+        h = g % 2
+        wn = _q2s_slot_words(wb, wh, wf, es[0] * EXP_BYTES + rsel, bb, h, R)
+        for j in tl.static_range(KSLOTS):
+            ws = wn
+            if j + 1 < KSLOTS:
+                wn = _q2s_slot_words(wb, wh, wf, es[j + 1] * EXP_BYTES + rsel, bb, h, R)
+            s = t * KSLOTS + j
+            xh = _q2s_half_x(hw_ptr + s * (F // 2), hs_ptr + s * (F // 32), hsum_ptr + s * (F // 16), bb * 8 + h * 4)
+            out = ()
+            for r in tl.static_range(R):
+                out = out + (_q2s_half_dot(ws[r], xh, acc[r]),)
+            acc = out
+    ys = ()
+    for r in tl.static_range(R):
+        ys = ys + (tl.sum(acc[r], axis=1),)
+    return _row_join(ys, R, BN)
+
+
+@triton.jit
+def _q2s_slot_words(wb, wh, wf, row_off, bb, h, R: tl.constexpr):
+    """_q2s_half_words of halves (bb, h) [1, NH] for each of the R row sets of the rows at GGUF
+    byte offsets row_off [BN]."""
+    BN: tl.constexpr = row_off.shape[0]
+    rs = _row_sets(_q2_blk(row_off), R)
+    ws = ()
+    for r in tl.static_range(R):
+        ws = ws + (_q2s_half_words(wb, wh, wf, tl.reshape(rs[r], [BN // R, 1]) + bb, h),)
+    return ws
 
 
 @triton.jit
@@ -1262,26 +1397,33 @@ def moe_gateup_mv_kernel(x_ptr, sx_t, ids_ptr, wts_ptr,
 def moe_down_mv_kernel(h_ptr, ids_ptr, db, dh, df, gridp, ksigns, out_ptr, ws_ptr, cnt_ptr,
                        hw_ptr, hs_ptr, hsum_ptr, E, F, RB, EXP_BYTES,
                        KSLOTS: tl.constexpr, TYPE: tl.constexpr, BN: tl.constexpr,
-                       NB: tl.constexpr, VB: tl.constexpr, VA: tl.constexpr, S: tl.constexpr = 1):
-    """out[t, r] = Σ_j down_{ids[t,j]}[r] · h[t·KSLOTS + j], summed in slot order; F split in S
-    parts as in matvec_kernel. TYPE 111 reads h in XQ form (hw_ptr, hs_ptr, hsum_ptr)."""
+                       NB: tl.constexpr, VB: tl.constexpr, VA: tl.constexpr, S: tl.constexpr = 1,
+                       IS: tl.constexpr = 1):
+    """out[t, r] = Σ_j down_{ids[t,j]}[r] · h[t·KSLOTS + j], summed in slot order (113: the slots
+    add per tile element, then the halves); F split in S parts as in matvec_kernel. TYPEs 111 and
+    113 read h in XQ form (hw_ptr, hs_ptr, hsum_ptr); 113 takes NB 128-value halves per K-step, VA
+    rows per thread and IS K-steps per part (_q2s_slots)."""
     pid = tl.program_id(0)
     t = tl.program_id(1)
     sk = tl.program_id(2)
     rows = pid * BN + tl.arange(0, BN)
     rmask = rows < E
     out = tl.zeros([BN], tl.float32)
-    for j in tl.static_range(KSLOTS):
-        s = t * KSLOTS + j
-        e = tl.load(ids_ptr + s).to(tl.int64)
-        row_off = e * EXP_BYTES + rows.to(tl.int64) * RB
-        hb = h_ptr + s * F
-        if TYPE == 111:
-            out += _q2k_int_rows(hw_ptr + s * (F // 2), hs_ptr + s * (F // 32), hsum_ptr + s * (F // 16),
-                                 db, dh, df, row_off, rmask, F, sk, BN, NB, S)
-        else:
-            out += _mv_rows(hb, db, dh, df, gridp, ksigns, row_off, rmask, F, sk, 1.0, hb, 0.0, BN, TYPE, NB, VB,
-                            VA, 0, S)
+    if TYPE == 113:
+        out = _q2s_slots(ids_ptr, t, hw_ptr, hs_ptr, hsum_ptr, db, dh, df, rows, rmask, F, RB, EXP_BYTES, sk,
+                         KSLOTS, BN, NB, VA, IS)
+    else:
+        for j in tl.static_range(KSLOTS):
+            s = t * KSLOTS + j
+            e = tl.load(ids_ptr + s).to(tl.int64)
+            row_off = e * EXP_BYTES + rows.to(tl.int64) * RB
+            hb = h_ptr + s * F
+            if TYPE == 111:
+                out += _q2k_int_rows(hw_ptr + s * (F // 2), hs_ptr + s * (F // 32), hsum_ptr + s * (F // 16),
+                                     db, dh, df, row_off, rmask, F, sk, BN, NB, S)
+            else:
+                out += _mv_rows(hb, db, dh, df, gridp, ksigns, row_off, rmask, F, sk, 1.0, hb, 0.0, BN, TYPE, NB,
+                                VB, VA, 0, S)
     _split_store(out, out_ptr + t * E, rows, rmask, ws_ptr + t * S * E, cnt_ptr, t * tl.num_programs(0) + pid,
                  sk, E, S)
 

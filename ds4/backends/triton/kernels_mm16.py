@@ -175,27 +175,28 @@ def _q2_byte(w0, w1, w2, w3, w4, w5, w6, w7, sft: tl.constexpr, sc0, off0, sc1, 
 
 
 @triton.jit
-def _q2k_tile(ww, bo, r0, rmask, NR: tl.constexpr):
-    """Runs [r0, r0 + NR) of 32 values of the Q2_K super-blocks at byte offsets bo [BN] of ww
-    (int32 words) -> a [BN, 32·NR] fp16 = sc·q; W = d·a − dmin·m (_q2k_scales, _q2k_mins).
+def _q2k_tile(ww, ws, blk, r0, rmask, NR: tl.constexpr):
+    """Runs [r0, r0 + NR) of 32 values of the Q2_K super-blocks blk [BN] (Q2S, layout.py: quant
+    words ww, scale words ws) -> a [BN, 32·NR] fp16 = sc·q; W = d·a − dmin·m (_q2k_scales,
+    _q2k_mins).
 
-    Block: scales[16] (low nibble sc, high nibble m), qs[64], f16 d, f16 dmin. Run
+    Block: qs[64], scales[16] (low nibble sc, high nibble m), f16 d, f16 dmin. Run
     r = 4h + sh holds values 128h + 32·sh + 4·j + b, which sit in qs word 8h + j, byte b, bits
     2·sh; value 4·j + b of the run lies in sub-block 8h + 2·sh + j // 4. A thread decodes a
     whole run (32 values contiguous in K) from the 8 words of its half; the 4 runs of a half read
     the same words. (Runs lead the work tensors [NR, BN], as groups do in _iq2_tile.)"""
-    BN: tl.constexpr = bo.shape[0]
-    bw = (bo >> 2)[None, :]  # word offsets (84-byte blocks, rows and experts are 4-byte aligned)
+    BN: tl.constexpr = blk.shape[0]
+    bq = (blk * 16)[None, :]  # the block's first quant word
     m = rmask[None, :]
     r = r0 + tl.arange(0, NR)[:, None]
     h = r >> 2
     sh = r & 3
-    # scale bytes 8h + 2·sh + (0, 1): word 2h + sh // 2, bytes 2·(sh % 2) + (0, 1)
-    scw = tl.load(ww + bw + 2 * h + (sh >> 1), mask=m, other=0)
+    # scale bytes 8h + 2·sh + (0, 1): word 2h + sh // 2 of the block's 4, bytes 2·(sh % 2) + (0, 1)
+    scw = tl.load(ws + (blk * 4)[None, :] + 2 * h + (sh >> 1), mask=m, other=0)
     sft = 16 * (sh & 1)
     sc0, off0 = _q2_sc(scw, sft)
     sc1, off1 = _q2_sc(scw, sft + 8)
-    wq = bw + 4 + 8 * h  # qs word j = 0 of the half (qs starts at word 4 of the block)
+    wq = bq + 8 * h  # qs word j = 0 of the half
     qsh = 2 * sh
     w0 = tl.load(ww + wq, mask=m, other=0) >> qsh
     w1 = tl.load(ww + wq + 1, mask=m, other=0) >> qsh
@@ -215,17 +216,17 @@ def _q2k_tile(ww, bo, r0, rmask, NR: tl.constexpr):
 
 
 @triton.jit
-def _q2k_scales(wh, bo, rmask):
-    """(d, dmin) of the Q2_K super-blocks at byte offsets bo [BN] of wh."""
-    return _ld_f16(wh, bo + 80, rmask), _ld_f16(wh, bo + 82, rmask)
+def _q2k_scales(wh, blk, rmask):
+    """(d, dmin) of the Q2_K super-blocks blk [BN] (Q2S: wh the (d, dmin) halfwords)."""
+    return _ld_f16(wh, blk * 4, rmask), _ld_f16(wh, blk * 4 + 2, rmask)
 
 
 @triton.jit
-def _q2k_mins(ww, bo, rmask):
-    """m of the 16 sub-blocks of the Q2_K super-blocks at byte offsets bo [BN] of ww (int32
-    words), [BN, 16] fp16: the high nibbles of the 4 scale words."""
-    BN: tl.constexpr = bo.shape[0]
-    sw = tl.load(ww + (bo >> 2)[:, None] + tl.arange(0, 4)[None, :], mask=rmask[:, None], other=0)
+def _q2k_mins(ws, blk, rmask):
+    """m of the 16 sub-blocks of the Q2_K super-blocks blk [BN] (Q2S: ws the scale words),
+    [BN, 16] fp16: the high nibbles of the block's 4 scale words."""
+    BN: tl.constexpr = blk.shape[0]
+    sw = tl.load(ws + (blk * 4)[:, None] + tl.arange(0, 4)[None, :], mask=rmask[:, None], other=0)
     mn = _join4((sw >> 4) & 15, (sw >> 12) & 15, (sw >> 20) & 15, (sw >> 28) & 15)
     return tl.reshape(_u8f(mn), [BN, 16]).to(tl.float16)
 
@@ -391,36 +392,39 @@ def moe_gateup_q8_mm16_kernel(xh_ptr, xl_ptr, xi_ptr, tok_ptr, wts_ptr, tile_e_p
 
 @triton.jit
 def moe_down_mm16_kernel(xh_ptr, xl_ptr, xi_ptr, gh_ptr, gl_ptr, tile_e_ptr, tile_r0_ptr, tile_end_ptr,
-                         ww, wh, out_ptr, E, F, RB, EXP_BYTES,
+                         ww, ws, wh, out_ptr, E, F, RB, EXP_BYTES,
                          BM: tl.constexpr, BN: tl.constexpr, KS: tl.constexpr):
-    """Prefill down in Q2_K: out_sorted[a, r] = down_e[r] · h[a] for one tile of expert e's
-    assignments, h given split by split16_kernel. The d·(sc·q) term per super-block in K-steps
-    of KS values (a divisor of 256), then the dmin·m term over the 16-value sums of h."""
+    """Prefill down in Q2_K (Q2S: quant words ww, scale words ws, (d, dmin) halfwords wh):
+    out_sorted[a, r] = down_e[r] · h[a] for one tile of expert e's assignments, h given split by
+    split16_kernel. The d·(sc·q) term per super-block in K-steps of KS values (a divisor of
+    256), then the dmin·m term over the 16-value sums of h."""
     tile = tl.program_id(0)
     pn = tl.program_id(1)
     e, a, am, a64 = _tile_rows(tile_e_ptr, tile_e_ptr, tile_r0_ptr, tile_end_ptr, tile, BM, False)
     if e >= 0:
         rows = pn * BN + tl.arange(0, BN)
         rmask = rows < E
-        we = ww + e.to(tl.int64) * (EXP_BYTES // 4)  # the expert's first word / halfword
-        he = wh + e.to(tl.int64) * (EXP_BYTES // 2)
-        ro = rows * RB  # row byte offsets inside the expert (32-bit)
+        eb = e.to(tl.int64) * (EXP_BYTES // 84)  # the expert's first block
+        we = ww + eb * 16  # its first quant word, scale word, (d, dmin) halfword
+        se = ws + eb * 4
+        he = wh + eb * 2
+        rb = rows * (RB // 84)  # the rows' first blocks inside the expert (32-bit)
         NS = F // 256
         xo = a64[:, None] * F + tl.arange(0, KS)[None, :]
         acc = tl.zeros([BM, BN], tl.float32)
         for sb in range(0, NS):
-            bo = ro + sb * 84
+            bo = rb + sb
             p = tl.zeros([BM, BN], tl.float32)
             for part in range(0, 256 // KS):
                 k0 = sb * 256 + part * KS
                 xh = tl.load(xh_ptr + xo + k0, mask=am[:, None], other=0.0)
                 xl = tl.load(xl_ptr + xo + k0, mask=am[:, None], other=0.0)
-                p = _dot16(xh, xl, _q2k_tile(we, bo, part * (KS // 32), rmask, KS // 32), p)
+                p = _dot16(xh, xl, _q2k_tile(we, se, bo, part * (KS // 32), rmask, KS // 32), p)
             # the min term: 16-value sums (/16, hence 16·dmin) times m, a K = 16 product
             go = a64[:, None] * (F // 16) + sb * 16 + tl.arange(0, 16)[None, :]
             gh = tl.load(gh_ptr + go, mask=am[:, None], other=0.0)
             gl = tl.load(gl_ptr + go, mask=am[:, None], other=0.0)
-            pm = _dot16(gh, gl, _q2k_mins(we, bo, rmask), tl.zeros([BM, BN], tl.float32))
+            pm = _dot16(gh, gl, _q2k_mins(se, bo, rmask), tl.zeros([BM, BN], tl.float32))
             d, dmin = _q2k_scales(he, bo, rmask)
             inv = tl.load(xi_ptr + a64 * NS + sb, mask=am, other=0.0)[:, None]
             acc += (p * d[None, :] - pm * (16.0 * dmin)[None, :]) * inv

@@ -1,6 +1,7 @@
 """How weights are laid out on the device: GGUF's bytes as they are, except Q8_0 rows whose
-length is a multiple of 256, which are rearranged (not decoded) into 256-value chunks (Q8C), and
-IQ2_XXS tensors, whose blocks are split into two arrays (IQ2S, below). Q8C:
+length is a multiple of 256, which are rearranged (not decoded) into 256-value chunks (Q8C),
+IQ2_XXS tensors, whose blocks are split into two arrays (IQ2S, below), and Q2_K tensors, whose
+blocks are split into three (Q2S, below). Q8C:
 
     chunk = f16 d[8] (16 bytes) | 256 bytes, block b's 32 at 32·b, quant q of value v as the
             byte q + 128 at 4·(v % 8) + v // 8
@@ -25,6 +26,21 @@ starts at block R·K/256 of both arrays; the kernels get the quant words and the
 views (QWeight.f32 and QWeight.i16) and find a row's first block as its GGUF byte offset / 66.
 Every IQ2_XXS row is whole blocks, so every IQ2_XXS tensor goes to the device this way (the
 kernels' type id stays IQ2_XXS's).
+
+Q2S: a Q2_K tensor's bytes become, in block order,
+
+    the 64 quant bytes of every block (block B's at 64·B), then the 16 scale bytes of every block
+    (at 64·NB + 16·B), then the f16 pair (d, dmin) of every block (at 80·NB + 4·B)
+
+so the quants of a 128-value half h of block B are the eight aligned words 16·B + 8·h .. +7 (two
+16-byte loads), its eight scales the bytes 16·B + 8·h .. +7 of the scale plane (one 8-byte load)
+and the block's d and dmin one word. Why: GGUF's 84-byte blocks keep the quant bytes only 4-byte
+aligned, so the routed down's decoder took 16 quant bytes in four word loads, each scale byte in
+a load of its own and d, dmin in two more, requests that a warp repeated for the same L1 sectors.
+Rows start at block R·K/256 of each plane; the kernels get the quant words, the scale bytes and
+the (d, dmin) halfwords as three views (QWeight.f32, .b8, .i16) and find a row's first block as
+its GGUF byte offset / 84. Every Q2_K row is whole blocks, so every Q2_K tensor goes to the
+device this way (the kernels' type id stays Q2_K's).
 """
 
 from __future__ import annotations
@@ -79,6 +95,26 @@ def iq2_views(u8: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return u8[:nq].view(torch.int32), u8[nq:].view(torch.int16)
 
 
+Q2_BLOCK = 84  # bytes of a GGUF Q2_K block: scales[16], qs[64], f16 d, f16 dmin (256 values)
+
+
+def q2_split(u8: torch.Tensor) -> torch.Tensor:
+    """GGUF Q2_K blocks (bytes, any number) -> Q2S: every block's 64 quant bytes, then every
+    block's 16 scale bytes, then every block's (d, dmin), in block order."""
+    if u8.dtype != torch.uint8 or u8.numel() % Q2_BLOCK:
+        raise ValueError(f"Q2S: expected uint8 Q2_K blocks of {Q2_BLOCK} bytes, got {u8.numel()} "
+                         f"{u8.dtype} values")
+    b = u8.reshape(-1, Q2_BLOCK)
+    return torch.cat([b[:, 16:80].reshape(-1), b[:, :16].reshape(-1), b[:, 80:].reshape(-1)])
+
+
+def q2_views(u8: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """A Q2S tensor's (quant words int32, scale bytes uint8, (d, dmin) int16 holding f16 bits) as
+    views of its bytes."""
+    nb = u8.numel() // Q2_BLOCK
+    return u8[:64 * nb].view(torch.int32), u8[64 * nb:80 * nb], u8[80 * nb:].view(torch.int16)
+
+
 def device_layout(ttype: GGMLType, K: int, u8: torch.Tensor) -> tuple[torch.Tensor, int]:
     """(bytes as the kernels read them, the kernels' type id: Q8C or the GGUF type)."""
     kt = kernel_type(ttype, K)
@@ -86,4 +122,6 @@ def device_layout(ttype: GGMLType, K: int, u8: torch.Tensor) -> tuple[torch.Tens
         return q8_chunks(u8, K), kt
     if kt == int(GGMLType.IQ2_XXS):
         return iq2_split(u8), kt
+    if kt == int(GGMLType.Q2_K):
+        return q2_split(u8), kt
     return u8, kt
