@@ -1,5 +1,5 @@
 """One launch each of the decode step's heaviest products at DS4 Flash shapes, for Nsight Compute:
-the routed experts' IQ2_XXS gate/up and Q2_K down on x and h in XQ form (418 / 111; the gate/up
+the routed experts' IQ2_XXS gate/up and Q2_K down on x and h in XQ form (418 / 113 on Q2S; the gate/up
 with its group loads a step ahead, then without: mv_prefetch), the Q8C wo_b product (308), and
 the Q2C probe's down kernel (q2k_rows_probe.py), so their stall reasons, occupancy and L1
 traffic can be read side by side. (results_h200/tune_paths/ncu_decode.txt was recorded with the
@@ -35,7 +35,7 @@ def main():
     gate = QWeight.place("gate", T.IQ2_XXS, (E, F, NE), _quant_blocks(T.IQ2_XXS, NE * F * E, 1 / np.sqrt(E), dev, g))
     up = QWeight.place("up", T.IQ2_XXS, (E, F, NE), _quant_blocks(T.IQ2_XXS, NE * F * E, 1 / np.sqrt(E), dev, g))
     dq = _quant_blocks(T.Q2_K, NE * E * F, 1 / np.sqrt(F), dev, g)
-    down = QWeight("down", T.Q2_K, (F, E, NE), dq)
+    down = QWeight.place("down", T.Q2_K, (F, E, NE), dq)  # Q2S, a copy (dq stays GGUF blocks for q2c)
     wo_b = QWeight.place("wo_b", T.Q8_0, (8192, 4096), _quant_blocks(T.Q8_0, 8192 * 4096, 1 / 90.5, dev, g))
     for pf in (True, False):  # 418 loading a K-step ahead, then not
         be.mv_prefetch = pf
