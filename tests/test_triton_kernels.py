@@ -547,6 +547,26 @@ def test_moe_and_shared_expert(pair, n, rng):
     assert _rel(got, want) < 1e-5
 
 
+def test_q2s_down_rows_past_the_tile(rng):
+    """Decoder 113 with a row count that is not a multiple of its programs' rows (the rows past
+    the tensor read its first row and are not stored) and two tokens, against numpy's decode of
+    the GGUF Q2_K bytes times the XQ-rounded h, summed over each token's slots."""
+    tri = TritonBackend(_cfg(), device=DEVICE)
+    NE, F, E, n, k = 3, 512, 84, 2, 2
+    raw = random_blocks(T.Q2_K, NE * E * F, rng, scale=0.05)
+    down = tri.upload(Tensor("down", T.Q2_K, (F, E, NE), raw))
+    dense = dequantize_rows(raw.reshape(NE * E, row_bytes(T.Q2_K, F)), T.Q2_K, F).reshape(NE, E, F)
+    ids = np.array([[2, 0], [1, 2]], np.int32)
+    h = rng.standard_normal((n * k, F)).astype(np.float32)
+    c = tri._mv_cfg(down.kt, E, F, n, kind="down", xq=True)
+    assert c["TYPE"] == 113 and E % c["BN"], c  # (programs of 8 rows on the H200, 128 in the interpreter)
+    out = tri.to_numpy(tri._down_mv(_t(tri, h), _t(tri, ids, torch.int32), down, n, k, c=c,
+                                    hq=tri._xq(_t(tri, h))))
+    hr = _xq_round(h).reshape(n, k, F)
+    want = np.einsum("tjef,tjf->te", dense[ids].astype(np.float64), hr)
+    assert _rel(out, want) < 2e-6
+
+
 def test_iq2_nibble_table():
     """The 416 decoder's level table (gridp[768:1024]): nibble j of entry e holds the code of
     value j (levels 8, 25, 43 -> 0, 1, 2) and leaves bits 2-3 clear for the sign it ORs in;
