@@ -549,13 +549,13 @@ def test_moe_and_shared_expert(pair, n, rng):
 
 def test_q2s_down_rows_past_the_tile(rng):
     """Decoder 113 with a row count that is not a multiple of its programs' rows (the rows past
-    the tensor read its first row and are not stored) and two tokens, against numpy's decode of
+    the tensor read its first row and are not stored) and two tokens, against gguf-py's decode of
     the GGUF Q2_K bytes times the XQ-rounded h, summed over each token's slots."""
     tri = TritonBackend(_cfg(), device=DEVICE)
     NE, F, E, n, k = 3, 512, 84, 2, 2
     raw = random_blocks(T.Q2_K, NE * E * F, rng, scale=0.05)
     down = tri.upload(Tensor("down", T.Q2_K, (F, E, NE), raw))
-    dense = dequantize_rows(raw.reshape(NE * E, row_bytes(T.Q2_K, F)), T.Q2_K, F).reshape(NE, E, F)
+    dense = gq.dequantize(raw.reshape(NE * E, row_bytes(T.Q2_K, F)), GGMLQuantizationType.Q2_K).reshape(NE, E, F)
     ids = np.array([[2, 0], [1, 2]], np.int32)
     h = rng.standard_normal((n * k, F)).astype(np.float32)
     c = tri._mv_cfg(down.kt, E, F, n, kind="down", xq=True)

@@ -72,14 +72,11 @@ def main():
     E, F, NE, k, calls = 4096, 2048, 48, 6, 8  # DS4 Flash: model width, expert rows; experts probed, used
     raw = _quant_blocks(T.Q2_K, NE * E * F, 1.0 / np.sqrt(F), dev, g)
     RB = F // 256 * 84
-    down = QWeight.place("down", T.Q2_K, (F, E, NE), raw.clone())
+    down = QWeight.place("down", T.Q2_K, (F, E, NE), raw)  # (Q2S is a new tensor: raw stays GGUF blocks)
     ids = [torch.tensor([(6 * i + j) % NE for j in range(k)], device=dev, dtype=torch.int32).view(1, k)
            for i in range(calls)]
     h = torch.randn(k, F, device=dev) * 0.1
-    hq = be._xq_new(k, F)
-    xq_dev = be._xq(h)
-    for dst, src in zip(hq, xq_dev):
-        dst.copy_(src)
+    hq = be._xq(h)
     hx = xq_values(hq[0].cpu().numpy(), hq[1].cpu().numpy())  # [k, F] float64
     want = np.zeros(E)
     rawh = raw.cpu().numpy()
@@ -91,12 +88,10 @@ def main():
     rows: list[dict] = []
     key = ("down", int(T.Q2_K), E, F)
 
-    def measure(path, tile, extra=None):
+    def measure(path, tile):
         be.mv_shapes = {key: tile}
         try:
             c = be._mv_cfg(T.Q2_K, E, F, 1, kind="down", xq=True)
-            if extra:
-                c = dict(c, **extra)
             launch = lambda i: be._down_mv(h, ids[i], down, 1, k, c=c, hq=hq)  # noqa: E731
             got = launch(0).double().cpu().numpy()[0]
             err = float(np.abs(got - want).max() / scale)

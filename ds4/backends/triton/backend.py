@@ -643,9 +643,9 @@ class TritonBackend(Backend):
             t, tune = ttype, self.mv_tune.get(ttype, self.mv_tune["default"])
         cap, BN, warps = tune[:3]
         S = tune[3] if len(tune) > 3 else 1  # K split in S parts (_split_store)
-        # rows per thread: 308 / 309's (default 4), 113's (default 2)
-        R = (tune[4] if len(tune) > 4 else 4) if t in (308, 309) else (tune[4] if len(tune) > 4 else 2) if t == 113 \
-            else 1
+        R = {308: 4, 309: 4, 113: 2}.get(t, 1)  # rows per thread (308 / 309 / 113: a fifth tuning value)
+        if t in (308, 309, 113) and len(tune) > 4:
+            R = tune[4]
         if self.interpret:  # few, large programs (a per-shape entry keeps its K-step: tests split K)
             cap = cap if (kind, ttype, int(N), int(K_)) in self.mv_shapes else 1024
             BN = min(256 if t == 113 else 64, _pow2(N))  # (113's unrolled slots cost per program)

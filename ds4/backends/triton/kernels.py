@@ -1,7 +1,7 @@
 """The Triton kernels of the DS4 forward pass.
 
 Every kernel reads quantized weight blocks (no dequantized copy of any weight), as GGUF stores
-them or rearranged (Q8C chunks for Q8_0, IQ2S for IQ2_XXS, below): `_wtile` decodes a
+them or rearranged (Q8C chunks for Q8_0, IQ2S for IQ2_XXS, Q2S for Q2_K, below): `_wtile` decodes a
 [rows, units, values-per-unit] tile of F32/F16/BF16/Q8_0/Q8C/Q2_K/Q4_K/IQ2_XXS rows in registers,
 where a "unit" is the group of values that shares one scale (a Q8_0 block, a Q2_K sub-block, one
 IQ2_XXS grid entry). Matrix-vector kernels (decode) multiply that tile by the activation with FMAs;
@@ -15,13 +15,14 @@ scalar, so a decode step can be captured once in a CUDA graph and replayed. Kern
 on the position (which compressor window closes, how many compressed rows a query sees) decide
 it themselves, and programs with nothing to do exit.
 
-A weight is passed as three views of one byte buffer: `wb` (uint8), `wh` (int16: f16 scales and
+A weight is passed as three views of its byte buffer: `wb` (uint8), `wh` (int16: f16 scales and
 16-bit words, which sit at even offsets in every DS4 block format) and `wf` (float32 for F32, else
-int32 words).
+int32 words); for the split layouts below, views of their separate arrays (QWeight).
 
-Two formats are rearranged at upload, not decoded (`ds4.backends.triton.layout`). IQ2_XXS blocks
+Three formats are rearranged at upload, not decoded (`ds4.backends.triton.layout`). IQ2_XXS blocks
 are split into their quant words and their scales (layout IQ2S: a group is one aligned 8-byte
-load; `_iq2_blk`). Q8_0 rows whose length is a multiple of 256 are stored as 256-value chunks
+load; `_iq2_blk`); Q2_K blocks into their quant words, scale bytes and (d, dmin) pairs (layout
+Q2S: half a block's quants are two aligned 16-byte loads; `_q2_blk`). Q8_0 rows whose length is a multiple of 256 are stored as 256-value chunks
 (layout Q8C): the chunk's 8 f16 scales (16 bytes), then its 256 quants as bytes q + 128, the 32 of
 each block ordered so that byte j of the block's word w holds value 8j + w. The bytes of a row and
 their count are the same (34 per 32 values); every quant word is 4-byte aligned and each chunk
