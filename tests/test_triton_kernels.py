@@ -348,7 +348,7 @@ def test_indexer_select(pair, rng):
     rs, ts = _states(ref, tri, cfg, il, rng=rng)
     m = cfg.ratio(il)
     W_r, W_t = wr.layers[il].indexer, wt.layers[il].indexer
-    for p0, n in ((4, 3), (30, 1), (37, 4), (60, 20)):
+    for p0, n in ((4, 3), (30, 1), (37, 4), (60, 20), (120, 1)):
         qr = rng.standard_normal((n, cfg.q_lora_rank)).astype(np.float32)
         a = rng.standard_normal((n, cfg.n_embd)).astype(np.float32)
         want = ref.indexer_select(rs, qr, a, W_r, p0, il)
@@ -357,6 +357,7 @@ def test_indexer_select(pair, rng):
             assert got is None and (p0 + n) // m <= cfg.indexer_top_k
             continue
         assert np.array_equal(got.mask(want.shape[1]), want), (p0, n)
+        assert not tri._topk_counts.any()  # one query's key counts and ticket: top-k cleared them
         tri.topk_reg_max = 0  # the chunked top-k used past 16384 rows
         got = tri.indexer_select(ts, _t(tri, qr), _t(tri, a), W_t, p0, il)
         tri.topk_reg_max = 16384
@@ -381,6 +382,63 @@ def test_topk_ties_and_signed_zeros():
         K.topk_kernel[(1,)](torch.from_numpy(sc).to(DEVICE), idx, cnt, pos, 1, CS, TOPK, BC=256, CMAX=256)
         assert int(cnt[0]) == TOPK
         assert np.array_equal(idx.cpu().numpy(), want), levels
+
+
+def _order_key(sc: np.ndarray) -> np.ndarray:
+    """float32 -> uint32 with the floats' order: positive floats get the sign bit set, negative
+    ones are complemented (so larger magnitude, smaller key); -0.0 is taken as +0.0 first."""
+    b = (sc + np.float32(0.0)).view(np.uint32)
+    return np.where(b >> 31 == 0, b | np.uint32(0x80000000), ~b).astype(np.uint32)
+
+
+@pytest.mark.parametrize("case", ["spread", "ties", "boundary", "crowded"])
+def test_topk_one_from_counts_and_buckets(case):
+    """The one-query top-k of several programs (topk_one_kernel) from key counts and buckets
+    laid out here by numpy (as idx_score_kernel HIST leaves them; bucket entries in a random
+    order), against a stable sort written here: the TOPK largest, equal scores by lower row,
+    rows increasing. Both ways to the last selected key: ranking the threshold's bucket, and
+    (a bucket past its capacity) bisection over every score; the counts and the ticket are left
+    at zero for the next step, and nothing is written past TOPK."""
+    from ds4.backends.triton import kernels as K
+
+    CS, CH, CAPB = 300, 64, 32
+    for seed in range(6):
+        gen = np.random.default_rng(seed)
+        TOPK = int(gen.integers(20, 120))
+        if case == "spread":
+            sc = (gen.standard_normal(CS) * 3).astype(np.float32)
+        elif case in ("ties", "boundary"):  # (1 + k·2^-23: keys that differ in their lowest bits only)
+            levels = [-0.0, 0.0, 1.5, -2.0, 3.0, 2.0 ** -140] + [1.0 + k * 2.0 ** -23 for k in (9, 13, 0x1F9)]
+            sc = gen.choice(np.array(levels, np.float32), CS).astype(np.float32)
+            if case == "boundary":  # exactly TOPK scores of 1.5 or more
+                TOPK = int((sc >= 1.5).sum())
+        else:  # every score within 2^-9 of 1: one bucket, past its capacity
+            sc = (1.0 + gen.integers(0, 1 << 14, CS) * 2.0 ** -23).astype(np.float32)
+        order = sorted(range(CS), key=lambda r: (-(float(sc[r]) + 0.0), r))
+        want = np.sort(np.array(order[:TOPK]))
+        key = _order_key(sc)
+        counts = np.zeros(256 + 16384 + 16, np.int32)
+        buckets = np.zeros((2, 16384, CAPB), np.int32)
+        for r in gen.permutation(CS):  # any order of arrival
+            b = int(key[r] >> 18)
+            counts[key[r] >> 24] += 1
+            slot = counts[256 + b]
+            counts[256 + b] += 1
+            if slot < CAPB:
+                buckets[0, b, slot] = np.int32(key[r].view(np.int32))
+                buckets[1, b, slot] = r
+        counts_t = torch.from_numpy(counts).to(DEVICE)
+        idx = torch.full((TOPK + 64,), -1, dtype=torch.int32, device=DEVICE)
+        cnt = torch.zeros(1, dtype=torch.int32, device=DEVICE)
+        pos = torch.tensor([CS - 1], dtype=torch.int32, device=DEVICE)
+        NP = -(-(CS + 40) // CH)  # a capacity past the visible rows, as in a decode step's graph
+        K.topk_one_kernel[(NP,)](torch.from_numpy(sc).to(DEVICE), idx, cnt, pos, counts_t,
+                                 torch.from_numpy(buckets.reshape(-1)).to(DEVICE), 1, TOPK, NP, CH=CH, CAPB=CAPB, LB=CH,
+                                 NLB=NP)
+        assert int(cnt[0]) == TOPK
+        got = idx.cpu().numpy()
+        assert np.array_equal(got[:TOPK], want) and (got[TOPK:] == -1).all(), (case, seed)
+        assert not counts_t.any(), (case, seed)
 
 
 @pytest.mark.parametrize("il", [0, 2, 3], ids=["sliding", "csa", "hca"])

@@ -19,7 +19,7 @@ import sys
 def chain(path: str) -> dict:
     rows = list(csv.DictReader(open(path)))
     starts = sorted(float(r["start_us"]) for r in rows if r["kernel"] == "hc_mix_kernel")
-    topk = [float(r["start_us"]) for r in rows if r["kernel"] == "topk_kernel"]
+    topk = [float(r["start_us"]) for r in rows if r["kernel"] in ("topk_kernel", "topk_one_kernel")]
     spans = list(zip(starts, starts[1:]))
     gaps = [b - a for a, b in spans]
     att = spans[0::2]

@@ -324,6 +324,11 @@ class TritonBackend(Backend):
         self._tok_t = None
         self._dummy_f = torch.zeros(16, dtype=torch.float32, device=d)
         self._dummy_i = torch.zeros(16, dtype=torch.int32, device=d)
+        # one query's indexer key counts (by top 8 bits, by top 14 bits, then the top-k programs'
+        # ticket): the scores kernel adds, top-k reads and clears them, so they are zero between;
+        # the buckets (allocated on first use) need no clearing
+        self._topk_counts = torch.zeros(256 + 16384 + 16, dtype=torch.int32, device=d)
+        self._topk_buckets = None
         # split-K tickets of the matrix-vector kernels, one per output tile (_split_store); each
         # launch leaves them at zero
         self._split_cnt = torch.zeros(1 << 16, dtype=torch.int32, device=d)
@@ -365,6 +370,16 @@ class TritonBackend(Backend):
         self.q8_int16 = os.environ.get("DS4_TRITON_Q8_16", "0") == "1"
         self.q8_16_tile = {"linear": (64, 64, 4, 1), "gateup": (64, 64, 8, 1)}
         self.topk_reg_max = 16384  # indexer rows that top-k keeps in registers
+        # one-query top-k (decode) from the key counts and buckets the scores kernel makes
+        # (idx_score_kernel HIST, topk_one_kernel) instead of 32 bisection passes in one program;
+        # the keys a bucket keeps, rows and warps per top-k program. Alone on the H200 (scores +
+        # top-k, bench/triton/results_h200/topk_probe.log): 15.6 against 37.7 µs at 8192 indexer
+        # rows, 12.0 against 12.6 at 1024; 8 warps 8.5 against 9.6 µs of top-k for 4 at 8192. A
+        # decode step at 32768: 6.57 against 7.47 GPU ms (results_h200/bench.log, bisect)
+        self.topk_hist = True
+        self.topk_bucket = 256 if not self.interpret else 32
+        self.topk_rows = 1024 if not self.interpret else 64
+        self.topk_warps = 8
         # prefill attention (one program per query and head group): heads per program, rows per
         # step, warps, pipeline stages, for its products on fp16 tensor cores (attn_f16: ds4
         # numerics only, whose cache rows are f16 values; decode's too) and on tf32 pairs.
@@ -392,9 +407,11 @@ class TritonBackend(Backend):
         # decode steps in a layer with an indexer: the query's product waits for the indexer's
         # scores ("score") or its query RoPE ("rope"), or for neither ("none"): it fills every
         # SM, and the indexer's small kernels behind it (RoPE, scores, top-k) are the layer's
-        # critical chain. 7.80 against 8.05 ("none") and 8.02 ("rope") GPU ms at 32768, 7.07
-        # against 7.10 and 7.04 at 4096 (mhc_side/run3_variants)
-        self.query_waits_index = "score"
+        # critical chain. With the one-program top-k "score" won (7.80 against 8.05 for "none"
+        # and 8.02 for "rope" GPU ms at 32768; mhc_side/run3_variants); with topk_one_kernel
+        # "rope": 6.43 against 6.57 ("score") and 6.51 ("none") GPU ms at 4096, 6.54 against 6.67
+        # and 6.62 at 32768 (results_h200/topk/run2_topk_one_variants)
+        self.query_waits_index = "rope"
         # decode products fuse a pending RMSNorm of x (every program normalises the x values it
         # loads) unless their programs together would read x this many times over or more; then x
         # is normalised once first. The query's 32768-row product (4096 programs over 1024
@@ -1076,19 +1093,32 @@ class TritonBackend(Backend):
         iq = self._rope(self._linear(qr, w.q_b), il, inverse=False, qat=self.ds4_numerics, rows_dim=(IH, ID))
         scores = self._new((n, cs))
         BC = 64 if not self.interpret else 128
+        hist = self.topk_hist and n == 1
+        capb = self.topk_bucket
+        if hist and (self._topk_buckets is None or self._topk_buckets.numel() != 2 * 16384 * capb):
+            self._topk_buckets = torch.zeros(2 * 16384 * capb, dtype=torch.int32, device=self.dev)
+        bkt = self._topk_buckets if hist else self._dummy_i
         if self.query_waits_index == "rope":
             self._hold_main()
-        self._launch(K.idx_score_kernel, (n, _cdiv(cs, BC)), iq, hw, st["index"], scores, self._pos, m, IH, cs,
-                     float(np.float32(np.sqrt(ID * IH))), IHP=max(16, _pow2(IH)), ID=ID, BC=BC, EXACT=self.ds4_numerics,
+        self._launch(K.idx_score_kernel, (n, _cdiv(cs, BC)), iq, hw, st["index"], scores, self._pos,
+                     self._topk_counts, bkt, m, IH, cs, top_k, float(np.float32(np.sqrt(ID * IH))),
+                     IHP=max(16, _pow2(IH)), ID=ID, BC=BC, EXACT=self.ds4_numerics, HIST=hist, CAPB=capb,
                      num_warps=4, nbytes=4 * n * (cs * ID + IH * ID + cs))
         if self.query_waits_index == "score":
             self._hold_main()
         idx = self._new((n, top_k), torch.int32)
         cnt = self._new((n,), torch.int32)
-        cmax = _pow2(cs) if cs <= self.topk_reg_max else 0
-        self._launch(K.topk_kernel, (n,), scores, idx, cnt, self._pos, m, cs, top_k,
-                     BC=256 if not self.interpret else 1024, CMAX=cmax,
-                     num_warps=8 if cmax > 4096 else 4, nbytes=4 * n * cs)
+        if hist:
+            ch = self.topk_rows
+            lb = max(ch, _pow2(cs) // 16)  # (at most 16 blocks of rows before a program's)
+            self._launch(K.topk_one_kernel, (_cdiv(cs, ch),), scores, idx, cnt, self._pos, self._topk_counts, bkt,
+                         m, top_k, _cdiv(cs, ch), CH=ch, CAPB=capb, LB=lb, NLB=_cdiv(cs, lb),
+                         num_warps=self.topk_warps, nbytes=4 * cs)
+        else:
+            cmax = _pow2(cs) if cs <= self.topk_reg_max else 0
+            self._launch(K.topk_kernel, (n,), scores, idx, cnt, self._pos, m, cs, top_k,
+                         BC=256 if not self.interpret else 1024, CMAX=cmax,
+                         num_warps=8 if cmax > 4096 else 4, nbytes=4 * n * cs)
         return Selection(idx, cnt, top_k)
 
     @_op

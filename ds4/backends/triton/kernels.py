@@ -2009,9 +2009,14 @@ def comp_update_kernel(kv_ptr, sc_ptr, ape_ptr, skv_ptr, ssc_ptr, pos_ptr, n,
 
 
 @triton.jit
-def idx_score_kernel(iq_ptr, hw_ptr, keys_ptr, out_ptr, pos_ptr, M, IH, CS, hscale,
-                     IHP: tl.constexpr, ID: tl.constexpr, BC: tl.constexpr, EXACT: tl.constexpr):
-    """score[t, c] = Σ_h hw[t,h]·relu(iq[t,h]·k_c) over the rows c < (p0+t+1)//M."""
+def idx_score_kernel(iq_ptr, hw_ptr, keys_ptr, out_ptr, pos_ptr, cnt_ptr, bkt_ptr, M, IH, CS, TOPK, hscale,
+                     IHP: tl.constexpr, ID: tl.constexpr, BC: tl.constexpr, EXACT: tl.constexpr,
+                     HIST: tl.constexpr = False, CAPB: tl.constexpr = 1):
+    """score[t, c] = Σ_h hw[t,h]·relu(iq[t,h]·k_c) over the rows c < (p0+t+1)//M.
+    HIST (one query, more than TOPK rows visible): also count the scores' order-preserving keys
+    by their top 8 bits (cnt_ptr[0, 256)) and their top 14 (cnt_ptr[256, 256 + 16384)), and put
+    (key, row) in the bucket of the top 14 bits (bkt_ptr: keys [16384, CAPB], then rows; the
+    first CAPB of a bucket), for topk_one_kernel, which reads them and clears the counts."""
     t = tl.program_id(0)
     cb = tl.program_id(1)
     vis = (tl.load(pos_ptr) + t + 1) // M
@@ -2027,6 +2032,40 @@ def idx_score_kernel(iq_ptr, hw_ptr, keys_ptr, out_ptr, pos_ptr, M, IH, CS, hsca
         hw = tl.load(hw_ptr + t * IH + h, mask=hm, other=0.0) / hscale
         sc = tl.sum(hw[:, None] * s, axis=0) + 0.0  # + 0.0: -0.0 ties +0.0 as in the reference
         tl.store(out_ptr + t.to(tl.int64) * CS + c, sc, mask=cm)
+        if HIST:
+            if vis > TOPK:
+                key = _score_key(sc)
+                # the top bytes are few distinct values (sign and exponent): counted in the
+                # program first, so that a bin takes one atomic add per program
+                hi = tl.histogram((key >> 24).to(tl.int32), 256, mask=cm)
+                tl.atomic_add(cnt_ptr + tl.arange(0, 256), hi, mask=hi > 0, sem="relaxed")
+                # a key's place in its bucket is the count before its own
+                b = (key >> 18).to(tl.int32)
+                slot = tl.atomic_add(cnt_ptr + 256 + b, 1, mask=cm, sem="relaxed")
+                keep = cm & (slot < CAPB)
+                tl.store(bkt_ptr + b * CAPB + slot, key.to(tl.int32, bitcast=True), mask=keep)
+                tl.store(bkt_ptr + (16384 + b) * CAPB + slot, c, mask=keep)
+
+
+@triton.jit
+def _score_key(sc):
+    """The order-preserving uint32 key of a float32 score (larger score, larger key)."""
+    b = sc.to(tl.int32, bitcast=True)
+    return tl.where(b >= 0, b ^ (-2147483648), ~b).to(tl.uint32, bitcast=True)
+
+
+@triton.jit
+def _hist_digit(hist, need):
+    """From the counts of a key digit's values (among keys that agree above it): the digit of
+    the need-th largest key, need less the keys of the larger digits, and the count of that
+    digit. One block-wide sum after the scan, the three packed in an int64: the digit in 9 bits,
+    the keys of larger digits (fewer than need, so below 2^15 for need up to 2^15) in 15, the
+    count in the rest."""
+    ge = tl.cumsum(hist, 0, reverse=True)  # keys with this digit or a larger one
+    at = (ge >= need) & (ge - hist < need)
+    pk = tl.sum((ge >= need).to(tl.int64) + (tl.where(ge < need, hist, 0).to(tl.int64) << 9)
+                + (tl.where(at, hist, 0).to(tl.int64) << 24), 0)
+    return (pk & 511).to(tl.int32) - 1, need - ((pk >> 9) & 32767).to(tl.int32), (pk >> 24).to(tl.int32)
 
 
 @triton.jit
@@ -2102,6 +2141,94 @@ def topk_kernel(score_ptr, idx_ptr, cnt_ptr, pos_ptr, M, CS, TOPK, BC: tl.conste
             eq_seen += tl.sum(eq.to(tl.int64), axis=0)
             n_out += tl.sum(sel.to(tl.int64), axis=0)
         tl.store(cnt_ptr + t + tl.zeros([1], tl.int32), TOPK + tl.zeros([1], tl.int32))
+
+
+@triton.jit
+def topk_one_kernel(score_ptr, idx_ptr, cnt_ptr, pos_ptr, kc_ptr, bkt_ptr, M, TOPK, NP,
+                    CH: tl.constexpr, CAPB: tl.constexpr, LB: tl.constexpr, NLB: tl.constexpr):
+    """topk_kernel's selection for one query (decode) from what idx_score_kernel HIST left: the
+    key counts and buckets. Program p writes the selected rows among [p·CH, p·CH + CH).
+
+    Each program on its own: the counts give the top 14 bits of the threshold key T (the TOPK-th
+    largest) and how many keys share them; those keys are one bucket, ranked against each other
+    by (key, then lower row), which gives the last selected (key, row) L. A row is selected when
+    (its key, lower row first) is at least L; its place is the count of selected rows before it.
+    A bucket past CAPB keys: L from bisection passes over every score instead. The last program
+    to read the counts clears them for the next step. The rows before a program's are counted in
+    NLB blocks of LB (NLB·LB covers the capacity) loaded together, not one block after another."""
+    pid = tl.program_id(0)
+    vis = (tl.load(pos_ptr) + 1) // M
+    c = pid * CH + tl.arange(0, CH)
+    cv = c < vis
+    if vis <= TOPK:
+        tl.store(idx_ptr + c, c, mask=cv)
+        if pid == 0:
+            tl.store(cnt_ptr, vis)
+    else:
+        key = _score_key(tl.load(score_ptr + c, mask=cv, other=0.0))  # (in flight while L is found)
+        d1, need, _ = _hist_digit(tl.load(kc_ptr + tl.arange(0, 256)), TOPK)
+        d2, need, n_c = _hist_digit(tl.load(kc_ptr + 256 + d1 * 64 + tl.arange(0, 64)), need)
+        P = d1 * 64 + d2  # T's top 14 bits, shared by n_c keys; need of them are selected
+        tl.debug_barrier()  # every thread's reads of the counts done before the ticket
+        # (release: the loads below need not wait for it; its answer is awaited last)
+        ticket = tl.atomic_add(kc_ptr + 256 + 16384, 1, sem="release")
+        if n_c <= CAPB:
+            i = tl.arange(0, CAPB)
+            im = i < n_c
+            ck = tl.load(bkt_ptr + P * CAPB + i, mask=im, other=0).to(tl.uint32, bitcast=True)
+            cr = tl.load(bkt_ptr + (16384 + P) * CAPB + i, mask=im, other=0)
+            rank = tl.zeros([CAPB], tl.int32)
+            for j0 in range(0, n_c, 32):  # the bucket's others, 32 at a time
+                j = j0 + tl.arange(0, 32)
+                jm = j < n_c
+                kj = tl.load(bkt_ptr + P * CAPB + j, mask=jm, other=0).to(tl.uint32, bitcast=True)
+                rj = tl.load(bkt_ptr + (16384 + P) * CAPB + j, mask=jm, other=0)
+                beats = (kj[None, :] > ck[:, None]) | ((kj[None, :] == ck[:, None]) & (rj[None, :] < cr[:, None]))
+                rank += tl.sum((beats & jm[None, :]).to(tl.int32), 1)
+            # the one ranked need - 1 (a sum picks it; its key zero-extended by hand)
+            last = tl.sum(tl.where(im & (rank == need - 1), ((ck.to(tl.int64) & 0xFFFFFFFF) << 32) | cr.to(tl.int64),
+                                   0), 0)
+            Lk = ((last >> 32) & 0xFFFFFFFF).to(tl.uint32)
+            Lr = (last & 0xFFFFFFFF).to(tl.int32)
+        else:
+            Lk = P.to(tl.uint32) << 18
+            for bb in range(18):
+                cand = Lk | (tl.full([], 1, tl.uint32) << (17 - bb))
+                acc = tl.zeros([LB], tl.int32)
+                for c0 in range(0, vis, LB):
+                    r = c0 + tl.arange(0, LB)
+                    acc += ((r < vis) & (_score_key(tl.load(score_ptr + r, mask=r < vis, other=0.0)) >= cand)).to(tl.int32)
+                Lk = tl.where(tl.sum(acc, 0) >= TOPK, cand, Lk)
+            acc = tl.zeros([LB], tl.int32)
+            for c0 in range(0, vis, LB):
+                r = c0 + tl.arange(0, LB)
+                acc += ((r < vis) & (_score_key(tl.load(score_ptr + r, mask=r < vis, other=0.0)) > Lk)).to(tl.int32)
+            need = TOPK - tl.sum(acc, 0)  # keys equal to T to take, lowest rows first
+            seen = tl.zeros([], tl.int32)
+            Lr = tl.zeros([], tl.int32) - 1
+            for c0 in range(0, vis, LB):
+                r = c0 + tl.arange(0, LB)
+                eq = ((r < vis) & (_score_key(tl.load(score_ptr + r, mask=r < vis, other=0.0)) == Lk)).to(tl.int32)
+                Lr = tl.maximum(Lr, tl.max(tl.where((eq > 0) & (seen + tl.cumsum(eq, 0) == need), r, -1), 0))
+                seen += tl.sum(eq, 0)
+        # selected rows before this program's: counted over [0, pid·CH)
+        acc = tl.zeros([LB], tl.int32)
+        for b in tl.static_range(NLB):
+            r = b * LB + tl.arange(0, LB)
+            rm = (r < vis) & (r < pid * CH)
+            k = _score_key(tl.load(score_ptr + r, mask=rm, other=0.0))
+            acc += (rm & ((k > Lk) | ((k == Lk) & (r <= Lr)))).to(tl.int32)
+        sel = cv & ((key > Lk) | ((key == Lk) & (c <= Lr)))
+        s1 = sel.to(tl.int32)
+        tl.store(idx_ptr + tl.sum(acc, 0) + tl.cumsum(s1, 0) - s1, c, mask=sel)
+        if pid == 0:
+            tl.store(cnt_ptr, TOPK)
+        if ticket == NP - 1:  # every program has read the counts: the last clears them
+            tl.atomic_add(kc_ptr + 256 + 16384, 0, sem="acquire")  # (their reads before these stores)
+            tl.store(kc_ptr + tl.arange(0, 256), tl.zeros([256], tl.int32))
+            for z in range(0, 16384, 4096):
+                tl.store(kc_ptr + 256 + z + tl.arange(0, 4096), tl.zeros([4096], tl.int32))
+            tl.store(kc_ptr + 256 + 16384, 0)
 
 
 # ------------------------------------------------------------------------------------------------
