@@ -42,6 +42,7 @@ def record(preset: str, prefill: int, out: str) -> None:
     # the GPU's defaults: the constructor saw the interpreter and chose ieee for float tiles
     be.prec = os.environ.get("DS4_TRITON_DOT", "bf16x3")
     be.prec_f = "tf32x3" if be.prec == "bf16x3" else be.prec
+    be.topk_bucket, be.topk_rows = 256, 1024  # the one-query top-k's GPU tiling (small under the interpreter)
     seen = {}
 
     def launch(self, kern, grid, *args, nbytes=0, **kw):
