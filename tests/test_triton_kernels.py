@@ -364,6 +364,33 @@ def test_indexer_select(pair, rng):
         assert np.array_equal(got.mask(want.shape[1]), want), (p0, n)
 
 
+def test_indexer_select_failure_leaves_no_counts(pair, rng, monkeypatch):
+    """A one-query selection that fails after the scores kernel counted (here: the top-k's launch
+    raises) leaves the key counts at zero, and the next selection matches the reference."""
+    ref, wr, tri, wt = pair
+    cfg = ref.cfg
+    il = 2
+    rs, ts = _states(ref, tri, cfg, il, rng=rng)
+    W_r, W_t = wr.layers[il].indexer, wt.layers[il].indexer
+    qr = rng.standard_normal((1, cfg.q_lora_rank)).astype(np.float32)
+    a = rng.standard_normal((1, cfg.n_embd)).astype(np.float32)
+    launch = tri._launch
+
+    def failing(kern, *args, **kw):
+        if kern.fn.__name__ == "topk_one_kernel":
+            raise RuntimeError("launch failed")
+        return launch(kern, *args, **kw)
+
+    monkeypatch.setattr(tri, "_launch", failing)
+    with pytest.raises(RuntimeError, match="launch failed"):
+        tri.indexer_select(ts, _t(tri, qr), _t(tri, a), W_t, 120, il)
+    assert not tri._topk_counts.any()
+    monkeypatch.setattr(tri, "_launch", launch)
+    want = ref.indexer_select(rs, qr, a, W_r, 120, il)
+    got = tri.indexer_select(ts, _t(tri, qr), _t(tri, a), W_t, 120, il)
+    assert np.array_equal(got.mask(want.shape[1]), want)
+
+
 def test_topk_ties_and_signed_zeros():
     """The register top-k on scores with many ties, ±0 among them and negative values, against
     a stable sort written here: the TOPK largest, equal scores by lower row, rows increasing."""

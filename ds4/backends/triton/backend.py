@@ -1100,25 +1100,32 @@ class TritonBackend(Backend):
         bkt = self._topk_buckets if hist else self._dummy_i
         if self.query_waits_index == "rope":
             self._hold_main()
-        self._launch(K.idx_score_kernel, (n, _cdiv(cs, BC)), iq, hw, st["index"], scores, self._pos,
-                     self._topk_counts, bkt, m, IH, cs, top_k, float(np.float32(np.sqrt(ID * IH))),
-                     IHP=max(16, _pow2(IH)), ID=ID, BC=BC, EXACT=self.ds4_numerics, HIST=hist, CAPB=capb,
-                     num_warps=4, nbytes=4 * n * (cs * ID + IH * ID + cs))
-        if self.query_waits_index == "score":
-            self._hold_main()
-        idx = self._new((n, top_k), torch.int32)
-        cnt = self._new((n,), torch.int32)
-        if hist:
-            ch = self.topk_rows
-            lb = max(ch, _pow2(cs) // 16)  # (at most 16 blocks of rows before a program's)
-            self._launch(K.topk_one_kernel, (_cdiv(cs, ch),), scores, idx, cnt, self._pos, self._topk_counts, bkt,
-                         m, top_k, _cdiv(cs, ch), CH=ch, CAPB=capb, LB=lb, NLB=_cdiv(cs, lb),
-                         num_warps=self.topk_warps, nbytes=4 * cs)
-        else:
-            cmax = _pow2(cs) if cs <= self.topk_reg_max else 0
-            self._launch(K.topk_kernel, (n,), scores, idx, cnt, self._pos, m, cs, top_k,
-                         BC=256 if not self.interpret else 1024, CMAX=cmax,
-                         num_warps=8 if cmax > 4096 else 4, nbytes=4 * n * cs)
+        try:
+            self._launch(K.idx_score_kernel, (n, _cdiv(cs, BC)), iq, hw, st["index"], scores, self._pos,
+                         self._topk_counts, bkt, m, IH, cs, top_k, float(np.float32(np.sqrt(ID * IH))),
+                         IHP=max(16, _pow2(IH)), ID=ID, BC=BC, EXACT=self.ds4_numerics, HIST=hist, CAPB=capb,
+                         num_warps=4, nbytes=4 * n * (cs * ID + IH * ID + cs))
+            if self.query_waits_index == "score":
+                self._hold_main()
+            idx = self._new((n, top_k), torch.int32)
+            cnt = self._new((n,), torch.int32)
+            if hist:
+                ch = self.topk_rows
+                lb = max(ch, _pow2(cs) // 16)  # (at most 16 blocks of rows before a program's)
+                self._launch(K.topk_one_kernel, (_cdiv(cs, ch),), scores, idx, cnt, self._pos, self._topk_counts,
+                             bkt, m, top_k, _cdiv(cs, ch), CH=ch, CAPB=capb, LB=lb, NLB=_cdiv(cs, lb),
+                             num_warps=self.topk_warps, nbytes=4 * cs)
+            else:
+                cmax = _pow2(cs) if cs <= self.topk_reg_max else 0
+                self._launch(K.topk_kernel, (n,), scores, idx, cnt, self._pos, m, cs, top_k,
+                             BC=256 if not self.interpret else 1024, CMAX=cmax,
+                             num_warps=8 if cmax > 4096 else 4, nbytes=4 * n * cs)
+        except BaseException:
+            # the scores kernel may have counted without a top-k to clear the counts: the next
+            # selection would start from them
+            if hist:
+                self._topk_counts.zero_()
+            raise
         return Selection(idx, cnt, top_k)
 
     @_op
