@@ -2055,6 +2055,12 @@ def _score_key(sc):
 
 
 @triton.jit
+def _keys_at(score_ptr, r, m):
+    """The order-preserving keys of the scores at rows r (m: the rows to load)."""
+    return _score_key(tl.load(score_ptr + r, mask=m, other=0.0))
+
+
+@triton.jit
 def _hist_digit(hist, need):
     """From the counts of a key digit's values (among keys that agree above it): the digit of
     the need-th largest key, need less the keys of the larger digits, and the count of that
@@ -2144,6 +2150,12 @@ def topk_kernel(score_ptr, idx_ptr, cnt_ptr, pos_ptr, M, CS, TOPK, BC: tl.conste
 
 
 @triton.jit
+def _at_least(key, row, Lk, Lr):
+    """(key, lower row first) at least (Lk, Lr): selected when (Lk, Lr) is the last selected."""
+    return (key > Lk) | ((key == Lk) & (row <= Lr))
+
+
+@triton.jit
 def topk_one_kernel(score_ptr, idx_ptr, cnt_ptr, pos_ptr, kc_ptr, bkt_ptr, M, TOPK, NP,
                     CH: tl.constexpr, CAPB: tl.constexpr, LB: tl.constexpr, NLB: tl.constexpr):
     """topk_kernel's selection for one query (decode) from what idx_score_kernel HIST left: the
@@ -2165,7 +2177,7 @@ def topk_one_kernel(score_ptr, idx_ptr, cnt_ptr, pos_ptr, kc_ptr, bkt_ptr, M, TO
         if pid == 0:
             tl.store(cnt_ptr, vis)
     else:
-        key = _score_key(tl.load(score_ptr + c, mask=cv, other=0.0))  # (in flight while L is found)
+        key = _keys_at(score_ptr, c, cv)  # (in flight while L is found)
         d1, need, _ = _hist_digit(tl.load(kc_ptr + tl.arange(0, 256)), TOPK)
         d2, need, n_c = _hist_digit(tl.load(kc_ptr + 256 + d1 * 64 + tl.arange(0, 64)), need)
         P = d1 * 64 + d2  # T's top 14 bits, shared by n_c keys; need of them are selected
@@ -2197,18 +2209,18 @@ def topk_one_kernel(score_ptr, idx_ptr, cnt_ptr, pos_ptr, kc_ptr, bkt_ptr, M, TO
                 acc = tl.zeros([LB], tl.int32)
                 for c0 in range(0, vis, LB):
                     r = c0 + tl.arange(0, LB)
-                    acc += ((r < vis) & (_score_key(tl.load(score_ptr + r, mask=r < vis, other=0.0)) >= cand)).to(tl.int32)
+                    acc += ((r < vis) & (_keys_at(score_ptr, r, r < vis) >= cand)).to(tl.int32)
                 Lk = tl.where(tl.sum(acc, 0) >= TOPK, cand, Lk)
             acc = tl.zeros([LB], tl.int32)
             for c0 in range(0, vis, LB):
                 r = c0 + tl.arange(0, LB)
-                acc += ((r < vis) & (_score_key(tl.load(score_ptr + r, mask=r < vis, other=0.0)) > Lk)).to(tl.int32)
+                acc += ((r < vis) & (_keys_at(score_ptr, r, r < vis) > Lk)).to(tl.int32)
             need = TOPK - tl.sum(acc, 0)  # keys equal to T to take, lowest rows first
             seen = tl.zeros([], tl.int32)
             Lr = tl.zeros([], tl.int32) - 1
             for c0 in range(0, vis, LB):
                 r = c0 + tl.arange(0, LB)
-                eq = ((r < vis) & (_score_key(tl.load(score_ptr + r, mask=r < vis, other=0.0)) == Lk)).to(tl.int32)
+                eq = ((r < vis) & (_keys_at(score_ptr, r, r < vis) == Lk)).to(tl.int32)
                 Lr = tl.maximum(Lr, tl.max(tl.where((eq > 0) & (seen + tl.cumsum(eq, 0) == need), r, -1), 0))
                 seen += tl.sum(eq, 0)
         # selected rows before this program's: counted over [0, pid·CH)
@@ -2216,9 +2228,8 @@ def topk_one_kernel(score_ptr, idx_ptr, cnt_ptr, pos_ptr, kc_ptr, bkt_ptr, M, TO
         for b in tl.static_range(NLB):
             r = b * LB + tl.arange(0, LB)
             rm = (r < vis) & (r < pid * CH)
-            k = _score_key(tl.load(score_ptr + r, mask=rm, other=0.0))
-            acc += (rm & ((k > Lk) | ((k == Lk) & (r <= Lr)))).to(tl.int32)
-        sel = cv & ((key > Lk) | ((key == Lk) & (c <= Lr)))
+            acc += (rm & _at_least(_keys_at(score_ptr, r, rm), r, Lk, Lr)).to(tl.int32)
+        sel = cv & _at_least(key, c, Lk, Lr)
         s1 = sel.to(tl.int32)
         tl.store(idx_ptr + tl.sum(acc, 0) + tl.cumsum(s1, 0) - s1, c, mask=sel)
         if pid == 0:
