@@ -190,6 +190,19 @@ def test_cuda_graph_decode_matches_eager(path, prompt):
     assert _rel(sg.logits, se2.logits) <= 1e-5
 
 
+def _decode_bit_for_bit(x, y, prompt) -> None:
+    """The same prompt and 8 decode steps (warm-up, capture, replays) on engines x and y: the
+    same logits, bit for bit, after each step; x captured its decode step."""
+    a, b = x.session(ctx=64), y.session(ctx=64)
+    a.sync(prompt[:12])
+    b.sync(prompt[:12])
+    for t in prompt[12:20]:
+        a.eval(t)
+        b.eval(t)
+        assert np.array_equal(a.logits, b.logits)
+    assert any(en.graph is not None for en in x.backend._graphs.values())
+
+
 @needs_gpu
 def test_side_streams_change_no_bit(path, prompt):
     """Decode steps whose branches ran on side streams (warm-up, capture, replays) give the same
@@ -199,11 +212,30 @@ def test_side_streams_change_no_bit(path, prompt):
     one = ds4.Engine.open(path, backend="triton", device=DEVICE)
     assert two.backend.lanes > 1
     one.backend.lanes = 0
-    a, b = two.session(ctx=64), one.session(ctx=64)
-    a.sync(prompt[:12])
-    b.sync(prompt[:12])
-    for t in prompt[12:20]:
-        a.eval(t)
-        b.eval(t)
-        assert np.array_equal(a.logits, b.logits)
-    assert any(en.graph is not None for en in two.backend._graphs.values())
+    _decode_bit_for_bit(two, one, prompt)
+
+
+@needs_gpu
+def test_early_launch_changes_no_bit(path, prompt):
+    """Decode steps whose XQ8 products launch before the kernel ahead of them ends (programmatic
+    dependent launch, `pdl_xq`) give the same logits, bit for bit, as steps without (warm-up,
+    capture, replays): each waits for that kernel before it reads x."""
+    from ds4.backends.triton.layout import Q8C
+
+    new = ds4.Engine.open(path, backend="triton", device=DEVICE)
+    old = ds4.Engine.open(path, backend="triton", device=DEVICE)
+    for en in (new, old):  # (the tiny model's Q8C products on 309, as in `engines`)
+        en.backend.mv_types = {**en.backend.mv_types, Q8C: 309}
+        en.backend.mv_shapes = {}
+    assert new.backend.pdl_xq
+    old.backend.pdl_xq = False
+    early = []
+    launch = new.backend._launch
+
+    def spy(kern, grid, *args, **kw):
+        early.append(bool(kw.get("launch_pdl")))
+        return launch(kern, grid, *args, **kw)
+
+    new.backend._launch = spy
+    _decode_bit_for_bit(new, old, prompt)
+    assert sum(early) >= 3  # (wo_a of each layer, the head: the early launches happened)

@@ -273,6 +273,9 @@ def main() -> None:
     ap.add_argument("--trace", action="store_true",
                     help="profile one graph replay per decode context: decode_timeline_<ctx>.csv (every kernel's "
                          "stream, start, duration) and its busy time in results.json")
+    ap.add_argument("--set", default="{}",
+                    help='JSON {backend attribute: value} set after loading, before anything is measured '
+                         '(the run\'s own configuration, traces included)')
     ap.add_argument("--variants", default="{}",
                     help='JSON {name: {backend attribute: value}}: decode also measured with each, same run '
                          '(e.g. {"gateup_216": {"mv_types": {"80": 308, "16": 216, "10": 110}}}: an attribute is replaced whole)')
@@ -292,6 +295,11 @@ def main() -> None:
     eng = ds4.Engine.open(a.gguf, backend="triton", synthetic=True)
     torch.cuda.synchronize()
     res["load_s"] = time.time() - t0
+    for k, v in json.loads(a.set).items():
+        if not hasattr(eng.backend, k):
+            raise SystemExit(f"--set: the backend has no attribute {k!r}")
+        setattr(eng.backend, k, v)
+        res.setdefault("set", {})[k] = v
     res["gpu_mem_GB"] = torch.cuda.memory_allocated() / 1e9
     wb = decode_weight_bytes(eng)
     res["decode_weight_bytes"] = wb

@@ -373,9 +373,10 @@ class TritonBackend(Backend):
         # one-query top-k (decode) from the key counts and buckets the scores kernel makes
         # (idx_score_kernel HIST, topk_one_kernel) instead of 32 bisection passes in one program;
         # the keys a bucket keeps, rows and warps per top-k program. Alone on the H200 (scores +
-        # top-k, bench/triton/results_h200/topk_probe.log): 15.6 against 37.7 µs at 8192 indexer
-        # rows, 12.0 against 12.6 at 1024; 8 warps 8.5 against 9.6 µs of top-k for 4 at 8192. A
-        # decode step at 32768: 6.57 against 7.47 GPU ms (results_h200/bench.log, bisect)
+        # top-k, bench/triton/results_h200/topk/main/topk_probe.log): 15.6 against 37.7 µs at 8192
+        # indexer rows, 12.0 against 12.6 at 1024; 8 warps 8.5 against 9.6 µs of top-k for 4 at
+        # 8192. A decode step at 32768: 6.57 against 7.47 GPU ms (results_h200/topk/main/bench.log,
+        # bisect)
         self.topk_hist = True
         self.topk_bucket = 256 if not self.interpret else 32
         self.topk_rows = 1024 if not self.interpret else 64
@@ -412,6 +413,14 @@ class TritonBackend(Backend):
         # "rope": 6.43 against 6.57 ("score") and 6.51 ("none") GPU ms at 4096, 6.54 against 6.67
         # and 6.62 at 32768 (results_h200/topk/run2_topk_one_variants)
         self.query_waits_index = "rope"
+        # decode steps: the products on XQ8 x (decoder 309: wq_b, wo_a, wo_b, the head) launch
+        # while the kernel ahead of them on their stream still runs (programmatic dependent
+        # launch: that kernel, named in pdl_dep, lets them from its start), load their first
+        # K-step's weights, then wait for it before they read x (kernels._q8c_xq_rows PDL).
+        # Same call on the H200: 6.37 against 6.43 GPU ms a step at 4096, 6.48 against 6.56 at
+        # 32768, same logits bit for bit (bench/triton/results_h200/pdl/)
+        self.pdl_xq = True
+        self.pdl_dep = ("rms", "combine", "xq")
         # decode products fuse a pending RMSNorm of x (every program normalises the x values it
         # loads) unless their programs together would read x this many times over or more; then x
         # is normalised once first. The query's 32768-row product (4096 programs over 1024
@@ -549,6 +558,12 @@ class TritonBackend(Backend):
             kern[grid](*args, **kw)
         if self.ledger is not None:
             self.ledger.append((kern.fn.__name__ if hasattr(kern, "fn") else str(kern), int(nbytes)))
+
+    def _pdl(self, dep: str | None = None) -> bool:
+        """Whether a decode step's products on XQ8 x launch early (pdl_xq); dep: whether the
+        kernel or product of that name takes part (pdl_dep)."""
+        return (self.pdl_xq and self._step is not None and not self.interpret
+                and (dep is None or dep in self.pdl_dep))
 
     def _set_pos(self, p0: int) -> torch.Tensor:
         p0 = int(p0)
@@ -777,9 +792,10 @@ class TritonBackend(Backend):
         q = self._xq_new(n, N) if xq_out else (self._dummy_i, self._dummy_f, self._dummy_f)
         out = self._new((n, N))
         ws = self._new((n, S, N)) if S > 1 else self._dummy_f
+        pdl = dict(PDL=True, DEP=self._pdl("xq"), launch_pdl=True) if self._pdl() else {}
         self._launch(K.matvec_xq_kernel, (tiles, n, S), xw, xs, width, group_stride, w.i16, w.f32, out, N,
                      ws, self._tickets(), N, w.K, w.RB, gr, *q, BN=BN, NB=c["NB"], R=c["VA"], S=S, XQOUT=xq_out,
-                     num_warps=c["num_warps"], nbytes=w.RB * N + 2 * n * width + (7 if xq_out else 4) * n * N)
+                     num_warps=c["num_warps"], nbytes=w.RB * N + 2 * n * width + (7 if xq_out else 4) * n * N, **pdl)
         return _Quantized(out, q) if xq_out else out
 
     # ---- decode-step machinery ------------------------------------------------------------------
@@ -1180,7 +1196,7 @@ class TritonBackend(Backend):
         q = xq if xq is not None else (self._dummy_i, self._dummy_f, self._dummy_f)
         self._launch(K.attn_combine_kernel, (x.n, x.H, x.D // 2 // BI), x.mo, x.lo, x.ao, x.sink.vec,
                      self._freq[x.il], self._pos, out, x.H, *q, S=x.S, SP=_pow2(x.S), D=x.D, NROT=self.cfg.n_rot,
-                     ROPE_INV=rope_inverse, BI=BI, XQ8=xq is not None,
+                     ROPE_INV=rope_inverse, BI=BI, XQ8=xq is not None, DEP=xq is not None and self._pdl("combine"),
                      num_warps=4, nbytes=4 * x.ao.numel() + 4 * out.numel() + (3 * out.numel() if xq else 0))
         return out
 
@@ -1278,7 +1294,7 @@ class TritonBackend(Backend):
         w = self._dummy_f if x.w is None else x.w.vec
         q = xq if xq is not None else (self._dummy_i, self._dummy_f, self._dummy_f)
         self._launch(K.rms_kernel, (n,), src, w, out, D, self.cfg.rms_eps, *q, BD=_pow2(D),
-                     WEIGHTED=x.w is not None, XQ=xq is not None, PERM=perm, num_warps=4,
+                     WEIGHTED=x.w is not None, XQ=xq is not None, PERM=perm, DEP=perm and self._pdl("rms"), num_warps=4,
                      nbytes=8 * src.numel() + (3 * n * D if xq is not None else 0))
         return out
 

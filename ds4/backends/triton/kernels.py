@@ -35,6 +35,7 @@ import os
 
 import triton
 import triton.language as tl
+from triton.language.extra.cuda import gdc_launch_dependents
 
 from .layout import Q8C
 
@@ -108,15 +109,22 @@ def _ld_f16(wh, byte_off, mask):
 
 
 @triton.jit
-def _ld4(p, INT: tl.constexpr = False):
+def _ld4(p, INT: tl.constexpr = False, NC: tl.constexpr = True):
     """The 4 floats at p (16-byte aligned) as 4 tensors shaped like p: one 16-byte load per
     element instead of four 4-byte ones. In the routed decoders a warp's lanes walk different
     groups of x, so every load of x touches a sector per lane; this issues a quarter of those
     requests for the same sectors (Q2_K down 1232 → 1020 µs a decode step, IQ2_XXS gate/up
     2306 → 2228: bench/triton/results_h200/decode_chain/run1_x16_loads_norm_in_loop/). INT: 4 int32
-    words (x in XQ form)."""
+    words (x in XQ form). NC: through the non-coherent (read-only) path, which assumes the words
+    do not change while the kernel runs. Not so in a kernel launched before the one that writes
+    them ends (programmatic dependent launch): ptxas moved such a load above the kernel's wait
+    (_pdl_wait; sm_90 SASS of wq_b's tiling), and the logits changed from run to run."""
     if _INTERP:
         return tl.load(p), tl.load(p + 1), tl.load(p + 2), tl.load(p + 3)
+    elif INT and not NC:
+        return tl.inline_asm_elementwise("ld.global.v4.b32 {$0, $1, $2, $3}, [$4];", "=r,=r,=r,=r,l", [p],
+                                         dtype=(tl.int32, tl.int32, tl.int32, tl.int32),
+                                         is_pure=True, pack=1)
     elif INT:
         return tl.inline_asm_elementwise("ld.global.nc.v4.b32 {$0, $1, $2, $3}, [$4];", "=r,=r,=r,=r,l", [p],
                                          dtype=(tl.int32, tl.int32, tl.int32, tl.int32),
@@ -1112,14 +1120,59 @@ def _q8c_rows(xb, ww, wh, row_off, rmask, K, sk, rs, nw_ptr, BN: tl.constexpr, N
 
 
 @triton.jit
+def _pdl_wait():
+    """griddepcontrol.wait: the kernel ahead on the stream has finished and its writes are
+    visible. Returns 0 for the caller to add to the addresses of what that kernel wrote, so that
+    LLVM does not schedule pure inline-assembly loads (_ld4) above the wait; ptxas sees the 0,
+    so those loads must also be coherent ones (_ld4 NC=False): it keeps those below the wait
+    (tests/test_triton_kernels.py::test_early_launch_loads_x_after_its_wait)."""
+    return tl.inline_asm_elementwise("griddepcontrol.wait;\n\tmov.u32 $0, 0;", "=r", [], dtype=tl.int32,
+                                     is_pure=False, pack=1)
+
+
+@triton.jit
+def _q8c_xq_w(w64, wh, ro, m, c0, c, b, p, R: tl.constexpr):
+    """TYPE 309, one K-step's weights for the R row sets: the quant word pairs and block scales
+    (_q8c_xq_rows)."""
+    q2s = ()
+    ds = ()
+    for r in tl.static_range(R):
+        q2s = q2s + (tl.load(w64 + ro[r] // 2 + (c0 + c) * 34 + 2 + b * 4 + p, mask=m[r], other=0),)
+        ds = ds + (tl.load(wh + ro[r] * 2 + (c0 + c) * 136 + b, mask=m[r], other=0),)
+    return q2s, ds
+
+
+@triton.jit
+def _q8c_xq_step(acc, xw, xs, q2s, ds, c0, c, b, p, R: tl.constexpr):
+    """TYPE 309, one K-step on its loaded weights (_q8c_xq_w): the accumulators plus the blocks'
+    scaled integer dot products with x."""
+    blk = (c0 + c) * 8 + b  # x's 32-value block
+    h0, h1, l0, l1 = _ld4(xw + blk * 16 + p * 4, True, False)
+    sx = tl.load(xs + blk)
+    nacc = ()
+    for r in tl.static_range(R):
+        qa = q2s[r].to(tl.int32) ^ -2139062144  # 0x80808080: biased bytes -> signed
+        qb = (q2s[r] >> 32).to(tl.int32) ^ -2139062144
+        z = tl.zeros(qa.shape, tl.int32)
+        hs = _dp4a(qb, h1, _dp4a(qa, h0, z))
+        ls = _dp4a(qb, l1, _dp4a(qa, l0, z))
+        d = ds[r].to(tl.float16, bitcast=True)
+        nacc = nacc + (acc[r] + (hs * 256 + ls).to(tl.float32) * (d.to(tl.float32) * sx),)
+    return nacc
+
+
+@triton.jit
 def _q8c_xq_rows(xw, xs, wf, wh, row_off, rmask, K, sk, BN: tl.constexpr, NC: tl.constexpr, R: tl.constexpr,
-                 S: tl.constexpr):
+                 S: tl.constexpr, PDL: tl.constexpr = False):
     """TYPE 309: W[rows]·x for Q8C rows on x in XQ8 form (xw: its words, xs: its block scales)
     over part sk of S of K, NC 256-value chunks per K-step, R rows per thread. A tile element is
     a pair of a block's quant words (one 8-byte load per row) and the four x words they meet (one
     16-byte load for the R rows): a quant byte q + 128 becomes q by one XOR per word, and the
     block's partial sum is four integer dot products (hi and lo bytes of x), exact in int32,
-    scaled once by d·s. Where 308 loads x as floats (4 bytes a value), this loads 2."""
+    scaled once by d·s. Where 308 loads x as floats (4 bytes a value), this loads 2.
+    PDL (a launch that may start before the kernel ahead of it on its stream ends): the first
+    K-step's weights are loaded, then the program waits for that kernel (griddepcontrol.wait)
+    before it reads x, so the loads overlap that kernel's tail instead of following it."""
     ro = _row_sets(tl.multiple_of(row_off // 4, 4), R)  # in words (rows start on 16 bytes)
     m = _row_sets(rmask, R)
     c = tl.arange(0, NC)[None, :, None, None]
@@ -1130,10 +1183,19 @@ def _q8c_xq_rows(xw, xs, wf, wh, row_off, rmask, K, sk, BN: tl.constexpr, NC: tl
     for r in tl.static_range(R):
         acc = acc + (tl.zeros([BN // R, NC, 8, 4], tl.float32),)
     IS = K // (256 * NC) // S
-    for i in range(sk * IS, sk * IS + IS):
+    i0 = sk * IS
+    i1 = i0
+    if PDL:
+        q2s, ds = _q8c_xq_w(w64, wh, ro, m, i0 * NC, c, b, p, R)
+        z0 = _pdl_wait()
+        xw += z0
+        xs += z0
+        acc = _q8c_xq_step(acc, xw, xs, q2s, ds, i0 * NC, c, b, p, R)
+        i1 = i0 + 1
+    for i in range(i1, i0 + IS):
         c0 = i * NC
         blk = (c0 + c) * 8 + b  # x's 32-value block
-        h0, h1, l0, l1 = _ld4(xw + blk * 16 + p * 4, True)
+        h0, h1, l0, l1 = _ld4(xw + blk * 16 + p * 4, True, not PDL)
         sx = tl.load(xs + blk)
         nacc = ()
         for r in tl.static_range(R):
@@ -1156,20 +1218,25 @@ def _q8c_xq_rows(xw, xs, wf, wh, row_off, rmask, K, sk, BN: tl.constexpr, NC: tl
 def matvec_xq_kernel(xw_ptr, xs_ptr, sx_t, sx_g, wh, wf, out_ptr, so_t, ws_ptr, cnt_ptr, N, K, RB, GROUP_ROWS,
                      qw_ptr, qs_ptr, qsum_ptr,
                      BN: tl.constexpr, NB: tl.constexpr, R: tl.constexpr, S: tl.constexpr = 1,
-                     XQOUT: tl.constexpr = False):
+                     XQOUT: tl.constexpr = False, PDL: tl.constexpr = False, DEP: tl.constexpr = False):
     """matvec_kernel for Q8C rows on x in XQ8 form (decoder 309): out[t, r] = W[r] · x[t], K split
     in S parts as there. sx_t, sx_g (values, multiples of 32): x's token stride and the column
     offset of each group of GROUP_ROWS rows. XQOUT (S = 1, N a multiple of 32): out also in XQ8
     form (qw_ptr, qs_ptr, qsum_ptr), for the next product's 309 without a launch of its own: a
     program of 32 rows or more stores its blocks, else the last of a block's 32 / BN programs to
-    arrive (a ticket, as in _split_store) reads the block back from L2 and stores it."""
+    arrive (a ticket, as in _split_store) reads the block back from L2 and stores it.
+    PDL: launched to start before the kernel ahead of it ends (_q8c_xq_rows); DEP: the kernel
+    after it may launch once every program of this one has started (gdc_launch_dependents)."""
+    if DEP:
+        gdc_launch_dependents()
     pid = tl.program_id(0)
     t = tl.program_id(1)
     sk = tl.program_id(2)
     rows = pid * BN + tl.arange(0, BN)
     rmask = rows < N
     xo = t * sx_t + ((pid * BN) // GROUP_ROWS) * sx_g
-    y = _q8c_xq_rows(xw_ptr + xo // 2, xs_ptr + xo // 32, wf, wh, rows.to(tl.int64) * RB, rmask, K, sk, BN, NB, R, S)
+    y = _q8c_xq_rows(xw_ptr + xo // 2, xs_ptr + xo // 32, wf, wh, rows.to(tl.int64) * RB, rmask, K, sk, BN, NB, R, S,
+                     PDL)
     _split_store(y, out_ptr + t * so_t, rows, rmask, ws_ptr + t * S * N, cnt_ptr, t * tl.num_programs(0) + pid,
                  sk, N, S)
     if XQOUT:
@@ -1570,9 +1637,11 @@ def embed_kernel(tok_ptr, wb, wh, wf, gridp, ksigns, x_ptr, E, RB,
 
 @triton.jit
 def rms_kernel(x_ptr, w_ptr, out_ptr, D, eps, xw_ptr, xs_ptr, xsum_ptr, BD: tl.constexpr, WEIGHTED: tl.constexpr,
-               XQ: tl.constexpr = False, PERM: tl.constexpr = False):
+               XQ: tl.constexpr = False, PERM: tl.constexpr = False, DEP: tl.constexpr = False):
     """One row's RMSNorm; XQ (BD = D, a multiple of 32) also stores the result in XQ form, for
-    the routed experts' integer decoder (418), or XQ8 with PERM (309)."""
+    the routed experts' integer decoder (418), or XQ8 with PERM (309). DEP: as matvec_xq_kernel."""
+    if DEP:
+        gdc_launch_dependents()
     r = tl.program_id(0)
     c = tl.arange(0, BD)
     cm = c < D
@@ -2340,12 +2409,15 @@ def attn_kernel(q_ptr, raw_ptr, comp_ptr, sel_ptr, cnt_ptr, pos_ptr, sink_ptr,
 @triton.jit
 def attn_combine_kernel(mo_ptr, lo_ptr, ao_ptr, sink_ptr, freq_ptr, pos_ptr, out_ptr, H, qw_ptr, qs_ptr, qsum_ptr,
                         S: tl.constexpr, SP: tl.constexpr, D: tl.constexpr, NROT: tl.constexpr,
-                        ROPE_INV: tl.constexpr, BI: tl.constexpr, XQ8: tl.constexpr = False):
+                        ROPE_INV: tl.constexpr, BI: tl.constexpr, XQ8: tl.constexpr = False,
+                        DEP: tl.constexpr = False):
     """Merge the S splits of one (query, head) with the sink, for the pairs [BI·program, +BI) of
     the head (grid axis 2: one program per head left most SMs idle, 10 µs for the 20 splits of
     a decode query over top-k rows); optionally the inverse tail RoPE. XQ8 (2·BI a multiple of
     32): the result also in XQ8 form (qw_ptr, qs_ptr, qsum_ptr: a token's H·D values a row), for
-    the output projection's decoder 309."""
+    the output projection's decoder 309. DEP: as matvec_xq_kernel."""
+    if DEP:
+        gdc_launch_dependents()
     t = tl.program_id(0)
     h = tl.program_id(1)
     sp = tl.arange(0, SP)
