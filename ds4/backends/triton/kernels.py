@@ -1131,32 +1131,42 @@ def _pdl_wait():
 
 
 @triton.jit
-def _q8c_xq_w(w64, wh, ro, m, c0, c, b, p, R: tl.constexpr):
-    """TYPE 309, one K-step's weights for the R row sets: the quant word pairs and block scales
-    (_q8c_xq_rows)."""
-    q2s = ()
-    ds = ()
-    for r in tl.static_range(R):
-        q2s = q2s + (tl.load(w64 + ro[r] // 2 + (c0 + c) * 34 + 2 + b * 4 + p, mask=m[r], other=0),)
-        ds = ds + (tl.load(wh + ro[r] * 2 + (c0 + c) * 136 + b, mask=m[r], other=0),)
-    return q2s, ds
+def _q8c_xq_q2(w64, ro, m, c0, c, b, p, r: tl.constexpr):
+    """TYPE 309, one K-step's quant word pairs of row set r."""
+    return tl.load(w64 + ro[r] // 2 + (c0 + c) * 34 + 2 + b * 4 + p, mask=m[r], other=0)
 
 
 @triton.jit
-def _q8c_xq_step(acc, xw, xs, q2s, ds, c0, c, b, p, R: tl.constexpr):
-    """TYPE 309, one K-step on its loaded weights (_q8c_xq_w): the accumulators plus the blocks'
-    scaled integer dot products with x."""
+def _q8c_xq_d(wh, ro, m, c0, c, b, r: tl.constexpr):
+    """TYPE 309, one K-step's block scales (f16 bits) of row set r."""
+    return tl.load(wh + ro[r] * 2 + (c0 + c) * 136 + b, mask=m[r], other=0)
+
+
+@triton.jit
+def _q8c_xq_step(acc, xw, xs, w64, wh, ro, m, pre, c0, c, b, p, R: tl.constexpr, NC: tl.constexpr,
+                 PRE: tl.constexpr):
+    """TYPE 309, one K-step: the accumulators plus the blocks' scaled integer dot products with
+    x. PRE: the step's weights are `pre` (per row set its quant word pairs and scales, loaded
+    before x), else each row set's are loaded after x. NC: x through the non-coherent path (_ld4)."""
     blk = (c0 + c) * 8 + b  # x's 32-value block
-    h0, h1, l0, l1 = _ld4(xw + blk * 16 + p * 4, True, False)
+    h0, h1, l0, l1 = _ld4(xw + blk * 16 + p * 4, True, NC)
     sx = tl.load(xs + blk)
     nacc = ()
     for r in tl.static_range(R):
-        qa = q2s[r].to(tl.int32) ^ -2139062144  # 0x80808080: biased bytes -> signed
-        qb = (q2s[r] >> 32).to(tl.int32) ^ -2139062144
+        if PRE:
+            q2 = pre[r][0]
+        else:
+            q2 = _q8c_xq_q2(w64, ro, m, c0, c, b, p, r)
+        qa = q2.to(tl.int32) ^ -2139062144  # 0x80808080: biased bytes -> signed
+        qb = (q2 >> 32).to(tl.int32) ^ -2139062144
         z = tl.zeros(qa.shape, tl.int32)
         hs = _dp4a(qb, h1, _dp4a(qa, h0, z))
         ls = _dp4a(qb, l1, _dp4a(qa, l0, z))
-        d = ds[r].to(tl.float16, bitcast=True)
+        if PRE:
+            d = pre[r][1]
+        else:
+            d = _q8c_xq_d(wh, ro, m, c0, c, b, r)
+        d = d.to(tl.float16, bitcast=True)
         nacc = nacc + (acc[r] + (hs * 256 + ls).to(tl.float32) * (d.to(tl.float32) * sx),)
     return nacc
 
@@ -1186,28 +1196,16 @@ def _q8c_xq_rows(xw, xs, wf, wh, row_off, rmask, K, sk, BN: tl.constexpr, NC: tl
     i0 = sk * IS
     i1 = i0
     if PDL:
-        q2s, ds = _q8c_xq_w(w64, wh, ro, m, i0 * NC, c, b, p, R)
+        pre = ()
+        for r in tl.static_range(R):
+            pre = pre + ((_q8c_xq_q2(w64, ro, m, i0 * NC, c, b, p, r), _q8c_xq_d(wh, ro, m, i0 * NC, c, b, r)),)
         z0 = _pdl_wait()
         xw += z0
         xs += z0
-        acc = _q8c_xq_step(acc, xw, xs, q2s, ds, i0 * NC, c, b, p, R)
+        acc = _q8c_xq_step(acc, xw, xs, w64, wh, ro, m, pre, i0 * NC, c, b, p, R, False, True)
         i1 = i0 + 1
     for i in range(i1, i0 + IS):
-        c0 = i * NC
-        blk = (c0 + c) * 8 + b  # x's 32-value block
-        h0, h1, l0, l1 = _ld4(xw + blk * 16 + p * 4, True, not PDL)
-        sx = tl.load(xs + blk)
-        nacc = ()
-        for r in tl.static_range(R):
-            q2 = tl.load(w64 + ro[r] // 2 + (c0 + c) * 34 + 2 + b * 4 + p, mask=m[r], other=0)
-            qa = q2.to(tl.int32) ^ -2139062144  # 0x80808080: biased bytes -> signed
-            qb = (q2 >> 32).to(tl.int32) ^ -2139062144
-            z = tl.zeros(qa.shape, tl.int32)
-            hs = _dp4a(qb, h1, _dp4a(qa, h0, z))
-            ls = _dp4a(qb, l1, _dp4a(qa, l0, z))
-            d = tl.load(wh + ro[r] * 2 + (c0 + c) * 136 + b, mask=m[r], other=0).to(tl.float16, bitcast=True)
-            nacc = nacc + (acc[r] + (hs * 256 + ls).to(tl.float32) * (d.to(tl.float32) * sx),)
-        acc = nacc
+        acc = _q8c_xq_step(acc, xw, xs, w64, wh, ro, m, (), i * NC, c, b, p, R, not PDL, False)
     ys = ()
     for r in tl.static_range(R):
         ys = ys + (tl.sum(tl.sum(tl.sum(acc[r], axis=3), axis=2), axis=1),)
