@@ -13,8 +13,10 @@ so the probe never leaks into the next interval and every backend walks the same
 
 The sequence is BOS followed by the BPE ids of `BENCH_TEXT`, repeated: valid for any vocabulary
 the tokenizer encodes (the real one and the small test ones), and the same ids on every backend
-and every run. Timing is `time.perf_counter` around `sync`/`eval`; both return only after the
-next-token logits are a host numpy array, which forces an asynchronous backend to finish.
+and every run. Timing is `time.perf_counter` around `sync` and the probe (`Session.greedy`); both
+end only once the next-token logits are a host numpy array, which forces an asynchronous backend
+to finish. The probe is `eval(argmax)` in a loop; a backend that chooses the argmax on the device
+runs its steps back to back.
 """
 
 from __future__ import annotations
@@ -200,12 +202,8 @@ def run_bench(engine, tokens: list[int], points: Iterable[int], gen_tokens: int,
         snap = session.snapshot()
         t_gen = math.inf
         for _ in range(repeat):
-            probe: list[int] = []
             t0 = time.perf_counter()
-            for _ in range(gen_tokens):
-                t = int(np.argmax(session.logits))
-                session.eval(t)
-                probe.append(t)
+            probe = list(session.greedy(gen_tokens))  # eval(argmax) in a loop, as fast as it runs
             t_gen = min(t_gen, time.perf_counter() - t0)
             session.restore(snap)
 

@@ -4,11 +4,13 @@
     s = eng.session(ctx=4096)
     s.sync(eng.tokenizer.encode_rendered(prompt))
     s.eval(token); s.logits  # float32 [vocab], for the next token
+    for token in s.greedy(64, stop={eng.tokenizer.eos_id}): ...  # greedy decoding
 """
 
 from __future__ import annotations
 
 import os
+from collections.abc import Container, Iterator
 from dataclasses import dataclass
 from functools import cached_property
 
@@ -17,6 +19,7 @@ import numpy as np
 from .backends import backend_class
 from .core.gguf_model import GGUFModel
 from .core.graph import chunk_bounds, forward_chunk
+from .core.sampling import argmax
 from .core.state import FILL, SessionLayout, layer_state_shapes
 from .core.tokenizer import Tokenizer
 from .core.weights import bind_weights
@@ -167,6 +170,56 @@ class Session:
         if len(self._tokens) + 1 > self.ctx:
             raise ValueError(f"eval: the session is full (ctx={self.ctx})")
         self._prefill(self._check_tokens([token]))
+
+    def greedy(self, n: int, stop: Container[int] = ()) -> Iterator[int]:
+        """Up to n greedy tokens after the current ones (each the first index of the largest
+        logit), yielded as they are chosen; each is evaluated, so that the session holds it
+        afterwards. The run ends after a token in `stop`, which is evaluated too, or when the
+        context is full. Iterate it to the end or close it before using the session again.
+
+        Where the backend chooses tokens on the device (`greedy_ready`), steps run back to back:
+        the step that evaluates a token is queued before the host has seen that token, so the
+        host's work between steps hides behind the device's. That is why a stop token is
+        evaluated: its step is under way by the time the host reads it. The tokens, the state
+        and the final logits are those of `eval` in a loop (stop token included)."""
+        n = min(int(n), self.ctx - len(self._tokens))
+        be = self.engine.backend
+        while n > 0:
+            token = argmax(self.logits)
+            if be.greedy_ready(self.states):
+                yield from self._greedy_on_device(token, n, stop)
+                return
+            self.eval(token)  # the first steps of a session: the backend prepares its step here
+            n -= 1
+            yield token
+            if token in stop:
+                return
+
+    def _greedy_on_device(self, token: int, n: int, stop: Container[int]) -> Iterator[int]:
+        be = self.engine.backend
+        p0 = len(self._tokens)
+        ticket = be.greedy_launch(self.states, p0, token)
+        self._tokens.append(token)
+        self._logits = None
+        try:
+            yield token
+            while token not in stop and len(self._tokens) - p0 < n:
+                # the next step goes in before the host knows its token: the one `ticket` chose
+                queued = be.greedy_launch(self.states, len(self._tokens))
+                try:
+                    token = be.greedy_token(ticket)
+                except ValueError:
+                    self._reset_state()  # a step of no valid token is under way: no state to keep
+                    raise
+                except BaseException:  # interrupted while waiting: the queued step still runs
+                    self._tokens.append(be.greedy_token(ticket))
+                    raise
+                ticket = queued
+                self._tokens.append(token)
+                yield token
+        finally:
+            if self._tokens:
+                self._logits = np.asarray(be.greedy_logits(self.states), dtype=np.float32)
 
     def snapshot(self) -> "Snapshot":
         """A host copy of the whole session (state arrays, tokens, logits) to restore later."""

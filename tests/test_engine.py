@@ -7,9 +7,12 @@ import numpy as np
 import pytest
 
 import ds4
+from ds4.backends.reference.backend import ReferenceBackend
+from ds4.core.graph import forward_chunk
 from ds4.core.gguf_model import GGUFModel
 from ds4.core.quants import dequantize_rows
 from ds4.core.tiny import make_tiny
+from ds4.core.weights import bind_weights
 
 PROMPT = [int(x) for x in np.random.default_rng(7).integers(0, 512, 48)]
 
@@ -183,3 +186,132 @@ def test_output_argmax_is_the_argmax_of_each_rows_logits(engine, monkeypatch):
             for i in range(5)]
     got = be.output_argmax(X, w.output_hc, w.output_norm, w.output)
     assert list(got) == want
+
+
+# ---- Session.greedy --------------------------------------------------------------------------------
+
+def _eval_loop(session, n: int, stop=()) -> list[int]:
+    """What Session.greedy promises: eval(argmax) in a loop, a stop token evaluated too."""
+    out = []
+    while len(out) < n and len(session.tokens) < session.ctx:
+        t = int(np.argmax(session.logits))
+        session.eval(t)
+        out.append(t)
+        if t in stop:
+            break
+    return out
+
+
+def _same_session(a, b) -> None:
+    assert a.tokens == b.tokens
+    assert np.array_equal(a.logits, b.logits)
+    sa, sb = a.snapshot(), b.snapshot()
+    for il in sa.arrays:
+        for name in sa.arrays[il]:
+            assert np.array_equal(sa.arrays[il][name], sb.arrays[il][name]), (il, name)
+
+
+class _DeviceGreedy(ReferenceBackend):
+    """The reference backend with greedy_launch / greedy_token as a device runs them: a launch
+    evaluates the token the previous launch chose before anyone has read it, and a ticket is
+    read later. Ready, like the Triton backend, from a session's third decode step on."""
+
+    def __init__(self, cfg, numerics="ds4"):
+        super().__init__(cfg, numerics=numerics)
+        self.weights = None
+        self.decodes: dict[int, int] = {}
+        self.chosen: list[int] = []  # the token each launch chose, by ticket
+        self.logits = None
+        self.launches = 0
+        self.poison_at = None  # ticket whose logits are all NaN
+
+    def begin_chunk(self, states, tokens, p0, logits):
+        if len(tokens) == 1 and logits:
+            self.decodes[id(states)] = self.decodes.get(id(states), 0) + 1
+
+    def greedy_ready(self, states):
+        return self.decodes.get(id(states), 0) >= 2
+
+    def greedy_launch(self, states, p0, token=None):
+        token = self.chosen[-1] if token is None else token
+        assert 0 <= token < self.cfg.n_vocab  # a device would read this embedding row
+        out = self.to_numpy(forward_chunk(self, self.weights, states, np.array([token]), p0, logits=True))
+        self.launches += 1
+        if len(self.chosen) == self.poison_at:
+            out = np.full_like(out, np.nan)
+        self.logits = np.asarray(out, np.float32)
+        finite = np.isfinite(self.logits)
+        self.chosen.append(int(np.argmax(np.where(finite, self.logits, -np.inf))) if finite.any() else 0)
+        return len(self.chosen) - 1
+
+    def greedy_token(self, ticket):
+        if ticket == self.poison_at:
+            raise ValueError("cannot choose a token: no finite logit")
+        return self.chosen[ticket]
+
+    def greedy_logits(self, states):
+        return self.logits
+
+
+@pytest.fixture
+def device_engine(model_path, engine):
+    model = GGUFModel(model_path)
+    be = _DeviceGreedy(model.config, numerics=engine.numerics)
+    eng = ds4.Engine(model, be, bind_weights(model, be.upload), range(model.config.n_layer))
+    be.weights = eng.weights
+    return eng
+
+
+def test_greedy_is_eval_of_the_argmax_in_a_loop(engine):
+    a, b = engine.session(ctx=64), engine.session(ctx=64)
+    a.sync(PROMPT[:20])
+    b.sync(PROMPT[:20])
+    assert list(a.greedy(6)) == _eval_loop(b, 6)
+    _same_session(a, b)
+    short = engine.session(ctx=24)  # room for 4 only
+    short.sync(PROMPT[:20])
+    assert len(list(short.greedy(10))) == 4 and len(short.tokens) == 24
+    assert list(short.greedy(3)) == []
+
+
+def test_greedy_chosen_on_a_device_is_eval_in_a_loop(engine, device_engine):
+    """The back-to-back path (a step queued before the host reads its token) holds the same
+    tokens, state and logits as eval(argmax) in a loop: to the end, at a stop token (evaluated),
+    and when the caller stops reading."""
+    be, ref = device_engine.backend, engine
+    full = _eval_loop(_synced(ref), 12)
+    stop = full[7]
+    a = _synced(device_engine)
+    got = list(a.greedy(12, stop={stop}))
+    b = _synced(ref)
+    assert got == _eval_loop(b, 12, stop={stop}) == full[:full.index(stop) + 1]
+    assert be.launches == len(got) - 2  # two evals prepare the step, then only launches
+    _same_session(a, b)
+
+    c = _synced(device_engine)
+    run = c.greedy(12)
+    head = [next(run) for _ in range(5)]
+    run.close()
+    d = _synced(ref)
+    assert head == _eval_loop(d, 5)
+    _same_session(c, d)
+    assert list(c.greedy(4)) == _eval_loop(d, 4)  # and it goes on from there
+    _same_session(c, d)
+
+
+def test_greedy_without_a_finite_logit_clears_the_session(device_engine):
+    be = device_engine.backend
+    s = _synced(device_engine)
+    run = s.greedy(12)
+    for _ in range(4):
+        next(run)
+    be.poison_at = len(be.chosen) - 1  # the step in flight has chosen from NaN logits
+    with pytest.raises(ValueError, match="finite"):
+        next(run)
+    assert s.tokens == []
+
+
+def _synced(eng):
+    s = eng.session(ctx=64)
+    s.sync(PROMPT[:20])
+    return s

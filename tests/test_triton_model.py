@@ -239,3 +239,45 @@ def test_early_launch_changes_no_bit(path, prompt):
     new.backend._launch = spy
     _decode_bit_for_bit(new, old, prompt)
     assert sum(early) >= 3  # (wo_a of each layer, the head: the early launches happened)
+
+
+@needs_gpu
+def test_greedy_on_the_device_is_eval_in_a_loop(path, prompt):
+    """Session.greedy with the argmax chosen on the device and the steps replayed back to back:
+    the tokens, and the logits bit for bit, of eval(argmax) in a loop on the same engine, at the
+    end of the run, after a stop token and after the caller stops reading."""
+    eng = ds4.Engine.open(path, backend="triton", device=DEVICE)
+    be = eng.backend
+    launches = []
+    launch = be.greedy_launch
+    be.greedy_launch = lambda *a, **kw: launches.append(a) or launch(*a, **kw)
+
+    def loop(s, n, stop=()):
+        out = []
+        while len(out) < n:
+            out.append(int(np.argmax(s.logits)))
+            s.eval(out[-1])
+            if out[-1] in stop:
+                break
+        return out
+
+    def synced():
+        s = eng.session(ctx=64)
+        s.sync(prompt[:12])
+        return s
+
+    a, b = synced(), synced()
+    got = list(a.greedy(14))
+    assert got == loop(b, 14) and len(launches) == 12  # two evals prepare the step
+    assert np.array_equal(a.logits, b.logits) and a.tokens == b.tokens
+    stop = got[9]
+    c, d = synced(), synced()
+    assert list(c.greedy(14, stop={stop})) == loop(d, 14, stop={stop})
+    assert np.array_equal(c.logits, d.logits) and c.tokens == d.tokens
+    run = c.greedy(10)
+    head = [next(run) for _ in range(3)]
+    run.close()
+    assert head == loop(d, 3)
+    assert np.array_equal(c.logits, d.logits) and c.tokens == d.tokens
+    assert list(c.greedy(5)) == loop(d, 5)
+    assert np.array_equal(c.logits, d.logits)

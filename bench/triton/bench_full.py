@@ -6,9 +6,12 @@ generated on the GPU as random valid blocks of its real type (IQ2_XXS / Q2_K exp
 attention and shared experts, F16 compressors / indexer / mHC, F32 norms).
 
 Measures: device-to-device copy bandwidth (the roofline's denominator), batch-1 decode tokens/s
-at the given contexts (state filled with random rows, CUDA-graph replay, logits copied to the host
-every step as `Session.eval` does), prefill tokens/s, and a per-kernel table of one eager decode
-step (time from the profiler, bytes each launch must move, bandwidth against the copy rate).
+at the given contexts (state filled with random rows, CUDA-graph replay) two ways: greedy decoding
+as `ds4 generate --temperature 0` runs it (`Session.greedy`: each token chosen on the device, the
+next step queued before the host reads it) and given tokens through `Session.eval` (the logits
+copied to the host after every step, where a sampler on the host needs them); prefill tokens/s,
+and a per-kernel table of one eager decode step (time from the profiler, bytes each launch must
+move, bandwidth against the copy rate).
 
     PYTHONPATH=. python bench/triton/bench_full.py --out results/ [--preset flash]
 """
@@ -99,7 +102,7 @@ def fill_state(session, rng_seed: int = 0) -> None:
 def bench_decode(eng, ctx: int, steps: int, seed: int, trace: str | None = None) -> dict:
     cfg = eng.config
     rng = np.random.default_rng(seed)
-    s = eng.session(ctx=ctx + steps + 8)
+    s = eng.session(ctx=ctx + 2 * steps + 8)
     fill_state(s, seed)
     s._tokens = [int(x) for x in rng.integers(0, cfg.n_vocab, ctx)]  # the history the state stands for
     toks = [int(x) for x in rng.integers(0, cfg.n_vocab, steps + 3)]
@@ -117,6 +120,16 @@ def bench_decode(eng, ctx: int, steps: int, seed: int, trace: str | None = None)
         s.eval(t)
         each.append(time.perf_counter() - ts)
     dt = time.perf_counter() - t0
+    assert np.isfinite(s.logits).all()
+    # the same seed gives the same tokens and history: variants that only reorder work (side
+    # streams) must end on the same logits, bit for bit
+    digest = hashlib.sha256(np.ascontiguousarray(s.logits, dtype=np.float32).tobytes()).hexdigest()[:16]
+    # greedy decoding as `ds4 generate --temperature 0` and `ds4 bench` run it (Session.greedy):
+    # each token chosen on the device, the next step queued before the host has read it
+    t0 = time.perf_counter()
+    greedy = list(s.greedy(steps))
+    dt_greedy = time.perf_counter() - t0
+    assert len(greedy) == steps
     be = eng.backend
     entry = next((e for e in be._graphs.values() if e.states is s.states), None)
     gpu = None
@@ -131,12 +144,9 @@ def bench_decode(eng, ctx: int, steps: int, seed: int, trace: str | None = None)
     timeline = None
     if trace and entry is not None and entry.graph is not None:
         timeline = replay_timeline(entry.graph, trace)
-    assert np.isfinite(s.logits).all()
-    # the same seed gives the same tokens and history: variants that only reorder work (side
-    # streams) must end on the same logits, bit for bit
-    digest = hashlib.sha256(np.ascontiguousarray(s.logits, dtype=np.float32).tobytes()).hexdigest()[:16]
     each_ms = np.sort(np.array(each)) * 1e3
     return dict(ctx=ctx, steps=steps, tokens_per_s=steps / dt, ms_per_token=1e3 * dt / steps, logits_sha=digest,
+                greedy_tokens_per_s=steps / dt_greedy, greedy_ms_per_token=1e3 * dt_greedy / steps,
                 step_ms_min=float(each_ms[0]), step_ms_median=float(np.median(each_ms)), step_ms_max=float(each_ms[-1]),
                 timeline=timeline,
                 gpu_ms_per_step=None if gpu is None else 1e3 * gpu, warm_s=t_warm, capture_s=t_cap,
@@ -314,7 +324,9 @@ def main() -> None:
             continue
         r = bench_decode(eng, ctx, a.steps, seed=ctx)
         res["decode"].append(r)
-        log(f"decode ctx {ctx}: {r['tokens_per_s']:.1f} tok/s ({r['ms_per_token']:.2f} ms/token, "
+        log(f"decode ctx {ctx}: greedy on the device {r['greedy_tokens_per_s']:.1f} tok/s "
+            f"({r['greedy_ms_per_token']:.2f} ms/token); eval with logits to the host "
+            f"{r['tokens_per_s']:.1f} tok/s ({r['ms_per_token']:.2f} ms/token, "
             f"GPU replay {r['gpu_ms_per_step']} ms, {r['n_graph_ops']} ops/graph; one step's wall time "
             f"min / median / max {r['step_ms_min']:.2f} / {r['step_ms_median']:.2f} / {r['step_ms_max']:.2f} ms)")
         for name, attrs in json.loads(a.variants).items():
@@ -332,7 +344,7 @@ def main() -> None:
             be._graphs.clear()
             res.setdefault("decode_variants", []).append(dict(variant=name, **attrs, **rv))
             same = "same logits" if rv["logits_sha"] == r["logits_sha"] else "different logits"
-            log(f"  variant {name}: {rv['tokens_per_s']:.1f} tok/s (GPU replay {rv['gpu_ms_per_step']} ms, {same}; "
+            log(f"  variant {name}: greedy {rv['greedy_tokens_per_s']:.1f}, eval {rv['tokens_per_s']:.1f} tok/s (GPU replay {rv['gpu_ms_per_step']} ms, {same}; "
                 f"step median {rv['step_ms_median']:.2f} ms)")
         json.dump(res, open(os.path.join(a.out, "results.json"), "w"), indent=1)
 
@@ -404,14 +416,17 @@ def main() -> None:
         wr.writerow([res["device"], "copy_bandwidth", f"{res['copy_bw_GBps']:.0f}", "GB/s"])
         wr.writerow([res["device"], "weights_roofline_decode", f"{res['weights_roofline_tok_s']:.0f}", "tokens/s"])
         for r in res["decode"]:
-            wr.writerow([res["device"], f"decode_ctx{r['ctx']}", f"{r['tokens_per_s']:.1f}", "tokens/s"])
+            wr.writerow([res["device"], f"decode_greedy_ctx{r['ctx']}", f"{r['greedy_tokens_per_s']:.1f}", "tokens/s"])
+            wr.writerow([res["device"], f"decode_eval_ctx{r['ctx']}", f"{r['tokens_per_s']:.1f}", "tokens/s"])
         for r in res["prefill"]:
             wr.writerow([res["device"], f"prefill_{r['prompt']}", f"{r['tokens_per_s']:.0f}", "tokens/s"])
     print("\n| metric | value |\n|---|---|")
     print(f"| device | {res['device']} |\n| copy bandwidth | {res['copy_bw_GBps']:.0f} GB/s |")
     print(f"| weights-only roofline | {res['weights_roofline_tok_s']:.0f} tok/s |")
     for r in res["decode"]:
-        print(f"| decode ctx {r['ctx']} | {r['tokens_per_s']:.1f} tok/s (GPU {r['gpu_ms_per_step']} ms/step) |")
+        print(f"| decode ctx {r['ctx']}, greedy on the device | {r['greedy_tokens_per_s']:.1f} tok/s |")
+        print(f"| decode ctx {r['ctx']}, eval + logits to the host | {r['tokens_per_s']:.1f} tok/s "
+              f"(GPU {r['gpu_ms_per_step']} ms/step) |")
     for r in res["prefill"]:
         print(f"| prefill {r['prompt']} | {r['tokens_per_s']:.0f} tok/s |")
     tables = [("decode step", "kernels"), ("prefill chunk 2048", "prefill_kernels")]

@@ -64,6 +64,28 @@ class Backend(ABC):
     def from_numpy(self, x: np.ndarray) -> Array:
         """A host float32 array as this backend's array (a pipeline stage's incoming rows)."""
 
+    # ---- greedy decode steps chosen on the device (optional) --------------------------------------
+
+    def greedy_ready(self, states: dict) -> bool:
+        """Whether decode steps of the session holding `states` can run back to back, each one
+        choosing the next token (the argmax of its logits) itself, so that the host queues a step
+        before it has seen that step's token (Session.greedy). False unless a backend can."""
+        return False
+
+    def greedy_launch(self, states: dict, p0: int, token: int | None = None) -> Any:
+        """Queue the decode step at position p0 of `states`: it evaluates `token`, or when None
+        the token the previous launch chose, and chooses the next one. Returns a ticket for
+        greedy_token. Only where greedy_ready said so."""
+        raise NotImplementedError(f"the {self.name} backend does not choose tokens on the device")
+
+    def greedy_token(self, ticket: Any) -> int:
+        """The token the step of `ticket` chose, once it has run (waits for it)."""
+        raise NotImplementedError(f"the {self.name} backend does not choose tokens on the device")
+
+    def greedy_logits(self, states: dict) -> np.ndarray:
+        """The logits of the last step greedy_launch queued for `states`, once it has run."""
+        raise NotImplementedError(f"the {self.name} backend does not choose tokens on the device")
+
     # ---- ops ------------------------------------------------------------------------------------
 
     def branch(self):

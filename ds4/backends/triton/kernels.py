@@ -2451,3 +2451,40 @@ def attn_combine_kernel(mo_ptr, lo_ptr, ao_ptr, sink_ptr, freq_ptr, pos_ptr, out
         v = tl.reshape(tl.join(xe, xo), [NBLK, 32])  # the values 2i, 2i + 1 in order
         _xq_store(v, qw_ptr + t * (hd // 2), qs_ptr + t * (hd // 32), qsum_ptr + t * (hd // 16),
                   (h * D + 2 * BI * tl.program_id(2)) // 32, tl.arange(0, NBLK) < NBLK, True)
+
+
+# ---- greedy decoding on the device ----------------------------------------------------------------
+
+
+@triton.jit
+def greedy_next_kernel(logits_ptr, V, best_ptr, at_ptr, cnt_ptr, tok_ptr, pos_ptr, ring_ptr,
+                       R: tl.constexpr, BLOCK: tl.constexpr, G: tl.constexpr):
+    """The token a decode step chooses greedily, without the host: the first index of the largest
+    finite logit (sampling.argmax's rule; NaN and ±inf are never chosen). The last kernel of a
+    captured decode step.
+
+    Each of the grid's programs takes BLOCK logits and leaves its best (best, at); the last to
+    arrive (a ticket in cnt) picks among the G of them. The token goes where the next replay of the
+    step reads it (tok), into ring[p0 % R] for the host (pinned host memory on the GPU), and the
+    position p0 advances by one. With no finite logit ring gets -1 and tok 0, so that a step
+    queued behind this one still reads a valid embedding row."""
+    g = tl.program_id(0)
+    o = g * BLOCK + tl.arange(0, BLOCK)
+    v = tl.load(logits_ptr + o, mask=o < V, other=float("-inf"))
+    ok = (o < V) & (tl.abs(v) < float("inf"))  # (NaN fails the comparison)
+    v = tl.where(ok, v, float("-inf"))
+    top = tl.max(v, axis=0)
+    tl.store(best_ptr + g, top)
+    tl.store(at_ptr + g, tl.min(tl.where(ok & (v == top), o, V), axis=0))  # V: none here
+    if _split_last(cnt_ptr, 0, G):
+        j = tl.arange(0, G)
+        tops = tl.load(best_ptr + j, cache_modifier=".cg")
+        ats = tl.load(at_ptr + j, cache_modifier=".cg")
+        top = tl.max(tops, axis=0)
+        first = tl.min(tl.where((tops == top) & (ats < V), ats, V), axis=0)
+        none = first >= V
+        p0 = tl.load(pos_ptr)
+        tl.store(ring_ptr + p0 % R, tl.where(none, -1, first))
+        tl.store(tok_ptr, tl.where(none, 0, first))
+        tl.store(pos_ptr, p0 + 1)
+        _split_reset(cnt_ptr, 0)
