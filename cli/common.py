@@ -8,7 +8,6 @@ import time
 from pathlib import Path
 from typing import Callable, Iterator, NoReturn
 
-import numpy as np
 import typer
 from rich.console import Console
 from rich.progress import (BarColumn, MofNCompleteColumn, Progress, TaskProgressColumn, TextColumn,
@@ -140,8 +139,8 @@ def stream_reply(session, tokenizer, n: int, params, rng) -> tuple[int, str | No
 
     Stops at end-of-sentence, when the context is full, or on Ctrl-C. Returns (generated,
     why it stopped early or None, seconds). Works on a plain or a split (pipeline) session.
-    Greedy on a plain session goes through `Session.greedy`, which keeps a device that chooses
-    tokens itself busy between steps; the session then also holds the end-of-sentence token."""
+    A plain session goes through `Session.sample`, which keeps a device that chooses tokens
+    itself busy between steps; the session then also holds the end-of-sentence token."""
     from ds4.engine import Session
     from ds4.pipeline import next_token
 
@@ -149,12 +148,12 @@ def stream_reply(session, tokenizer, n: int, params, rng) -> tuple[int, str | No
     n_prompt = len(session.tokens)
     generated, stop = 0, None
     t0 = time.perf_counter()
-    greedy = isinstance(session, Session) and float(np.float32(params.temperature)) <= 0.0
+    plain = isinstance(session, Session)
     try:
         with library_errors():
-            if greedy:
+            if plain:
                 room = session.ctx - n_prompt
-                with contextlib.closing(session.greedy(n, stop={tokenizer.eos_id})) as tokens:
+                with contextlib.closing(session.sample(n, params, rng, stop={tokenizer.eos_id})) as tokens:
                     for token in tokens:
                         if token == tokenizer.eos_id:
                             break
@@ -162,7 +161,7 @@ def stream_reply(session, tokenizer, n: int, params, rng) -> tuple[int, str | No
                         generated += 1
                 if generated == room < n:
                     stop = f"the context is full (ctx {session.ctx})"
-            while not greedy and generated < n:
+            while not plain and generated < n:
                 if n_prompt + generated >= session.ctx:
                     stop = f"the context is full (ctx {session.ctx})"
                     break

@@ -4,7 +4,7 @@
     s = eng.session(ctx=4096)
     s.sync(eng.tokenizer.encode_rendered(prompt))
     s.eval(token); s.logits  # float32 [vocab], for the next token
-    for token in s.greedy(64, stop={eng.tokenizer.eos_id}): ...  # greedy decoding
+    for token in s.sample(64, SamplingParams(), Rng(seed), stop={eng.tokenizer.eos_id}): ...
 """
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ import numpy as np
 from .backends import backend_class
 from .core.gguf_model import GGUFModel
 from .core.graph import chunk_bounds, forward_chunk
-from .core.sampling import argmax
+from .core.sampling import GREEDY, Rng, SamplingParams, sample
 from .core.state import FILL, SessionLayout, layer_state_shapes
 from .core.tokenizer import Tokenizer
 from .core.weights import bind_weights
@@ -172,22 +172,32 @@ class Session:
         self._prefill(self._check_tokens([token]))
 
     def greedy(self, n: int, stop: Container[int] = ()) -> Iterator[int]:
-        """Up to n greedy tokens after the current ones (each the first index of the largest
-        logit), yielded as they are chosen; each is evaluated, so that the session holds it
-        afterwards. The run ends after a token in `stop`, which is evaluated too, or when the
-        context is full. Iterate it to the end or close it before using the session again.
+        """`sample` with greedy parameters: eval(argmax) in a loop."""
+        return self.sample(n, GREEDY, None, stop)
 
-        Where the backend chooses tokens on the device (`greedy_ready`), steps run back to back:
-        the step that evaluates a token is queued before the host has seen that token, so the
-        host's work between steps hides behind the device's. That is why a stop token is
-        evaluated: its step is under way by the time the host reads it. The tokens, the state
-        and the final logits are those of `eval` in a loop (stop token included)."""
+    def sample(self, n: int, params: SamplingParams = GREEDY, rng: Rng | None = None,
+               stop: Container[int] = ()) -> Iterator[int]:
+        """Up to n tokens after the current ones, each drawn from the logits with `params` and
+        `rng` (ds4's sampler, core/sampling.py; greedy needs no rng), yielded as they are chosen
+        and each evaluated, so that the session holds it afterwards. The run ends after a token
+        in `stop`, which is evaluated too, or when the context is full. Iterate it to the end or
+        close it before using the session again.
+
+        Where the backend chooses tokens on the device with these parameters (`chains`), steps
+        run back to back: the step that evaluates a token is queued before the host has seen
+        that token, so the host's work between steps hides behind the device's. That is why a
+        stop token is evaluated: its step is under way by the time the host reads it. The
+        tokens, the state, the final logits and rng's state are those of sample + eval in a
+        loop (stop token included); a device's sampler may add its own float64 rounding (a draw
+        within ~1e-15 of a boundary between two tokens)."""
+        if float(np.float32(params.temperature)) > 0.0 and rng is None:
+            raise ValueError("sample: a temperature above 0 needs an rng (ds4.core.sampling.Rng)")
         n = min(int(n), self.ctx - len(self._tokens))
         be = self.engine.backend
         while n > 0:
-            token = argmax(self.logits)
-            if be.greedy_ready(self.states):
-                yield from self._greedy_on_device(token, n, stop)
+            token = sample(self.logits, params, rng)
+            if be.chains(self.states, params):
+                yield from self._sample_on_device(token, n, params, rng, stop)
                 return
             self.eval(token)  # the first steps of a session: the backend prepares its step here
             n -= 1
@@ -195,31 +205,46 @@ class Session:
             if token in stop:
                 return
 
-    def _greedy_on_device(self, token: int, n: int, stop: Container[int]) -> Iterator[int]:
+    def _sample_on_device(self, token: int, n: int, params: SamplingParams, rng: Rng | None,
+                          stop: Container[int]) -> Iterator[int]:
         be = self.engine.backend
+        p = params.normalized()
+        temperature, min_p = float(np.float32(p.temperature)), float(np.float32(p.min_p))
+        unused = None  # rng's state before the last launch's draw, which no yielded token used
+
+        def launch(pos, token=None):
+            nonlocal unused
+            draw = None
+            if temperature > 0.0:
+                unused = rng.state
+                draw = (temperature, min_p, rng.uniform())
+            return be.chain_launch(self.states, pos, token, draw)
+
         p0 = len(self._tokens)
-        ticket = be.greedy_launch(self.states, p0, token)
+        ticket = launch(p0, token)
         self._tokens.append(token)
         self._logits = None
         try:
             yield token
             while token not in stop and len(self._tokens) - p0 < n:
                 # the next step goes in before the host knows its token: the one `ticket` chose
-                queued = be.greedy_launch(self.states, len(self._tokens))
+                queued = launch(len(self._tokens))
                 try:
-                    token = be.greedy_token(ticket)
+                    token = be.chain_token(ticket)
                 except ValueError:
                     self._reset_state()  # a step of no valid token is under way: no state to keep
                     raise
                 except BaseException:  # interrupted while waiting: the queued step still runs
-                    self._tokens.append(be.greedy_token(ticket))
+                    self._tokens.append(be.chain_token(ticket))
                     raise
                 ticket = queued
                 self._tokens.append(token)
                 yield token
         finally:
+            if unused is not None:
+                rng.state = unused
             if self._tokens:
-                self._logits = np.asarray(be.greedy_logits(self.states), dtype=np.float32)
+                self._logits = np.asarray(be.chain_logits(self.states), dtype=np.float32)
 
     def snapshot(self) -> "Snapshot":
         """A host copy of the whole session (state arrays, tokens, logits) to restore later."""

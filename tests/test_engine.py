@@ -11,6 +11,7 @@ from ds4.backends.reference.backend import ReferenceBackend
 from ds4.core.graph import forward_chunk
 from ds4.core.gguf_model import GGUFModel
 from ds4.core.quants import dequantize_rows
+from ds4.core.sampling import GREEDY, Rng, SamplingParams, sample
 from ds4.core.tiny import make_tiny
 from ds4.core.weights import bind_weights
 
@@ -188,13 +189,13 @@ def test_output_argmax_is_the_argmax_of_each_rows_logits(engine, monkeypatch):
     assert list(got) == want
 
 
-# ---- Session.greedy --------------------------------------------------------------------------------
+# ---- Session.greedy / Session.sample -----------------------------------------------------------
 
-def _eval_loop(session, n: int, stop=()) -> list[int]:
-    """What Session.greedy promises: eval(argmax) in a loop, a stop token evaluated too."""
+def _eval_loop(session, n: int, stop=(), params=GREEDY, rng=None) -> list[int]:
+    """What Session.sample promises: sample + eval in a loop, a stop token evaluated too."""
     out = []
     while len(out) < n and len(session.tokens) < session.ctx:
-        t = int(np.argmax(session.logits))
+        t = sample(session.logits, params, rng)
         session.eval(t)
         out.append(t)
         if t in stop:
@@ -211,10 +212,19 @@ def _same_session(a, b) -> None:
             assert np.array_equal(sa.arrays[il][name], sb.arrays[il][name]), (il, name)
 
 
-class _DeviceGreedy(ReferenceBackend):
-    """The reference backend with greedy_launch / greedy_token as a device runs them: a launch
+class _Uniform:
+    def __init__(self, u):
+        self.u = u
+
+    def uniform(self):
+        return self.u
+
+
+class _DeviceChain(ReferenceBackend):
+    """The reference backend with chain_launch / chain_token as a device runs them: a launch
     evaluates the token the previous launch chose before anyone has read it, and a ticket is
-    read later. Ready, like the Triton backend, from a session's third decode step on."""
+    read later. Ready, like the Triton backend, from a session's third decode step on, for
+    greedy and ds4's default sampling path."""
 
     def __init__(self, cfg, numerics="ds4"):
         super().__init__(cfg, numerics=numerics)
@@ -229,10 +239,12 @@ class _DeviceGreedy(ReferenceBackend):
         if len(tokens) == 1 and logits:
             self.decodes[id(states)] = self.decodes.get(id(states), 0) + 1
 
-    def greedy_ready(self, states):
-        return self.decodes.get(id(states), 0) >= 2
+    def chains(self, states, params):
+        p = params.normalized()
+        default = p.top_k <= 0 and p.top_p >= 1 and p.min_p <= 1
+        return self.decodes.get(id(states), 0) >= 2 and (p.temperature <= 0 or default)
 
-    def greedy_launch(self, states, p0, token=None):
+    def chain_launch(self, states, p0, token=None, draw=None):
         token = self.chosen[-1] if token is None else token
         assert 0 <= token < self.cfg.n_vocab  # a device would read this embedding row
         out = self.to_numpy(forward_chunk(self, self.weights, states, np.array([token]), p0, logits=True))
@@ -240,26 +252,37 @@ class _DeviceGreedy(ReferenceBackend):
         if len(self.chosen) == self.poison_at:
             out = np.full_like(out, np.nan)
         self.logits = np.asarray(out, np.float32)
-        finite = np.isfinite(self.logits)
-        self.chosen.append(int(np.argmax(np.where(finite, self.logits, -np.inf))) if finite.any() else 0)
+        if not np.isfinite(self.logits).any():
+            self.chosen.append(0)
+        elif draw is None:
+            self.chosen.append(sample(self.logits, GREEDY, None))
+        else:
+            t, min_p, u = draw
+            self.chosen.append(sample(self.logits, SamplingParams(temperature=t, min_p=min_p), _Uniform(u)))
         return len(self.chosen) - 1
 
-    def greedy_token(self, ticket):
+    def chain_token(self, ticket):
         if ticket == self.poison_at:
             raise ValueError("cannot choose a token: no finite logit")
         return self.chosen[ticket]
 
-    def greedy_logits(self, states):
+    def chain_logits(self, states):
         return self.logits
 
 
 @pytest.fixture
 def device_engine(model_path, engine):
     model = GGUFModel(model_path)
-    be = _DeviceGreedy(model.config, numerics=engine.numerics)
+    be = _DeviceChain(model.config, numerics=engine.numerics)
     eng = ds4.Engine(model, be, bind_weights(model, be.upload), range(model.config.n_layer))
     be.weights = eng.weights
     return eng
+
+
+def _synced(eng):
+    s = eng.session(ctx=64)
+    s.sync(PROMPT[:20])
+    return s
 
 
 def test_greedy_is_eval_of_the_argmax_in_a_loop(engine):
@@ -272,31 +295,38 @@ def test_greedy_is_eval_of_the_argmax_in_a_loop(engine):
     short.sync(PROMPT[:20])
     assert len(list(short.greedy(10))) == 4 and len(short.tokens) == 24
     assert list(short.greedy(3)) == []
+    with pytest.raises(ValueError, match="rng"):
+        next(a.sample(3, SamplingParams()))
 
 
-def test_greedy_chosen_on_a_device_is_eval_in_a_loop(engine, device_engine):
+@pytest.mark.parametrize("params", [GREEDY, SamplingParams(), SamplingParams(temperature=0.7, min_p=0.0)],
+                         ids=["greedy", "default", "t0.7"])
+def test_sampling_chained_on_a_device_is_sample_and_eval_in_a_loop(engine, device_engine, params):
     """The back-to-back path (a step queued before the host reads its token) holds the same
-    tokens, state and logits as eval(argmax) in a loop: to the end, at a stop token (evaluated),
-    and when the caller stops reading."""
+    tokens, state, logits and rng state as sample + eval in a loop: to the end, at a stop token
+    (evaluated), and when the caller stops reading."""
     be, ref = device_engine.backend, engine
-    full = _eval_loop(_synced(ref), 12)
+    full = _eval_loop(_synced(ref), 12, params=params, rng=Rng(5))
     stop = full[7]
-    a = _synced(device_engine)
-    got = list(a.greedy(12, stop={stop}))
-    b = _synced(ref)
-    assert got == _eval_loop(b, 12, stop={stop}) == full[:full.index(stop) + 1]
+    a, ra = _synced(device_engine), Rng(5)
+    got = list(a.sample(12, params, ra, stop={stop}))
+    b, rb = _synced(ref), Rng(5)
+    assert got == _eval_loop(b, 12, stop={stop}, params=params, rng=rb) == full[:full.index(stop) + 1]
     assert be.launches == len(got) - 2  # two evals prepare the step, then only launches
     _same_session(a, b)
+    assert ra.state == rb.state
 
-    c = _synced(device_engine)
-    run = c.greedy(12)
+    c, rc = _synced(device_engine), Rng(9)
+    run = c.sample(12, params, rc)
     head = [next(run) for _ in range(5)]
     run.close()
-    d = _synced(ref)
-    assert head == _eval_loop(d, 5)
+    d, rd = _synced(ref), Rng(9)
+    assert head == _eval_loop(d, 5, params=params, rng=rd)
     _same_session(c, d)
-    assert list(c.greedy(4)) == _eval_loop(d, 4)  # and it goes on from there
+    assert rc.state == rd.state
+    assert list(c.sample(4, params, rc)) == _eval_loop(d, 4, params=params, rng=rd)  # and on from there
     _same_session(c, d)
+    assert rc.state == rd.state
 
 
 def test_greedy_without_a_finite_logit_clears_the_session(device_engine):
@@ -309,9 +339,3 @@ def test_greedy_without_a_finite_logit_clears_the_session(device_engine):
     with pytest.raises(ValueError, match="finite"):
         next(run)
     assert s.tokens == []
-
-
-def _synced(eng):
-    s = eng.session(ctx=64)
-    s.sync(PROMPT[:20])
-    return s

@@ -944,18 +944,57 @@ def test_greedy_next_is_the_first_largest_finite_logit(rng):
         assert cnt == 0  # the ticket is back to zero for the next step
 
 
-def _greedy_next(x, pos):
-    """greedy_next_kernel on 256-logit programs (four, the last one partial, for 1000 logits):
-    (ring, token, position, ticket) after it."""
+def _greedy_next(x, pos, draw=None):
+    """greedy_next_kernel, then sample_next_kernel with draw = (T, min_p, U) at the ring slot
+    (T = 0 without), on 256-logit programs (four, the last one partial, for 1000 logits):
+    (ring, token, position, ticket) after them; the slot's T is 0 after, the others' untouched."""
     from ds4.backends.triton import kernels as K
 
     G = 4
     best = torch.full((G,), 123.0, device=DEVICE)
     at = torch.full((G,), -9, dtype=torch.int32, device=DEVICE)
+    mass = torch.full((G,), 5.0, dtype=torch.float64, device=DEVICE)
     cnt = torch.zeros(1, dtype=torch.int32, device=DEVICE)
+    top = torch.zeros(1, device=DEVICE)
     tok = torch.full((1,), 77, dtype=torch.int32, device=DEVICE)
     p = torch.tensor([pos], dtype=torch.int32, device=DEVICE)
     ring = torch.full((4,), -5, dtype=torch.int32, device=DEVICE)
-    K.greedy_next_kernel[(G,)](torch.from_numpy(x).to(DEVICE), x.size, best, at, cnt, tok, p, ring,
-                               R=4, BLOCK=256, G=G)
+    draws = torch.full((4, 3), 9.0, dtype=torch.float64, device=DEVICE)  # other slots: T = 9
+    draws[pos % 4] = torch.tensor(draw or (0.0, 0.0, 0.0), dtype=torch.float64)
+    logits = torch.from_numpy(x).to(DEVICE)
+    K.greedy_next_kernel[(G,)](logits, x.size, best, at, cnt, top, tok, p, ring, R=4, BLOCK=256, G=G)
+    K.sample_next_kernel[(G,)](logits, x.size, mass, cnt, top, tok, p, ring, draws, R=4, BLOCK=256, G=G)
+    assert draws[pos % 4, 0] == 0 and (draws[[i for i in range(4) if i != pos % 4], 0] == 9).all()
     return ring.cpu().tolist(), int(tok.item()), int(p.item()), int(cnt.item())
+
+
+class _Uniform:
+    def __init__(self, u):
+        self.u = u
+
+    def uniform(self):
+        return self.u
+
+
+def test_sample_next_is_ds4s_default_sampling_path(rng):
+    """sample_next_kernel against sampling.sample on its default path (min-p relative to the best
+    token, one draw scanned in id order), on random logits, some not finite, over draws U from 0
+    to just below 1 and temperatures / min-p values that keep one to hundreds of tokens; the
+    token lands where greedy's did (ring slot, next token)."""
+    from ds4.core.sampling import SamplingParams, sample
+
+    V = 1000
+    for k, (T, min_p) in enumerate([(1.0, 0.05), (0.7, 0.0), (2.0, 0.5), (0.25, 0.05), (1.0, 1.0)]):
+        x = (rng.standard_normal(V) * 3).astype(np.float32)
+        if k % 2:
+            x[rng.choice(V, 30, replace=False)] = np.nan
+            x[rng.choice(V, 30, replace=False)] = -np.inf
+        x[rng.integers(V)] = x[np.isfinite(x)].max()  # a tie at the top
+        params = SamplingParams(temperature=T, min_p=min_p)
+        t32, m32 = float(np.float32(T)), float(np.float32(min_p))
+        for u in [0.0, 1 - 2 ** -24, *rng.random(6)]:
+            want = sample(x, params, _Uniform(u))
+            pos = int(rng.integers(0, 1000))
+            ring, tok, after, cnt = _greedy_next(x, pos, (t32, m32, u))
+            assert ring[pos % 4] == want == tok, (T, min_p, u)
+            assert after == pos + 1 and cnt == 0

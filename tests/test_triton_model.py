@@ -242,20 +242,25 @@ def test_early_launch_changes_no_bit(path, prompt):
 
 
 @needs_gpu
-def test_greedy_on_the_device_is_eval_in_a_loop(path, prompt):
-    """Session.greedy with the argmax chosen on the device and the steps replayed back to back:
-    the tokens, and the logits bit for bit, of eval(argmax) in a loop on the same engine, at the
-    end of the run, after a stop token and after the caller stops reading."""
+@pytest.mark.parametrize("temperature", [0.0, 1.0], ids=["greedy", "default_sampling"])
+def test_sampling_on_the_device_is_sample_and_eval_in_a_loop(path, prompt, temperature):
+    """Session.sample with each next token chosen on the device (the argmax, or a draw on ds4's
+    default sampling path, min-p 0.05) and the steps replayed back to back: the tokens and rng
+    state of sample + eval in a loop on the same engine, and the logits bit for bit, at the end
+    of a run, after a stop token, after the caller stops reading and when a run resumes."""
+    from ds4.core.sampling import Rng, SamplingParams, sample
+
     eng = ds4.Engine.open(path, backend="triton", device=DEVICE)
     be = eng.backend
+    params = SamplingParams(temperature=temperature)
     launches = []
-    launch = be.greedy_launch
-    be.greedy_launch = lambda *a, **kw: launches.append(a) or launch(*a, **kw)
+    launch = be.chain_launch
+    be.chain_launch = lambda *a, **kw: launches.append(a) or launch(*a, **kw)
 
-    def loop(s, n, stop=()):
+    def loop(s, n, rng, stop=()):
         out = []
         while len(out) < n:
-            out.append(int(np.argmax(s.logits)))
+            out.append(sample(s.logits, params, rng))
             s.eval(out[-1])
             if out[-1] in stop:
                 break
@@ -266,18 +271,18 @@ def test_greedy_on_the_device_is_eval_in_a_loop(path, prompt):
         s.sync(prompt[:12])
         return s
 
-    a, b = synced(), synced()
-    got = list(a.greedy(14))
-    assert got == loop(b, 14) and len(launches) == 12  # two evals prepare the step
-    assert np.array_equal(a.logits, b.logits) and a.tokens == b.tokens
+    a, b, ra, rb = synced(), synced(), Rng(3), Rng(3)
+    got = list(a.sample(14, params, ra))
+    assert got == loop(b, 14, rb) and len(launches) == 12  # two evals prepare the step
+    assert np.array_equal(a.logits, b.logits) and a.tokens == b.tokens and ra.state == rb.state
     stop = got[9]
-    c, d = synced(), synced()
-    assert list(c.greedy(14, stop={stop})) == loop(d, 14, stop={stop})
-    assert np.array_equal(c.logits, d.logits) and c.tokens == d.tokens
-    run = c.greedy(10)
+    c, d, rc, rd = synced(), synced(), Rng(3), Rng(3)  # (the tokens of `got`, up to the stop)
+    assert list(c.sample(14, params, rc, stop={stop})) == loop(d, 14, rd, stop={stop})
+    assert np.array_equal(c.logits, d.logits) and c.tokens == d.tokens and rc.state == rd.state
+    run = c.sample(10, params, rc)
     head = [next(run) for _ in range(3)]
     run.close()
-    assert head == loop(d, 3)
-    assert np.array_equal(c.logits, d.logits) and c.tokens == d.tokens
-    assert list(c.greedy(5)) == loop(d, 5)
-    assert np.array_equal(c.logits, d.logits)
+    assert head == loop(d, 3, rd)
+    assert np.array_equal(c.logits, d.logits) and c.tokens == d.tokens and rc.state == rd.state
+    assert list(c.sample(5, params, rc)) == loop(d, 5, rd)
+    assert np.array_equal(c.logits, d.logits) and rc.state == rd.state

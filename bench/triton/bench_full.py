@@ -6,10 +6,11 @@ generated on the GPU as random valid blocks of its real type (IQ2_XXS / Q2_K exp
 attention and shared experts, F16 compressors / indexer / mHC, F32 norms).
 
 Measures: device-to-device copy bandwidth (the roofline's denominator), batch-1 decode tokens/s
-at the given contexts (state filled with random rows, CUDA-graph replay) two ways: greedy decoding
-as `ds4 generate --temperature 0` runs it (`Session.greedy`: each token chosen on the device, the
-next step queued before the host reads it) and given tokens through `Session.eval` (the logits
-copied to the host after every step, where a sampler on the host needs them); prefill tokens/s,
+at the given contexts (state filled with random rows, CUDA-graph replay) three ways: as
+`ds4 generate` runs it, greedy and with ds4's default sampling parameters (`Session.sample`: each
+token chosen on the device, the next step queued before the host reads it), and given tokens
+through `Session.eval` (the logits copied to the host after every step, as a sampler on the host
+needs them); prefill tokens/s,
 and a per-kernel table of one eager decode step (time from the profiler, bytes each launch must
 move, bandwidth against the copy rate).
 
@@ -33,6 +34,7 @@ import torch
 
 import ds4
 from ds4.core.gguf_write import write_sparse_gguf
+from ds4.core.sampling import Rng, SamplingParams
 from ds4.core.tiny import preset_config
 
 
@@ -102,7 +104,7 @@ def fill_state(session, rng_seed: int = 0) -> None:
 def bench_decode(eng, ctx: int, steps: int, seed: int, trace: str | None = None) -> dict:
     cfg = eng.config
     rng = np.random.default_rng(seed)
-    s = eng.session(ctx=ctx + 2 * steps + 8)
+    s = eng.session(ctx=ctx + 3 * steps + 8)
     fill_state(s, seed)
     s._tokens = [int(x) for x in rng.integers(0, cfg.n_vocab, ctx)]  # the history the state stands for
     toks = [int(x) for x in rng.integers(0, cfg.n_vocab, steps + 3)]
@@ -130,6 +132,11 @@ def bench_decode(eng, ctx: int, steps: int, seed: int, trace: str | None = None)
     greedy = list(s.greedy(steps))
     dt_greedy = time.perf_counter() - t0
     assert len(greedy) == steps
+    # and with ds4's default sampling parameters (T 1, min-p 0.05), drawn on the device too
+    t0 = time.perf_counter()
+    drawn = list(s.sample(steps, SamplingParams(), Rng(seed)))
+    dt_sample = time.perf_counter() - t0
+    assert len(drawn) == steps
     be = eng.backend
     entry = next((e for e in be._graphs.values() if e.states is s.states), None)
     gpu = None
@@ -147,6 +154,7 @@ def bench_decode(eng, ctx: int, steps: int, seed: int, trace: str | None = None)
     each_ms = np.sort(np.array(each)) * 1e3
     return dict(ctx=ctx, steps=steps, tokens_per_s=steps / dt, ms_per_token=1e3 * dt / steps, logits_sha=digest,
                 greedy_tokens_per_s=steps / dt_greedy, greedy_ms_per_token=1e3 * dt_greedy / steps,
+                sample_tokens_per_s=steps / dt_sample, sample_ms_per_token=1e3 * dt_sample / steps,
                 step_ms_min=float(each_ms[0]), step_ms_median=float(np.median(each_ms)), step_ms_max=float(each_ms[-1]),
                 timeline=timeline,
                 gpu_ms_per_step=None if gpu is None else 1e3 * gpu, warm_s=t_warm, capture_s=t_cap,
@@ -325,7 +333,8 @@ def main() -> None:
         r = bench_decode(eng, ctx, a.steps, seed=ctx)
         res["decode"].append(r)
         log(f"decode ctx {ctx}: greedy on the device {r['greedy_tokens_per_s']:.1f} tok/s "
-            f"({r['greedy_ms_per_token']:.2f} ms/token); eval with logits to the host "
+            f"({r['greedy_ms_per_token']:.2f} ms/token), sampled on the device {r['sample_tokens_per_s']:.1f}; "
+            f"eval with logits to the host "
             f"{r['tokens_per_s']:.1f} tok/s ({r['ms_per_token']:.2f} ms/token, "
             f"GPU replay {r['gpu_ms_per_step']} ms, {r['n_graph_ops']} ops/graph; one step's wall time "
             f"min / median / max {r['step_ms_min']:.2f} / {r['step_ms_median']:.2f} / {r['step_ms_max']:.2f} ms)")
@@ -344,7 +353,7 @@ def main() -> None:
             be._graphs.clear()
             res.setdefault("decode_variants", []).append(dict(variant=name, **attrs, **rv))
             same = "same logits" if rv["logits_sha"] == r["logits_sha"] else "different logits"
-            log(f"  variant {name}: greedy {rv['greedy_tokens_per_s']:.1f}, eval {rv['tokens_per_s']:.1f} tok/s (GPU replay {rv['gpu_ms_per_step']} ms, {same}; "
+            log(f"  variant {name}: greedy {rv['greedy_tokens_per_s']:.1f}, sampled {rv['sample_tokens_per_s']:.1f}, eval {rv['tokens_per_s']:.1f} tok/s (GPU replay {rv['gpu_ms_per_step']} ms, {same}; "
                 f"step median {rv['step_ms_median']:.2f} ms)")
         json.dump(res, open(os.path.join(a.out, "results.json"), "w"), indent=1)
 
@@ -417,6 +426,7 @@ def main() -> None:
         wr.writerow([res["device"], "weights_roofline_decode", f"{res['weights_roofline_tok_s']:.0f}", "tokens/s"])
         for r in res["decode"]:
             wr.writerow([res["device"], f"decode_greedy_ctx{r['ctx']}", f"{r['greedy_tokens_per_s']:.1f}", "tokens/s"])
+            wr.writerow([res["device"], f"decode_sample_ctx{r['ctx']}", f"{r['sample_tokens_per_s']:.1f}", "tokens/s"])
             wr.writerow([res["device"], f"decode_eval_ctx{r['ctx']}", f"{r['tokens_per_s']:.1f}", "tokens/s"])
         for r in res["prefill"]:
             wr.writerow([res["device"], f"prefill_{r['prompt']}", f"{r['tokens_per_s']:.0f}", "tokens/s"])
@@ -425,6 +435,7 @@ def main() -> None:
     print(f"| weights-only roofline | {res['weights_roofline_tok_s']:.0f} tok/s |")
     for r in res["decode"]:
         print(f"| decode ctx {r['ctx']}, greedy on the device | {r['greedy_tokens_per_s']:.1f} tok/s |")
+        print(f"| decode ctx {r['ctx']}, sampled on the device (T 1, min-p 0.05) | {r['sample_tokens_per_s']:.1f} tok/s |")
         print(f"| decode ctx {r['ctx']}, eval + logits to the host | {r['tokens_per_s']:.1f} tok/s "
               f"(GPU {r['gpu_ms_per_step']} ms/step) |")
     for r in res["prefill"]:

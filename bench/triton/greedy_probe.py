@@ -1,8 +1,10 @@
-"""What choosing a greedy token on the device costs a decode step (Session.greedy on the
+"""What choosing the next token on the device costs a decode step (Session.sample on the
 full-size synthetic model): replays of the captured step, which ends with the argmax
-(greedy_next_kernel); replays of a step captured without it (a position increment instead),
-alone and with the argmax launched after each replay; Session.greedy's and Session.eval's wall
-time per token, and the host's time in greedy_launch and waiting in greedy_token.
+(greedy_next_kernel) and the sampler (sample_next_kernel, idle unless the host wrote a draw),
+with and without a draw (T = 1, min-p 0.05); replays of a step captured without them (a position
+increment instead), alone and with the argmax launched after each replay; Session.greedy's,
+Session.sample's (ds4's default parameters) and Session.eval's wall time per token, and the
+host's time in chain_launch and waiting in chain_token.
 
     PYTHONPATH=. python bench/triton/greedy_probe.py [--ctx 4096] [--steps 64]
 """
@@ -20,6 +22,7 @@ import torch
 import ds4
 from ds4.backends.triton import kernels as K
 from ds4.core.gguf_write import write_sparse_gguf
+from ds4.core.sampling import Rng, SamplingParams
 from ds4.core.tiny import preset_config
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
@@ -62,33 +65,41 @@ def main() -> None:
         return s, next(x for x in be._graphs.values() if x.states is s.states)
 
     s, e = session()
-    argmax_in_graph = be._greedy_next
-    be._greedy_next = lambda logits: be._pos.add_(1)  # the same step, its argmax left out
+    in_graph = be._next_token
+    be._next_token = lambda logits: be._pos.add_(1)  # the same step, its argmax left out
     s2, e2 = session()
-    be._greedy_next = argmax_in_graph
+    be._next_token = in_graph
     logits = e2.outputs[-1]
     V = logits.numel()
-    G = 1 << max(0, (-(-V // be.greedy_block) - 1).bit_length())
+    G = 1 << max(0, (-(-V // be.chain_block) - 1).bit_length())
     scratch = torch.zeros(2, dtype=torch.int32, device="cuda")  # (token, position) of the argmax after
     ring = torch.zeros(4, dtype=torch.int32, device="cuda")
 
     def after():
         e2.graph.replay()
-        K.greedy_next_kernel[(G,)](logits, V, be._greedy_best, be._greedy_at, be._greedy_cnt, scratch[:1],
-                                   scratch[1:], ring, R=4, BLOCK=be.greedy_block, G=G, num_warps=4)
+        K.greedy_next_kernel[(G,)](logits, V, be._chain_best, be._chain_at, be._chain_cnt, be._chain_top,
+                                   scratch[:1], scratch[1:], ring, R=4, BLOCK=be.chain_block, G=G, num_warps=4)
 
     p = len(s._tokens)
     after()  # (compiled here, not in the timed loop: scratch[1:] specialises differently)
     rows = []
-    for name, fn in [("replay, argmax in the graph", e.graph.replay),
+    draws = torch.tensor([1.0, 0.05, 0.5] * 4, dtype=torch.float64, device="cuda")
+
+    def drawn():  # every slot's draw set again (the step clears its own)
+        be._chain_draws.copy_(draws)
+        e.graph.replay()
+
+    for name, fn in [("replay, argmax (+ idle sampler) in the graph", e.graph.replay),
+                     ("replay after a 96-byte copy, argmax + a draw (T 1, min-p 0.05)", drawn),
                      ("replay, no argmax", e2.graph.replay),
                      ("replay, no argmax, then the argmax kernel", after)]:
         be._pos.fill_(p)  # (each replay advances the device's position: back to p each time)
         rows.append((name, gpu_ms(fn, n)))
+    be._chain_draws.zero_()
     be._pos.fill_(p)
     torch.cuda.synchronize()
     host = {"launch": [], "token": []}
-    launch, token = be.greedy_launch, be.greedy_token
+    launch, token = be.chain_launch, be.chain_token
 
     def timed(name, fn):
         def f(*x, **kw):
@@ -98,14 +109,18 @@ def main() -> None:
             return out
         return f
 
-    be.greedy_launch, be.greedy_token = timed("launch", launch), timed("token", token)
+    be.chain_launch, be.chain_token = timed("launch", launch), timed("token", token)
     t0 = time.perf_counter()
     got = list(s.greedy(n))
     rows.append(("Session.greedy, wall per token", (time.perf_counter() - t0) * 1e3 / n))
-    be.greedy_launch, be.greedy_token = launch, token
+    be.chain_launch, be.chain_token = launch, token
     assert len(got) == n
-    rows.append(("  host: greedy_launch (median)", 1e3 * float(np.median(host["launch"]))))
-    rows.append(("  host: greedy_token's wait (median)", 1e3 * float(np.median(host["token"]))))
+    rows.append(("  host: chain_launch (median)", 1e3 * float(np.median(host["launch"]))))
+    rows.append(("  host: chain_token's wait (median)", 1e3 * float(np.median(host["token"]))))
+    t0 = time.perf_counter()
+    drawn = list(s.sample(n, SamplingParams(), Rng(1)))
+    rows.append(("Session.sample (T 1, min-p 0.05), wall per token", (time.perf_counter() - t0) * 1e3 / n))
+    assert len(drawn) == n
     t0 = time.perf_counter()
     for t in got:
         s.eval(t)

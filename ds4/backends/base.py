@@ -64,27 +64,30 @@ class Backend(ABC):
     def from_numpy(self, x: np.ndarray) -> Array:
         """A host float32 array as this backend's array (a pipeline stage's incoming rows)."""
 
-    # ---- greedy decode steps chosen on the device (optional) --------------------------------------
+    # ---- decode steps chained on the device (optional) -----------------------------------------
 
-    def greedy_ready(self, states: dict) -> bool:
+    def chains(self, states: dict, params) -> bool:
         """Whether decode steps of the session holding `states` can run back to back, each one
-        choosing the next token (the argmax of its logits) itself, so that the host queues a step
-        before it has seen that step's token (Session.greedy). False unless a backend can."""
+        choosing the next token itself with these SamplingParams, so that the host queues a step
+        before it has seen the token that step evaluates (Session.sample). False unless a backend
+        can."""
         return False
 
-    def greedy_launch(self, states: dict, p0: int, token: int | None = None) -> Any:
+    def chain_launch(self, states: dict, p0: int, token: int | None = None,
+                     draw: tuple[float, float, float] | None = None) -> Any:
         """Queue the decode step at position p0 of `states`: it evaluates `token`, or when None
-        the token the previous launch chose, and chooses the next one. Returns a ticket for
-        greedy_token. Only where greedy_ready said so."""
-        raise NotImplementedError(f"the {self.name} backend does not choose tokens on the device")
+        the token the previous launch chose, and chooses the next one: the argmax, or with
+        `draw` = (T, min_p, U) ds4's default sampling path with that uniform. Returns a ticket
+        for chain_token. Only where `chains` said so."""
+        raise NotImplementedError(f"the {self.name} backend does not chain decode steps")
 
-    def greedy_token(self, ticket: Any) -> int:
+    def chain_token(self, ticket: Any) -> int:
         """The token the step of `ticket` chose, once it has run (waits for it)."""
-        raise NotImplementedError(f"the {self.name} backend does not choose tokens on the device")
+        raise NotImplementedError(f"the {self.name} backend does not chain decode steps")
 
-    def greedy_logits(self, states: dict) -> np.ndarray:
-        """The logits of the last step greedy_launch queued for `states`, once it has run."""
-        raise NotImplementedError(f"the {self.name} backend does not choose tokens on the device")
+    def chain_logits(self, states: dict) -> np.ndarray:
+        """The logits of the last step chain_launch queued for `states`, once it has run."""
+        raise NotImplementedError(f"the {self.name} backend does not chain decode steps")
 
     # ---- ops ------------------------------------------------------------------------------------
 

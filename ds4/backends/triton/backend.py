@@ -19,8 +19,9 @@ Four things are backend-internal and invisible to the graph:
   one of a session runs eagerly (and sizes a private buffer arena), the second is captured into a
   CUDA graph, later ones only replay it; the graph's ops then return the captured outputs without
   launching anything. The session is recognised by its state dict, which `begin_chunk` names.
-  A step ends with its greedy token chosen on the device and fed to its next replay, so that
-  `Session.greedy` queues replays back to back (greedy_launch / greedy_token).
+  A step ends with its next token chosen on the device (the argmax, or a draw on ds4's default
+  sampling path) and fed to its next replay, so that `Session.sample` queues replays back to
+  back (chain_launch / chain_token).
 * Side streams. Inside a decode step the work graph.py marks with `branch()` runs on side
   streams, each launch waiting only for the launches whose buffers it touches (lanes.py); the
   captured graph keeps them concurrent.
@@ -322,13 +323,19 @@ class TritonBackend(Backend):
         self._pos_host = 0
         self._chunk = None  # (states, p0, logits) of the chunk forward_chunk is running
         self._tok1 = torch.zeros(1, dtype=torch.int32, device=d)
-        # a decode step's greedy token for the host: written by the GPU into pinned host memory,
-        # slot p0 % 4, read once the event recorded after the step's replay has passed
-        n = self._GREEDY_SLOTS
-        self._greedy_host = torch.zeros(n, dtype=torch.int32, pin_memory=d.type == "cuda")
-        self._greedy_done = [torch.cuda.Event() for _ in range(n)] if d.type == "cuda" else []
-        self._greedy_best = self._greedy_at = self._greedy_cnt = None  # greedy_next_kernel's scratch
-        self.greedy_block = 2048  # logits per program of greedy_next_kernel
+        # a decode step's token for the host, written by the GPU into pinned host memory at slot
+        # p0 % 4 and read once the event recorded after the step's replay has passed; and the
+        # draw (T, min_p, U) the host copies to the device's slot before it queues a step (the
+        # step sets T back to 0; read straight from host memory, an idle sampler cost 0.28 ms)
+        n = self._CHAIN_SLOTS
+        pin = d.type == "cuda"
+        self._chain_tokens = torch.zeros(n, dtype=torch.int32, pin_memory=pin)
+        self._chain_draws = torch.zeros(3 * n, dtype=torch.float64, device=d)
+        self._chain_draws_host = torch.zeros(3 * n, dtype=torch.float64, pin_memory=pin)
+        self._chain_draws_np = self._chain_draws_host.numpy().reshape(n, 3)
+        self._chain_done = [torch.cuda.Event() for _ in range(n)] if pin else []
+        self._chain_best = None  # (and _at, _mass, _cnt, _top) the step's last kernels' scratch
+        self.chain_block = 2048  # logits per program of greedy_next_kernel / sample_next_kernel
         self._tok_np = None
         self._tok_t = None
         self._dummy_f = torch.zeros(16, dtype=torch.float32, device=d)
@@ -893,7 +900,7 @@ class TritonBackend(Backend):
             return
         self._step = _Step(e, "replay")
         e.graph.replay()
-        self._pos_host = p0 + 1  # (the step's last kernel, _greedy_next, advanced it)
+        self._pos_host = p0 + 1  # (the step's last kernels, _next_token, advanced it)
 
     def _end_step(self) -> None:
         st = self._step
@@ -905,7 +912,7 @@ class TritonBackend(Backend):
             torch.cuda.current_stream(self.dev).wait_stream(self._cap_stream)
             self._cap_ctx = None
             st.entry.graph.replay()
-        self._pos_host += 1  # (the step's last kernel, _greedy_next, advanced it)
+        self._pos_host += 1  # (the step's last kernels, _next_token, advanced it)
 
     def _abort_step(self) -> None:
         st = self._step
@@ -929,35 +936,45 @@ class TritonBackend(Backend):
         elif st.phase == "warm":
             self._graphs.pop(id(st.entry.states), None)
 
-    # ---- greedy decode steps chosen on the device ------------------------------------------------
+    # ---- decode steps chained on the device ----------------------------------------------------
 
-    _GREEDY_SLOTS = 4  # the host's ring of chosen tokens; Session.greedy has two steps in flight
+    _CHAIN_SLOTS = 4  # the host's rings of tokens and draws; Session.sample has two steps in flight
 
-    def _greedy_next(self, logits) -> None:
-        """The last kernel of a decode step: it writes the argmax where the step's next replay
-        reads its token, into the host's ring, and advances the device's position. Replays then
-        chain on the device (Session.greedy) and the host's work between steps (the launch,
-        Python) overlaps the GPU's instead of adding to it. It adds 0.01-0.02 ms to a step on
-        the H200 (bench/triton/greedy_probe.py)."""
+    def _next_token(self, logits) -> None:
+        """The last kernels of a decode step: the argmax (greedy_next_kernel), then a draw on ds4's
+        default sampling path where the host asked for one (sample_next_kernel). They write the
+        token where the step's next replay reads it and into the host's ring, and advance the
+        device's position. Replays then chain on the device (Session.sample) and the host's work
+        between steps (the launch, Python) overlaps the GPU's instead of adding to it. On the
+        H200 the two add no measurable time to a step, a draw 0.01 ms (greedy_probe.py)."""
         # after every launch of the step: kernels still running on side streams (the last layer's
         # compressors) read the position this kernel advances
         self._end_lanes()
         V = logits.numel()
-        G = _pow2(_cdiv(V, self.greedy_block))  # 64 programs for DS4's 129280 logits
-        if self._greedy_best is None or self._greedy_best.numel() < G:
-            self._greedy_best = torch.zeros(G, dtype=torch.float32, device=self.dev)
-            self._greedy_at = torch.zeros(G, dtype=torch.int32, device=self.dev)
-            self._greedy_cnt = torch.zeros(1, dtype=torch.int32, device=self.dev)
-        self._launch(K.greedy_next_kernel, (G,), logits, V, self._greedy_best, self._greedy_at,
-                     self._greedy_cnt, self._tok1, self._pos, self._greedy_host, R=self._GREEDY_SLOTS,
-                     BLOCK=self.greedy_block, G=G, num_warps=4, nbytes=4 * V)
+        G = _pow2(_cdiv(V, self.chain_block))  # 64 programs for DS4's 129280 logits
+        if self._chain_best is None or self._chain_best.numel() < G:
+            self._chain_best = torch.zeros(G, dtype=torch.float32, device=self.dev)
+            self._chain_at = torch.zeros(G, dtype=torch.int32, device=self.dev)
+            self._chain_mass = torch.zeros(G, dtype=torch.float64, device=self.dev)
+            self._chain_cnt = torch.zeros(1, dtype=torch.int32, device=self.dev)
+            self._chain_top = torch.zeros(1, dtype=torch.float32, device=self.dev)
+        R = self._CHAIN_SLOTS
+        self._launch(K.greedy_next_kernel, (G,), logits, V, self._chain_best, self._chain_at,
+                     self._chain_cnt, self._chain_top, self._tok1, self._pos, self._chain_tokens,
+                     R=R, BLOCK=self.chain_block, G=G, num_warps=4, nbytes=4 * V)
+        self._launch(K.sample_next_kernel, (G,), logits, V, self._chain_mass, self._chain_cnt,
+                     self._chain_top, self._tok1, self._pos, self._chain_tokens, self._chain_draws,
+                     R=R, BLOCK=self.chain_block, G=G, num_warps=4)
 
-    def greedy_ready(self, states) -> bool:
+    def chains(self, states, params) -> bool:
         e = self._graphs.get(id(states))
-        return (e is not None and e.states is states and e.graph is not None and not e.failed
-                and self._step is None)
+        if e is None or e.states is not states or e.graph is None or e.failed or self._step is not None:
+            return False
+        p = params.normalized()
+        t = float(np.float32(p.temperature))
+        return t <= 0.0 or (p.top_k <= 0 and p.top_p >= 1.0 and float(np.float32(p.min_p)) <= 1.0)
 
-    def greedy_launch(self, states, p0, token=None):
+    def chain_launch(self, states, p0, token=None, draw=None):
         p0 = int(p0)
         key = id(states)
         e = self._graphs[key]
@@ -966,22 +983,27 @@ class TritonBackend(Backend):
             self._tok1.fill_(int(token))
             self._set_pos(p0)
         elif p0 != self._pos_host:
-            raise RuntimeError(f"greedy_launch: the device's position is {self._pos_host}, expected {p0}")
+            raise RuntimeError(f"chain_launch: the device's position is {self._pos_host}, expected {p0}")
+        slot = p0 % self._CHAIN_SLOTS
+        if draw is not None:  # (the host's slot is free again: its step, 4 back, has run)
+            self._chain_draws_np[slot] = draw
+            self._chain_draws[3 * slot:3 * slot + 3].copy_(self._chain_draws_host[3 * slot:3 * slot + 3],
+                                                            non_blocking=True)
         e.graph.replay()
-        self._pos_host = p0 + 1  # (the step's last kernel advanced it)
-        self._greedy_done[p0 % self._GREEDY_SLOTS].record()
+        self._pos_host = p0 + 1  # (the step's last kernels advanced it)
+        self._chain_done[slot].record()
         return p0
 
-    def greedy_token(self, ticket) -> int:
-        slot = ticket % self._GREEDY_SLOTS
-        self._greedy_done[slot].synchronize()
-        t = int(self._greedy_host[slot])
+    def chain_token(self, ticket) -> int:
+        slot = ticket % self._CHAIN_SLOTS
+        self._chain_done[slot].synchronize()
+        t = int(self._chain_tokens[slot])
         if t < 0:
             raise ValueError(f"cannot choose a token: none of the {self.cfg.n_vocab} logits is "
                              "finite (all -inf or NaN)")
         return t
 
-    def greedy_logits(self, states) -> np.ndarray:
+    def chain_logits(self, states) -> np.ndarray:
         return self.to_numpy(self._graphs[id(states)].outputs[-1])
 
     # ---- ops ------------------------------------------------------------------------------------
@@ -1552,7 +1574,7 @@ class TritonBackend(Backend):
         x_in, _, _ = self._hc_collapse(X[-1:], hc, head=True)
         logits = self._linear(_Normed(x_in, norm), out)
         if self._step is not None:
-            self._greedy_next(logits[0])
+            self._next_token(logits[0])
         return logits[0]
 
 
