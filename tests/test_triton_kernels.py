@@ -984,17 +984,17 @@ def test_sample_next_is_ds4s_default_sampling_path(rng):
     from ds4.core.sampling import SamplingParams, sample
 
     V = 1000
-    for k, (T, min_p) in enumerate([(1.0, 0.05), (0.7, 0.0), (2.0, 0.5), (0.25, 0.05), (1.0, 1.0)]):
+    for k, (temp, min_p) in enumerate([(1.0, 0.05), (0.7, 0.0), (2.0, 0.5), (0.25, 0.05), (1.0, 1.0)]):
         x = (rng.standard_normal(V) * 3).astype(np.float32)
         if k % 2:
             x[rng.choice(V, 30, replace=False)] = np.nan
             x[rng.choice(V, 30, replace=False)] = -np.inf
         x[rng.integers(V)] = x[np.isfinite(x)].max()  # a tie at the top
-        params = SamplingParams(temperature=T, min_p=min_p)
-        t32, m32 = float(np.float32(T)), float(np.float32(min_p))
+        params = SamplingParams(temperature=temp, min_p=min_p)
+        t32, m32 = float(np.float32(temp)), float(np.float32(min_p))
         for u in [0.0, 1 - 2 ** -24, *rng.random(6)]:
             want = sample(x, params, _Uniform(u))
             pos = int(rng.integers(0, 1000))
             ring, tok, after, cnt = _greedy_next(x, pos, (t32, m32, u))
-            assert ring[pos % 4] == want == tok, (T, min_p, u)
+            assert ring[pos % 4] == want == tok, (temp, min_p, u)
             assert after == pos + 1 and cnt == 0
