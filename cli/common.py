@@ -142,35 +142,23 @@ def stream_reply(session, tokenizer, n: int, params, rng) -> tuple[int, str | No
     A plain session goes through `Session.sample`, which keeps a device that chooses tokens
     itself busy between steps; the session then also holds the end-of-sentence token."""
     from ds4.engine import Session
-    from ds4.pipeline import next_token
 
     stream = tokenizer.stream_decoder()
-    n_prompt = len(session.tokens)
+    room = session.ctx - len(session.tokens)
+    eos = tokenizer.eos_id
+    tokens = (session.sample(n, params, rng, stop={eos}) if isinstance(session, Session)
+              else _split_steps(session, min(n, room), params, rng))
     generated, stop = 0, None
     t0 = time.perf_counter()
-    plain = isinstance(session, Session)
     try:
-        with library_errors():
-            if plain:
-                room = session.ctx - n_prompt
-                with contextlib.closing(session.sample(n, params, rng, stop={tokenizer.eos_id})) as tokens:
-                    for token in tokens:
-                        if token == tokenizer.eos_id:
-                            break
-                        write_text(stream.push(token))
-                        generated += 1
-                if generated == room < n:
-                    stop = f"the context is full (ctx {session.ctx})"
-            while not plain and generated < n:
-                if n_prompt + generated >= session.ctx:
-                    stop = f"the context is full (ctx {session.ctx})"
-                    break
-                token = next_token(session, params, rng)
-                if token == tokenizer.eos_id:
+        with library_errors(), contextlib.closing(tokens):
+            for token in tokens:
+                if token == eos:
                     break
                 write_text(stream.push(token))
                 generated += 1
-                session.eval(token)
+        if generated == room < n:
+            stop = f"the context is full (ctx {session.ctx})"
     except KeyboardInterrupt:
         stop = "interrupted"
     seconds = time.perf_counter() - t0
@@ -178,3 +166,13 @@ def stream_reply(session, tokenizer, n: int, params, rng) -> tuple[int, str | No
     if stop:
         err.print(Text(f"stopped: {stop}", style="yellow"))
     return generated, stop, seconds
+
+
+def _split_steps(session, n: int, params, rng) -> Iterator[int]:
+    """n tokens of a split (pipeline) session, each evaluated once the caller asks for the next."""
+    from ds4.pipeline import next_token
+
+    for _ in range(n):
+        token = next_token(session, params, rng)
+        yield token
+        session.eval(token)

@@ -19,7 +19,7 @@ import numpy as np
 from .backends import backend_class
 from .core.gguf_model import GGUFModel
 from .core.graph import chunk_bounds, forward_chunk
-from .core.sampling import GREEDY, Rng, SamplingParams, sample
+from .core.sampling import GREEDY, Rng, SamplingParams, sample, unsorted_path
 from .core.state import FILL, SessionLayout, layer_state_shapes
 from .core.tokenizer import Tokenizer
 from .core.weights import bind_weights
@@ -208,8 +208,7 @@ class Session:
     def _sample_on_device(self, token: int, n: int, params: SamplingParams, rng: Rng | None,
                           stop: Container[int]) -> Iterator[int]:
         be = self.engine.backend
-        p = params.normalized()
-        temperature, min_p = float(np.float32(p.temperature)), float(np.float32(p.min_p))
+        temperature, min_p = unsorted_path(params)  # (the backend `chains` these parameters)
         unused = None  # rng's state before the last launch's draw, which no yielded token used
 
         def launch(pos, token=None):

@@ -11,7 +11,7 @@ from ds4.backends.reference.backend import ReferenceBackend
 from ds4.core.graph import forward_chunk
 from ds4.core.gguf_model import GGUFModel
 from ds4.core.quants import dequantize_rows
-from ds4.core.sampling import GREEDY, Rng, SamplingParams, sample
+from ds4.core.sampling import GREEDY, Rng, SamplingParams, sample, unsorted_path
 from ds4.core.tiny import make_tiny
 from ds4.core.weights import bind_weights
 
@@ -240,9 +240,7 @@ class _DeviceChain(ReferenceBackend):
             self.decodes[id(states)] = self.decodes.get(id(states), 0) + 1
 
     def chains(self, states, params):
-        p = params.normalized()
-        default = p.top_k <= 0 and p.top_p >= 1 and p.min_p <= 1
-        return self.decodes.get(id(states), 0) >= 2 and (p.temperature <= 0 or default)
+        return self.decodes.get(id(states), 0) >= 2 and unsorted_path(params) is not None
 
     def chain_launch(self, states, p0, token=None, draw=None):
         token = self.chosen[-1] if token is None else token

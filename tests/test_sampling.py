@@ -14,7 +14,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from ds4.core.sampling import GREEDY, Rng, SamplingParams, argmax, sample, top_candidates
+from ds4.core.sampling import GREEDY, Rng, SamplingParams, argmax, sample, top_candidates, unsorted_path
 
 NEG_INF = -np.inf
 
@@ -474,3 +474,16 @@ def test_large_vocabulary_matches_spec_loops(temperature, min_p):
     ):
         for u in (0.0, 0.3, 0.77, 1.0 - 2**-24):
             assert sample(logits, params, ScriptedU(u)) == spec_sample(logits, params, u)
+
+
+def test_unsorted_path_names_the_paths_without_a_sort():
+    """Greedy and the default min-p path (min_p <= 1) give (T, min_p) as float32 values, as
+    ds4 holds them (spec §6); top_k, top_p < 1, min_p > 1 and a NaN temperature give None."""
+    assert unsorted_path(SamplingParams(temperature=0.0)) == (0.0, float(np.float32(0.05)))
+    assert unsorted_path(SamplingParams(temperature=-1.0, top_k=5)) == (-1.0, float(np.float32(0.05)))
+    assert unsorted_path(SamplingParams()) == (1.0, float(np.float32(0.05)))
+    assert unsorted_path(SamplingParams(temperature=0.7, min_p=1.0)) == (float(np.float32(0.7)), 1.0)
+    assert unsorted_path(SamplingParams(top_p=1.5, min_p=-2.0)) == (1.0, 0.0)  # clamped: off
+    for off in (SamplingParams(top_k=40), SamplingParams(top_p=0.9), SamplingParams(min_p=1.5),
+                SamplingParams(temperature=float("nan"))):
+        assert unsorted_path(off) is None, off

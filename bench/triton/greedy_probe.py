@@ -21,6 +21,7 @@ import torch
 
 import ds4
 from ds4.backends.triton import kernels as K
+from ds4.backends.triton.backend import _cdiv, _pow2
 from ds4.core.gguf_write import write_sparse_gguf
 from ds4.core.sampling import Rng, SamplingParams
 from ds4.core.tiny import preset_config
@@ -71,7 +72,7 @@ def main() -> None:
     be._next_token = in_graph
     logits = e2.outputs[-1]
     V = logits.numel()
-    G = 1 << max(0, (-(-V // be.chain_block) - 1).bit_length())
+    G = _pow2(_cdiv(V, be.chain_block))  # (the grid _next_token launches)
     scratch = torch.zeros(2, dtype=torch.int32, device="cuda")  # (token, position) of the argmax after
     ring = torch.zeros(4, dtype=torch.int32, device="cuda")
 

@@ -157,6 +157,20 @@ def sample(logits: np.ndarray, params: SamplingParams, rng: Rng) -> int:
     return _sample_top_p(ids, vals, temperature, top_p, min_p, rng)
 
 
+def unsorted_path(params: SamplingParams) -> tuple[float, float] | None:
+    """(temperature, min_p) as `sample` uses them (float32 values) where it takes a path without
+    a sort: greedy (temperature <= 0), or the default min-p path with min_p <= 1, where the best
+    token always stays and one uniform is drawn. None for the others (top_k, top_p < 1,
+    min_p > 1, a NaN temperature). These are the paths a sampler on a device repeats."""
+    params = params.normalized()
+    temperature, min_p = _f32(params.temperature), _f32(params.min_p)
+    if temperature <= 0.0:
+        return temperature, min_p
+    if math.isnan(temperature) or params.top_k > 0 or _f32(params.top_p) < 1.0 or min_p > 1.0:
+        return None
+    return temperature, min_p
+
+
 # --- the three random paths; `ids` are the finite token ids ascending, `vals` their logits ---
 
 

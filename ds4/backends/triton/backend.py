@@ -41,6 +41,7 @@ from ...core.config import ModelConfig  # noqa: E402
 from ...core.gguf_model import Tensor  # noqa: E402
 from ...core.quants import IQ2XXS_GRID, IQ2XXS_KSIGNS, GGMLType, row_bytes  # noqa: E402
 from ...core.rope import layer_inv_freq  # noqa: E402
+from ...core.sampling import unsorted_path  # noqa: E402
 from ..base import Backend  # noqa: E402
 from . import kernels as K  # noqa: E402
 from . import kernels_mm16 as K16  # noqa: E402
@@ -970,9 +971,7 @@ class TritonBackend(Backend):
         e = self._graphs.get(id(states))
         if e is None or e.states is not states or e.graph is None or e.failed or self._step is not None:
             return False
-        p = params.normalized()
-        t = float(np.float32(p.temperature))
-        return t <= 0.0 or (p.top_k <= 0 and p.top_p >= 1.0 and float(np.float32(p.min_p)) <= 1.0)
+        return unsorted_path(params) is not None  # (the two paths _next_token's kernels take)
 
     def chain_launch(self, states, p0, token=None, draw=None):
         p0 = int(p0)
