@@ -39,7 +39,7 @@ import torch
 
 from ...core.config import ModelConfig  # noqa: E402
 from ...core.gguf_model import Tensor  # noqa: E402
-from ...core.quants import IQ2XXS_GRID, IQ2XXS_KSIGNS, GGMLType, row_bytes  # noqa: E402
+from ...core.quants import IQ2XXS_GRID, IQ2XXS_KSIGNS, GGMLType, dequantize, row_bytes  # noqa: E402
 from ...core.rope import layer_inv_freq  # noqa: E402
 from ...core.sampling import unsorted_path  # noqa: E402
 from ..base import Backend  # noqa: E402
@@ -49,6 +49,12 @@ from .lanes import Lanes  # noqa: E402
 from .layout import device_layout, iq2_views, q2_views  # noqa: E402
 
 MM_MIN = 16  # tokens from which linear layers use the matrix-matrix kernels (tl.dot needs 16)
+
+
+# Small dense tensors the kernels index as float32 values (the compressor's position bias is
+# added per (window slot, lane), not multiplied as a matrix): stored as F16, BF16 or Q8_0 they are
+# turned into float32 at upload, exactly as the reference decodes them.
+_VALUE_ROLES = ("compressor_ape.weight",)
 
 
 def _cdiv(a: int, b: int) -> int:
@@ -517,6 +523,11 @@ class TritonBackend(Backend):
         else:
             host = torch.from_numpy(np.array(tensor.raw, dtype=np.uint8, copy=True).reshape(-1))
             u8 = host.to(self.dev) if self.dev.type != "cpu" else host
+        if tensor.name.endswith(_VALUE_ROLES) and tensor.type != GGMLType.F32:
+            # the kernels read these as plain float32 values, whatever type the file stores
+            values = dequantize(u8.cpu().numpy(), tensor.type).astype(np.float32)
+            u8 = torch.from_numpy(values.view(np.uint8)).to(self.dev)
+            return QWeight.place(tensor.name, GGMLType.F32, tensor.dims, u8)
         return QWeight.place(tensor.name, tensor.type, tensor.dims, u8)
 
     def alloc_state(self, shapes, fill):
@@ -1169,13 +1180,13 @@ class TritonBackend(Backend):
         mode = (2 if indexer else 1) if self.ds4_numerics else 0
         ncand = 8 if csa else m
         if nwin > 0:
-            self._launch(K.comp_pool_kernel, (nwin,), kv_all, sc_all, w.ape.i16, skv, ssc, w.norm.vec,
+            self._launch(K.comp_pool_kernel, (nwin,), kv_all, sc_all, w.ape.f32, skv, ssc, w.norm.vec,
                          self._freq[il], self._pos, rows, n, cfg.rms_eps,
                          M=m, D=d, C=C, NROT=cfg.n_rot, CSA=csa, NCAND=ncand, RB=min(ncand, 8),
                          MODE=mode, QS=float(np.float32(1.0 / np.sqrt(d))), LOGD=max(0, d.bit_length() - 1), num_warps=4,
                          nbytes=4 * nwin * 2 * ncand * d * 2)
         BC = min(_pow2(C), (64 if ncand <= 8 else 16) if not self.interpret else 1024)
-        self._launch(K.comp_update_kernel, (_cdiv(C, BC),), kv_all, sc_all, w.ape.i16, skv, ssc, self._pos, n,
+        self._launch(K.comp_update_kernel, (_cdiv(C, BC),), kv_all, sc_all, w.ape.f32, skv, ssc, self._pos, n,
                      M=m, C=C, CSA=csa, NR=ncand, BC=BC, num_warps=4, nbytes=4 * 4 * ncand * C)
 
     @_op

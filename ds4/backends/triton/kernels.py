@@ -1954,10 +1954,10 @@ def _comp_cand(kv_ptr, sc_ptr, ape_ptr, skv_ptr, ssc_ptr, w, p0, r0, i,
     ld_s = ((~inchunk) & valid)[:, None]
     qm = tl.where(valid, q % M, 0)[:, None]
     sc_e = tl.where(ld_c, tl.load(sc_ptr + crow[:, None] * C + col_e, mask=ld_c, other=0.0)
-                    + _ld_f16(ape_ptr, (qm * C + col_e) * 2, ld_c),
+                    + tl.load(ape_ptr + qm * C + col_e, mask=ld_c, other=0.0),
                     tl.load(ssc_ptr + srow[:, None] * C + col_e, mask=ld_s, other=float("-inf")))
     sc_o = tl.where(ld_c, tl.load(sc_ptr + crow[:, None] * C + col_e + 1, mask=ld_c, other=0.0)
-                    + _ld_f16(ape_ptr, (qm * C + col_e + 1) * 2, ld_c),
+                    + tl.load(ape_ptr + qm * C + col_e + 1, mask=ld_c, other=0.0),
                     tl.load(ssc_ptr + srow[:, None] * C + col_e + 1, mask=ld_s, other=float("-inf")))
     if KV:
         kv_e = tl.where(ld_c, tl.load(kv_ptr + crow[:, None] * C + col_e, mask=ld_c, other=0.0),
@@ -2061,7 +2061,7 @@ def comp_update_kernel(kv_ptr, sc_ptr, ape_ptr, skv_ptr, ssc_ptr, pos_ptr, n,
     colx = col[None, :]
     kv_new = tl.load(kv_ptr + crow[:, None] * C + colx, mask=m_c, other=0.0)
     sc_new = tl.load(sc_ptr + crow[:, None] * C + colx, mask=m_c, other=0.0) + \
-        _ld_f16(ape_ptr, ((q % M)[:, None] * C + colx) * 2, m_c)
+        tl.load(ape_ptr + (q % M)[:, None] * C + colx, mask=m_c, other=0.0)
     kv_old = tl.load(skv_ptr + old_row[:, None] * C + colx, mask=m_o, other=0.0)
     sc_old = tl.load(ssc_ptr + old_row[:, None] * C + colx, mask=m_o, other=0.0)
     kv = tl.where(inchunk[:, None], kv_new, kv_old)
