@@ -617,7 +617,9 @@ class GateChannel:
             raise
 
     def all_reduce(self, layer: int, gate: Gate, seq: int, partial: np.ndarray) -> np.ndarray:
-        """Exchange, then partial_rank0 + partial_rank1 (both ranks get the same bits)."""
+        """Exchange, then partial_rank0 + partial_rank1 (both ranks get the same bits). Two f32
+        addends commute, so the rank order only shows from three ranks on; the same reduce
+        serves both."""
         peer = self.exchange(layer, gate, seq, partial)
         mine = np.asarray(partial, dtype=F32).reshape(peer.shape)
         pair = [mine, peer] if self.rank < self.peer_rank else [peer, mine]
