@@ -91,8 +91,34 @@ def test_frame_layout_and_round_trip(frame, limits, wire):
     assert same_frame(ds4t.read_frame(rec, limits), frame) and rec.pos == len(wire)
 
 
-def test_every_type_has_a_layout():
+def test_every_type_has_a_layout_and_a_sender():
     assert {type(f) for f, _, _ in FRAMES} == set(ds4t.FRAME_TYPES.values())
+    assert set().union(*ds4t.SENT_BY.values()) == set(ds4t.FrameType)
+
+
+def test_hello_for_a_gguf(tmp_path):
+    # The fields come from gguf-py's reader and the fingerprint from hashlib over the file's
+    # metadata section and tensor directory plus its size (wire.md), not from ds4's own code.
+    import hashlib
+
+    from gguf import GGUFReader
+
+    from ds4.core.gguf_model import GGUFModel
+    from ds4.core.tiny import make_tiny
+
+    path = make_tiny(tmp_path / "test.gguf", preset="test", seed=1)
+    hello = ds4t.Hello.for_gguf(GGUFModel(path), ds4t.Role.WORKER, ctx=256)
+    reader = GGUFReader(path)
+    meta = {k: f.contents() for k, f in reader.fields.items() if not k.startswith("tokenizer.")}
+    arch = meta["general.architecture"]
+    digest = hashlib.sha256(path.read_bytes()[:reader.data_offset]
+                            + path.stat().st_size.to_bytes(8, "little")).digest()
+    assert hello.fingerprint == int.from_bytes(digest[:8], "little")
+    assert (hello.n_layer, hello.n_embd, hello.n_expert, hello.n_head) == (
+        meta[f"{arch}.block_count"], meta[f"{arch}.embedding_length"],
+        meta[f"{arch}.expert_count"], meta[f"{arch}.attention.head_count"])
+    assert hello.n_vocab == meta[f"{arch}.vocab_size"]
+    assert (hello.role, hello.rank, hello.ctx, hello.gates_per_token) == (1, 1, 256, 2 * hello.n_layer)
 
 
 def test_gate_header_layout():
@@ -466,13 +492,17 @@ def test_exchange_refuses_shapes_past_the_limits(pair):
 
 
 def test_control_channel_round_trip_and_stall(pair):
-    lead = ds4t.ControlChannel(pair[0], LIMITS, io_timeout=0.2)
-    work = ds4t.ControlChannel(pair[1], LIMITS, io_timeout=0.2)
+    lead = ds4t.ControlChannel(pair[0], LIMITS, ds4t.Role.WORKER, io_timeout=0.2)
+    work = ds4t.ControlChannel(pair[1], LIMITS, ds4t.Role.LEADER, io_timeout=0.2)
     lead.send(ds4t.Sync(1, np.arange(5)))
     got = work.recv(idle_timeout=1)
     assert isinstance(got, ds4t.Sync) and got.tokens.tolist() == [0, 1, 2, 3, 4]
     work.send(ds4t.CommandAck(1, ds4t.AckStatus.OK))
     assert lead.recv(idle_timeout=1) == ds4t.CommandAck(1, ds4t.AckStatus.OK)
+    work.send(ds4t.Sync(1, np.arange(5)))  # a SYNC from the worker: refused on its header
+    with pytest.raises(ds4t.DS4TError, match="not a frame a worker sends") as e:
+        lead.recv(idle_timeout=1)
+    assert e.value.field == "type"
     pair[0].sendall(FRAMES[0][2][:16])  # the header and 4 payload bytes, then a stall
     t0 = time.monotonic()
     with pytest.raises(ds4t.DS4TClosed) as e:

@@ -147,6 +147,15 @@ class FrameType(IntEnum):
     COMMAND_ACK = 17
 
 
+# Who may send what on the control connection: a frame from the wrong end is a protocol error.
+SENT_BY = {
+    Role.LEADER: frozenset({FrameType.SYNC, FrameType.EVAL, FrameType.REWIND, FrameType.INVALIDATE,
+                            FrameType.STOP, FrameType.HASH, FrameType.SESSION_CREATE,
+                            FrameType.SESSION_DESTROY}),
+    Role.WORKER: frozenset({FrameType.HASH, FrameType.LOGITS, FrameType.COMMAND_ACK}),
+}
+
+
 class AckStatus(IntEnum):
     OK = 0
     UNAVAILABLE = 1
@@ -195,6 +204,14 @@ class Hello:
     n_rank: int
     rank: int
     version: int = VERSION
+
+    @classmethod
+    def for_gguf(cls, model, role: Role, ctx: int, *, auth: bool = False) -> "Hello":
+        """The hello for a loaded `ds4.core.gguf_model.GGUFModel` (its config and fingerprint)."""
+        c = model.config
+        return cls.for_model(role, fingerprint=model.fingerprint64, n_layer=c.n_layer,
+                             n_embd=c.n_embd, n_vocab=c.n_vocab, n_expert=c.n_expert,
+                             n_head=c.n_head, ctx=ctx, auth=auth)
 
     @classmethod
     def for_model(cls, role: Role, *, fingerprint: int, n_layer: int, n_embd: int, n_vocab: int,
@@ -485,8 +502,9 @@ def pack_frame(frame: Frame) -> bytes:
     return FRAME_HEADER.pack(FRAME_MAGIC, frame.TYPE, len(body)) + body
 
 
-def check_frame_header(buf: bytes, limits: Limits) -> tuple[FrameType, int]:
-    """Validate a 12-byte frame header; -> (type, payload bytes), bounded by `limits`."""
+def check_frame_header(buf: bytes, limits: Limits, sender: Role | None = None) -> tuple[FrameType, int]:
+    """Validate a 12-byte frame header; -> (type, payload bytes), bounded by `limits`.
+    `sender`: the peer's role, whose frames (SENT_BY) are the only ones accepted."""
     if len(buf) != FRAME_HEADER.size:
         raise DS4TError("header", f"expected {FRAME_HEADER.size} bytes, got {len(buf)}")
     magic, ftype, nbytes = FRAME_HEADER.unpack(buf)
@@ -496,6 +514,8 @@ def check_frame_header(buf: bytes, limits: Limits) -> tuple[FrameType, int]:
     if ftype not in FRAME_TYPES:
         raise DS4TError("type", f"expected one of {sorted(int(t) for t in FRAME_TYPES)}, got {ftype}")
     ftype = FrameType(ftype)
+    if sender is not None and ftype not in SENT_BY[sender]:
+        raise DS4TError("type", f"{ftype.name} is not a frame a {sender.name.lower()} sends")
     fixed, top = FRAME_TYPES[ftype].FIXED.size, limits.max_frame_bytes(ftype)
     if ftype in _VARIABLE:
         if not fixed <= nbytes <= top or (nbytes - fixed) % 4:
@@ -509,11 +529,12 @@ def check_frame_header(buf: bytes, limits: Limits) -> tuple[FrameType, int]:
 RecvExact = Callable[[int], bytes | bytearray | memoryview]
 
 
-def read_frame(recv_exact: RecvExact, limits: Limits, header: bytes | None = None) -> Frame:
+def read_frame(recv_exact: RecvExact, limits: Limits, header: bytes | None = None,
+               sender: Role | None = None) -> Frame:
     """Read one frame: the header (unless given), its checks, then exactly the payload bytes
     the checks allowed; the payload is validated before the frame is returned."""
     ftype, nbytes = check_frame_header(bytes(recv_exact(FRAME_HEADER.size) if header is None
-                                             else header), limits)
+                                             else header), limits, sender)
     body = memoryview(bytes(recv_exact(nbytes)) if nbytes else b"")
     return FRAME_TYPES[ftype].decode(body, limits)
 
@@ -699,8 +720,9 @@ def recv_exact(sock: socket.socket, n: int, timeout: float | None, what: str) ->
 class ControlChannel:
     """The control connection: mirrored commands leader -> worker, acks and LOGITS back."""
 
-    def __init__(self, sock: socket.socket, limits: Limits, io_timeout: float):
+    def __init__(self, sock: socket.socket, limits: Limits, peer_role: Role, io_timeout: float):
         self.sock, self.limits, self.io_timeout = sock, limits, io_timeout
+        self.peer_role = Role(peer_role)
         sock.settimeout(io_timeout)  # sends
 
     def send(self, frame: Frame) -> None:
@@ -714,7 +736,7 @@ class ControlChannel:
         leader sends or closes); the rest of the frame must follow within the io timeout."""
         head = recv_exact(self.sock, FRAME_HEADER.size, idle_timeout, "control frame header")
         return read_frame(lambda n: recv_exact(self.sock, n, self.io_timeout, "control frame"),
-                          self.limits, header=bytes(head))
+                          self.limits, header=bytes(head), sender=self.peer_role)
 
 
 def handshake(sock: socket.socket, mine: Hello, *, timeout: float,
