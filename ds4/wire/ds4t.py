@@ -43,6 +43,12 @@ the payload is read. Types keep ds4_tp.h's numbers:
    14  SESSION_DESTROY  u64 session
    17  COMMAND_ACK      u64 session, i32 status                     (AckStatus: 0, 1, -1)
 
+The leader sends 1–6, 13 and 14; the worker sends 6 (its hash for the same seq), 10 and 17
+(`SENT_BY`); a frame from the wrong end is refused on its header. EVAL's seq is the gate seq
+of the first record that token exchanges, so a worker that drifted is caught at the command,
+not a layer later. A worker may idle any time for the next header; once a header is in, the
+rest of the frame must follow within the io timeout.
+
 Gate record on the data connection (24-byte header + payload):
 
     0  u32 magic 0x44533447 ("DS4G")    16  u32 rows
