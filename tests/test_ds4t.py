@@ -510,6 +510,20 @@ def test_control_channel_round_trip_and_stall(pair):
     assert e.value.field == "timeout" and time.monotonic() - t0 < 0.2 + SLACK
 
 
+def test_an_idle_worker_waits_past_the_io_timeout(pair):
+    work = ds4t.ControlChannel(pair[1], LIMITS, ds4t.Role.LEADER, io_timeout=0.05)
+    timer = threading.Timer(0.3, lambda: pair[0].sendall(FRAMES[4][2]))  # STOP, after 6 io timeouts
+    timer.start()
+    try:
+        assert work.recv(idle_timeout=None) == ds4t.Stop()
+    finally:
+        timer.join()
+    pair[0].close()
+    with pytest.raises(ds4t.DS4TClosed) as e:
+        work.recv(idle_timeout=None)
+    assert e.value.field == "eof"
+
+
 def _fake_auth(log: list, ok: bool = True):
     """Stands in for the shared mutual-auth handshake: records that it ran, swaps one byte."""
     def authenticate(sock):

@@ -707,12 +707,16 @@ def recv_exact(sock: socket.socket, n: int, timeout: float | None, what: str) ->
     poller = select.poll()
     poller.register(sock, select.POLLIN)
     while got < n:
-        if deadline is not None:
+        # wait in poll, never in recv: the socket's own timeout is for sends only
+        if deadline is None:
+            wait = -1
+        else:
             left = deadline - time.monotonic()
             if left <= 0:
                 raise DS4TClosed("timeout", f"{what}: {got} of {n} bytes within {timeout:g} s")
-            if not poller.poll(max(1, int(left * 1000))):
-                continue
+            wait = max(1, int(left * 1000))
+        if not poller.poll(wait):
+            continue
         try:
             k = sock.recv_into(view[got:])
         except OSError as e:
@@ -734,6 +738,9 @@ class ControlChannel:
     def send(self, frame: Frame) -> None:
         try:
             self.sock.sendall(pack_frame(frame))
+        except TimeoutError:
+            raise DS4TClosed("timeout", f"sending {frame.TYPE.name}: the peer did not read it "
+                             f"within {self.io_timeout:g} s") from None
         except OSError as e:
             raise DS4TClosed("eof", f"sending {frame.TYPE.name}: {e}") from None
 
