@@ -450,6 +450,31 @@ def test_any_mismatch_is_a_desync_never_a_sum(layer, gate, seq, rows, layer2, ga
         b.close()
 
 
+@FEW
+@given(st.binary(min_size=1, max_size=8), st.integers(0, 24 + 4 * 64 - 1), st.booleans())
+def test_hostile_gate_bytes_are_refused_with_ds4t_errors(noise, at, close):
+    a, b = socket.socketpair()
+    try:
+        me = ds4t.GateChannel(a, LIMITS, 0, 1, gate_timeout_ms=100)
+        record = bytearray(ds4t.GateHeader(1, ds4t.Gate.ATTN, 5, 1, 1).pack() + _rows(3).tobytes())
+        record[at: at + len(noise)] = noise  # overwrite (or, at the end, truncate / extend)
+        b.sendall(bytes(record))
+        if close:
+            b.close()
+        try:
+            got = me.exchange(1, ds4t.Gate.ATTN, 5, _rows(4))
+        except ds4t.DS4TError as e:
+            if at < 24:
+                assert e.field in ("magic", "gate", "reserved", "layer", "seq", "rows", "rank",
+                                   "eof", "timeout")
+            return
+        assert bytes(record[:24]) == ds4t.GateHeader(1, ds4t.Gate.ATTN, 5, 1, 1).pack()
+        assert got.tobytes() == bytes(record[24:24 + 4 * 64])
+    finally:
+        a.close()
+        b.close()
+
+
 def test_a_stalled_peer_times_out(pair):
     me = ds4t.GateChannel(pair[0], LIMITS, 0, 1, gate_timeout_ms=200)
     pair[1].sendall(GATE_BYTES[:1])  # one byte, then nothing
@@ -481,7 +506,8 @@ def test_a_closed_peer_is_an_error(pair):
 
 def test_exchange_refuses_shapes_past_the_limits(pair):
     me = ds4t.GateChannel(pair[0], LIMITS, 0, 1)
-    for bad in (np.zeros((17, 64), np.float32), np.zeros((1, 63), np.float32)):
+    for bad in (np.zeros((17, 64), np.float32), np.zeros((1, 63), np.float32),
+                np.zeros((1, 64), np.float64)):
         with pytest.raises(ValueError, match="partial"):
             me.exchange(0, ds4t.Gate.ATTN, 1, bad)
     with pytest.raises(ValueError, match="layer"):

@@ -626,7 +626,9 @@ class GateChannel:
         """Send this rank's partial [rows, n_embd] f32 and return the peer's."""
         if self.failed is not None:
             raise DS4TError("failed", f"the gate channel already failed ({self.failed})")
-        mine = np.ascontiguousarray(partial, dtype=F32)
+        if partial.dtype != F32:  # partials are f32 on the wire; a silent cast would hide a bug
+            raise ValueError(f"partial: expected float32, got {partial.dtype}")
+        mine = np.ascontiguousarray(partial)
         if mine.ndim == 1:
             mine = mine.reshape(1, -1)
         rows = mine.shape[0]
