@@ -389,9 +389,8 @@ def main() -> None:
         json.dump(res, open(os.path.join(a.out, "results.json"), "w"), indent=1)
 
     # Everything timed, then what runs under the profiler: once torch.profiler has run, every later
-    # graph launch in the process pays for its instrumentation on the host (1.0-1.4 ms a step of
-    # ~1300 kernels: steps timed after a trace took a median 8.9-10.6 ms for 7.9-9.2 ms of replay,
-    # against 8.41 for 8.10 timed before it, bench/triton/results_h200/prefetch/run1_all_three/)
+    # graph launch in the process pays for its instrumentation on the host, so a step timed after a
+    # trace would count the profiler's host time as the engine's
     for r in res["decode"] if a.trace else ():
         ctx = r["ctx"]
         trace = os.path.join(a.out, f"decode_timeline_{ctx}.csv")

@@ -204,7 +204,7 @@ def pick(rows, path):
 
 
 # (decoder, K-step, rows per program, warps, K split(, rows per thread)); the Q8C points are those
-# that won some shape in the probe (q8_rows_probe.py), and K splits of them for the few-row shapes
+# that won some shape in an earlier per-shape probe, and K splits of them for the few-row shapes
 Q8_VARIANTS = ([(308, 256, 8, 4, 1, 1), (308, 256, 16, 4, 1, 2), (308, 256, 16, 4, 1, 4), (308, 512, 4, 2, 1, 4),
                 (308, 512, 8, 4, 1, 4), (308, 1024, 4, 4, 1, 4), (308, 1024, 2, 4, 1, 2), (308, 2048, 2, 4, 1, 2),
                 (308, 4096, 2, 8, 1, 2)]
@@ -288,8 +288,7 @@ def decode_moe(be, rows, kind, types, caps, bns, warps, NE=256):
 
 
 # the routed experts on x and h in XQ form (418 gate/up, 111 down) against the float decoders
-# (results_h200/xq/xq_sweep_418_111.log; a gate/up with gate and up in one unrolled K loop and a
-# down with its K loop unrolled, run2_419_112/, were slower or no faster and are not kept)
+# (bench/triton/README.md, "What was tried", has the variants that were not kept)
 XQ_GATEUP_VARIANTS = [(418, c, b, w, sp) for c, b, w, sp in (
     (1024, 32, 4, 1), (1024, 16, 4, 1), (1024, 16, 2, 1), (512, 32, 4, 1), (512, 16, 4, 1), (2048, 16, 4, 1),
     (2048, 32, 8, 1), (1024, 32, 4, 2), (1024, 16, 4, 2), (512, 16, 2, 2), (1024, 64, 8, 1))] + [(417, 1024, 32, 4, 1)]

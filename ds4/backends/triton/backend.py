@@ -422,10 +422,9 @@ class TritonBackend(Backend):
         # one-query top-k (decode) from the key counts and buckets the scores kernel makes
         # (idx_score_kernel HIST, topk_one_kernel) instead of 32 bisection passes in one program;
         # the keys a bucket keeps, rows and warps per top-k program. Alone on the H200 (scores +
-        # top-k, bench/triton/results_h200/topk/main/topk_probe.log): 15.6 against 37.7 µs at 8192
+        # top-k, bench/triton/README.md): 15.6 against 37.7 µs at 8192
         # indexer rows, 12.0 against 12.6 at 1024; 8 warps 8.5 against 9.6 µs of top-k for 4 at
-        # 8192. A decode step at 32768: 6.57 against 7.47 GPU ms (results_h200/topk/main/bench.log,
-        # bisect)
+        # 8192. A decode step at 32768: 6.57 against 7.47 GPU ms (bench/triton/README.md)
         self.topk_hist = True
         self.topk_bucket = 256 if not self.interpret else 32
         self.topk_rows = 1024 if not self.interpret else 64
@@ -450,7 +449,7 @@ class TritonBackend(Backend):
         # finalize program, and whether a one-token finalize computes post and comb (the Sinkhorn
         # iterations) in a launch of its own, beside the sublayer in a decode step, instead of
         # before it (hc_finalize_kernel PART). 7.11 against 7.50 GPU ms a step at 4096 with 64
-        # parts, 1024 values and one launch (bench/triton/results_h200/mhc_side/run2_variants)
+        # parts, 1024 values and one launch (bench/triton/README.md)
         self.hc_mix_split = 128
         self.hc_fin_be = 256
         self.hc_comb_beside = True
@@ -458,34 +457,34 @@ class TritonBackend(Backend):
         # scores ("score") or its query RoPE ("rope"), or for neither ("none"): it fills every
         # SM, and the indexer's small kernels behind it (RoPE, scores, top-k) are the layer's
         # critical chain. With the one-program top-k "score" won (7.80 against 8.05 for "none"
-        # and 8.02 for "rope" GPU ms at 32768; mhc_side/run3_variants); with topk_one_kernel
+        # and 8.02 for "rope" GPU ms at 32768; bench/triton/README.md); with topk_one_kernel
         # "rope": 6.43 against 6.57 ("score") and 6.51 ("none") GPU ms at 4096, 6.54 against 6.67
-        # and 6.62 at 32768 (results_h200/topk/run2_topk_one_variants)
+        # and 6.62 at 32768 (bench/triton/README.md)
         self.query_waits_index = "rope"
         # decode steps: the products on XQ8 x (decoder 309: wq_b, wo_a, wo_b, the head) launch
         # while the kernel ahead of them on their stream still runs (programmatic dependent
         # launch: that kernel, named in pdl_dep, lets them from its start), load their first
         # K-step's weights, then wait for it before they read x (kernels._q8c_xq_rows PDL).
         # Same call on the H200: 6.37 against 6.43 GPU ms a step at 4096, 6.48 against 6.56 at
-        # 32768, same logits bit for bit (bench/triton/results_h200/pdl/)
+        # 32768, same logits bit for bit (bench/triton/README.md)
         self.pdl_xq = True
         self.pdl_dep = ("rms", "combine", "xq")
         # decode products fuse a pending RMSNorm of x (every program normalises the x values it
         # loads) unless their programs together would read x this many times over or more; then x
         # is normalised once first. The query's 32768-row product (4096 programs over 1024
         # values) took 14.7 µs on normalised x and 20-25 µs with the norm fused, the 1024-row
-        # one 4.9 against 6.1 (bench/triton/results_h200/decode_chain/run2_norm_probe_partials/
-        # norm_probe.json); a decode step 8.60 against 9.05 GPU ms with every norm fused.
+        # one 4.9 against 6.1 (bench/triton/README.md);
+        # a decode step 8.60 against 9.05 GPU ms with every norm fused.
         self.norm_fuse_max = 1 << 22
         # decode attention merge: value pairs of a head per program (a power of two, at least 16
         # where the merge also stores XQ8 blocks; the interpreter's small heads still take several
         # programs per head). 32 since the merge stores XQ8: 6.79 against 6.85 GPU ms a step at
-        # 4096 for 64, same run (bench/triton/results_h200/q8c_xq8/run5_pairs64/)
+        # 4096 for 64, same run (bench/triton/README.md)
         self.combine_pairs = 32 if not self.interpret else 16
         # decode RoPE: heads per program. 16 left 4 programs for a token's 64 heads; the query's
         # RoPE then took 7 µs and the indexer's (with its Hadamard + FP4 simulation) 14 µs on
-        # the critical path of a layer (results_h200/decode_chain/run4_gateup_417/
-        # decode_timeline_4096.csv); a decode step 8.60 against 8.86 GPU ms with 16
+        # the critical path of a layer (bench/triton/README.md);
+        # a decode step 8.60 against 8.86 GPU ms with 16
         self.rope_rows_decode = 2 if not self.interpret else 64
         # decode attention: KV rows per program (the splits attn_combine_kernel merges)
         self.attn_split_rows = 32
@@ -497,11 +496,11 @@ class TritonBackend(Backend):
         # integer products (418); Q2_K with the 64 values of a 16-byte run unrolled (110), on h in
         # XQ form (111; 418 + 111: 7.92 against 8.73 GPU ms a step for 417 + 110, same run), and in
         # 128-value halves of Q2S blocks, two rows per thread, the slots added per tile element
-        # (113: 6.52 against 6.78 GPU ms a step at 4096 for 111, same run; bench/triton/results_h200);
+        # (113: 6.52 against 6.78 GPU ms a step at 4096 for 111, same run; bench/triton/README.md);
         # anything else (GGUF-layout Q8_0 included) the generic block decoder
         self.mv_types = {K.Q8C: 308, int(K.IQ2_XXS): 418, int(K.Q2_K): 113}
         # 418 issues each K-step's group loads one step ahead (kernels._iq2_group_rows: PF; 7.46
-        # against 7.80 GPU ms a step, same run: bench/triton/results_h200/prefetch/). The same in
+        # against 7.80 GPU ms a step, same run: bench/triton/README.md). The same in
         # the Q8C (308) and Q2_K (111) decoders made the step slower (8.06 ms with all three) and is
         # not kept.
         self.mv_prefetch = True
@@ -989,7 +988,7 @@ class TritonBackend(Backend):
         token where the step's next replay reads it and into the host's ring, and advance the
         device's position. Replays then chain on the device (Session.sample) and the host's work
         between steps (the launch, Python) overlaps the GPU's instead of adding to it. On the
-        H200 the two add no measurable time to a step, a draw 0.01 ms (greedy_probe.py)."""
+        H200 the two add no measurable time to a step, a draw 0.01 ms (bench/triton/README.md)."""
         # after every launch of the step: kernels still running on side streams (the last layer's
         # compressors) read the position this kernel advances
         self._end_lanes()

@@ -114,7 +114,7 @@ def _ld4(p, INT: tl.constexpr = False, NC: tl.constexpr = True):
     element instead of four 4-byte ones. In the routed decoders a warp's lanes walk different
     groups of x, so every load of x touches a sector per lane; this issues a quarter of those
     requests for the same sectors (Q2_K down 1232 → 1020 µs a decode step, IQ2_XXS gate/up
-    2306 → 2228: bench/triton/results_h200/decode_chain/run1_x16_loads_norm_in_loop/). INT: 4 int32
+    2306 → 2228: bench/triton/README.md). INT: 4 int32
     words (x in XQ form). NC: through the non-coherent (read-only) path, which assumes the words
     do not change while the kernel runs. Not so in a kernel launched before the one that writes
     them ends (programmatic dependent launch): ptxas moved such a load above the kernel's wait
@@ -423,7 +423,7 @@ def _wint(wb, wh, row_off, rmask, u, TYPE: tl.constexpr):
     exact float32 integers [BN, 32] in K order and its scale [BN] (W = scale · q). Q8C's 32
     bytes load contiguously and are put in K order in registers ([word, byte] -> [byte, word]);
     gathered in K order from memory instead, they made a 2048-token prefill 1.5× slower
-    (bench/triton/results_h200/q8c_gathered/)."""
+    (bench/triton/README.md)."""
     p = tl.arange(0, 32)[None, :]
     if TYPE == 80:
         so, qo = _q8c_block(row_off, u)
@@ -782,7 +782,7 @@ def _iq2_group_step(xu, wh, wf, gridp, rb, m, u, tab, SMEM: tl.constexpr = False
     looked up; one byte permute per 4 values gives the biased bytes 128 ± level (_iq2_lut) and
     _b2f the floats. (Looking up 8-byte levels and 8-byte sign masks instead, two gathers per entry
     and row, kept the L1 busy: 52.8 against 42.5 µs for the Flash routed gate/up,
-    bench/triton/results_h200/tune_paths/iq2_rows_probe_g.json.) SMEM (TYPE 417): the 16 lookups
+    bench/triton/README.md.) SMEM (TYPE 417): the 16 lookups
     of the step come from the table in shared memory (tab, _lut16), not through the L1."""
     gs = _iq2_group_words(wh, wf, rb, m, u)
     if SMEM:
@@ -816,7 +816,7 @@ def _iq2_group_rows(xb, wh, wf, gridp, row_off, rmask, K, sk, BN: tl.constexpr, 
     32 values). PF (with XQ): each step first issues the next step's group loads, then works on the
     ones the previous step issued (software pipelining by hand: a thread has two steps' weights in
     flight; alone 24.8 against 26.9 µs for the Flash routed gate/up, and 7.46 against 7.80 GPU ms
-    a decode step, bench/triton/results_h200/prefetch/)."""
+    a decode step, bench/triton/README.md)."""
     tab = 0
     if SMEM or XQ:  # the level table, loaded once (_lut16 stores it to shared memory per K-step)
         tab = tl.load(gridp + 768 + tl.arange(0, 256))
@@ -989,7 +989,7 @@ def _q2s_slots(ids_ptr, t, hw_ptr, hs_ptr, hsum_ptr, wb, wh, wf, rows, rmask, F,
     for d, dmin. The tile is [BN / R, NH], a warp's lanes along the halves of a row; the slots
     add into it, and it is reduced over the halves once at the end (a reduction per slot, with
     its layout conversions through shared memory: 12.1 against 10.5 µs for the routed down;
-    lanes along rows instead, sharing each load of h: 14.9 at best; bench/triton/q2s_down_probe.py).
+    lanes along rows instead, sharing each load of h: 14.9 at best; bench/triton/README.md).
     Each slot's weights are loaded before the slot before it computes, and the code has no loops
     (IS is a constexpr): a loop counted at run time took 17.3 against 14.6 µs. Rows past the
     tensor read the expert's first row."""

@@ -262,7 +262,7 @@ def _q8_chunk(xh_ptr, xl_ptr, xrow, am, c0, wh, ro, rmask, BM: tl.constexpr):
     [BN, BM] (W rows on the accumulator's rows, so d is one value per row of a thread). Each
     block's exact product runs on fp16 tensor cores (K = 32) before its scale; x's columns are
     taken in the quants' byte order (gathered: 2.1× slower prefill than the default bf16x3 path,
-    bench/triton/results_h200/prefill_q8_16_q8c/, which permutes the quants in registers). xrow [BM, 1] are the element offsets of the x rows, ro [BN]
+    bench/triton/README.md, which permutes the quants in registers). xrow [BM, 1] are the element offsets of the x rows, ro [BN]
     the byte offsets of the W rows."""
     BN: tl.constexpr = ro.shape[0]
     kk = _q8c_value(tl.arange(0, 32))[None, :]
