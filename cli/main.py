@@ -24,7 +24,7 @@ from rich.text import Text
 from ds4.core.chat import DEFAULT_SYSTEM
 from ds4.core.tiny import EXPERT_MIXES, PRESETS
 
-from . import bench, kv, pipe
+from . import bench, chat, kv, pipe, serve
 from .pipe import AuthTokenOption, LayersOption, SplitNextOption, open_split_engine
 from .common import (CLIError, rate, stream_reply, err, human_bytes, library_errors, open_engine, out, print_error,
                      print_field, progress_callback, resolve_model)
@@ -298,6 +298,8 @@ def _generate(eng, prompt, n, params, rng, seed, nothink, system, ctx) -> None:
 kv.register(app)
 pipe.register(app)
 bench.register(app)
+serve.register(app)
+chat.register(app)
 
 
 def main() -> None:
