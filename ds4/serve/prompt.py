@@ -16,7 +16,7 @@ An assistant turn keeps its reasoning when thinking and (tools are offered or it
 last user turn, i.e. it is part of the current agent loop); earlier turns are closed with
 </think> alone. The text of request messages is always text: a special-token string typed by a
 client is BPE'd, never pushed as a token; only the server's own markup (the DSML of past tool
-calls) pushes `｜DSML｜` by id.
+calls, the tool schema prompt and the system text) pushes `｜DSML｜` by id.
 """
 
 from __future__ import annotations
@@ -67,7 +67,8 @@ def conversation_parts(conv: Conversation, *, think: bool, think_max: bool = Fal
         parts.append((False, THINK_MAX_PREFIX))
     system = ([render_tool_prompt(conv.tools, conv.tool_choice)] if conv.tools else []) + conv.system
     if system:
-        parts.append((False, "\n\n".join(system)))
+        # (the schema prompt shows the markup with `｜DSML｜` as the token the model writes)
+        parts += _dsml_parts("\n\n".join(system))
     last_user = max((i for i, t in enumerate(conv.turns) if t.role == "user"), default=-1)
     for i, turn in enumerate(conv.turns):
         if turn.role == "user":
