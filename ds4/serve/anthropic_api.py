@@ -231,7 +231,7 @@ def register(app: FastAPI, state: ServerState) -> None:
                     yield _event("content_block_delta", {"type": "content_block_delta", "index": index,
                                                          "delta": delta})
 
-            async for ev in events(job, request):
+            async for ev in events(job, request, stream=True):
                 if isinstance(ev, Token):
                     for e in deltas(ev.pieces):
                         yield e

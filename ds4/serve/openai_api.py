@@ -283,7 +283,7 @@ def register(app: FastAPI, state: ServerState) -> None:
 
         async def stream():
             yield chunk({"role": "assistant", "content": ""})
-            async for ev in events(job, request):
+            async for ev in events(job, request, stream=True):
                 if isinstance(ev, Token):
                     for c in pieces(ev.pieces, ev.logprob if want_lp is not None else None, ev.channel):
                         yield c
@@ -362,7 +362,7 @@ def register(app: FastAPI, state: ServerState) -> None:
                                       "finish_reason": finish}]})
 
         async def stream():
-            async for ev in events(job, request):
+            async for ev in events(job, request, stream=True):
                 if isinstance(ev, Token):
                     text = "".join(t for _, t in ev.pieces)
                     if text or ev.logprob:

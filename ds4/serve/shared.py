@@ -105,12 +105,14 @@ async def first_event(job: Job, request):
     return ev
 
 
-async def events(job: Job, request) -> AsyncIterator:
+async def events(job: Job, request, stream: bool = False) -> AsyncIterator:
     """The job's events after `Started`, up to `Finished` or `Failed`; cancels the job if the
-    client goes away or the consumer stops early."""
+    client goes away or the consumer stops early. A stream (`stream`) does not poll for the
+    client: the server closes this iterator when a send to a client that went away fails,
+    which happens at the next token."""
     try:
         while True:
-            ev = await next_event(job, request)
+            ev = await (job.events.get() if stream else next_event(job, request))
             if ev is None:
                 return
             yield ev

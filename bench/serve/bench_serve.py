@@ -1,0 +1,169 @@
+"""What the HTTP head costs: `ds4 serve` against `ds4 generate` on the same backend and prompt.
+
+    PYTHONPATH=. python bench/serve/bench_serve.py                       # embedded default model
+    PYTHONPATH=. python bench/serve/bench_serve.py -m flash.gguf --backend triton --tokens 256
+
+Both run in their own process, greedy (temperature 0), think mode on (the CLI's default), with
+the CLI's default system text, one after the other on the same machine:
+
+* generate — `ds4 generate -t 0 -n N`: its stats line gives the prefill and decode tokens/s the
+             CLI measures; time to first token = prefill time + one decode step.
+* serve    — `ds4 serve` with one warm-up request, then `--runs` streamed requests through the
+             OpenAI API (httpx, server-sent events): time to first token is from sending the
+             request to the first text chunk; decode tokens/s counts the chunks after the first
+             over the time from the first chunk to the last (what a client sees, the head's
+             JSON, SSE and event-loop work included). Each run's user text starts with the run's
+             number, so no run reuses the previous one's prefill.
+
+The head's cost is 1 - serve decode / generate decode. Results go to
+bench/serve/results-<device>.csv and .json (the device named in both).
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import json
+import os
+import platform
+import re
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+
+ROOT = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(ROOT / "tests"))
+from serve_helpers import Proc  # noqa: E402
+
+from ds4.core.chat import DEFAULT_SYSTEM  # noqa: E402
+
+STATS = re.compile(r"prompt: (\d+) tokens, ([\d.]+) tokens/s · generated: (\d+) tokens, ([\d.]+) tokens/s")
+PROMPT = ("Explain, step by step, how a compressed sparse attention layer decides which earlier "
+          "tokens a new token may attend to, and why that keeps long contexts cheap.")
+
+
+def device_name(backend: str) -> str:
+    if backend in ("triton", "auto"):
+        try:
+            import torch
+
+            if torch.cuda.is_available():
+                return torch.cuda.get_device_name(0)
+        except ImportError:
+            pass
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return f"CPU {line.split(':', 1)[1].strip()} x{os.cpu_count()}"
+    except OSError:
+        pass
+    return f"CPU {platform.machine()} x{os.cpu_count()}"
+
+
+def run_generate(args, env) -> dict:
+    argv = [sys.executable, "-m", "cli.main", "generate", "-p", f"0 {PROMPT}", "-n", str(args.tokens),
+            "-t", "0", "--backend", args.backend, "--ctx", str(args.ctx)]
+    if args.model:
+        argv += ["-m", args.model]
+    r = subprocess.run(argv, cwd=ROOT, env=env, capture_output=True, text=True, timeout=3600)
+    m = STATS.search(r.stderr)
+    if r.returncode != 0 or not m:
+        raise SystemExit(f"ds4 generate failed: {r.stderr}")
+    n_prompt, prefill, n_gen, decode = int(m[1]), float(m[2]), int(m[3]), float(m[4])
+    return {"prompt_tokens": n_prompt, "generated": n_gen, "prefill_tps": prefill, "decode_tps": decode,
+            "ttft_s": n_prompt / prefill + 1 / decode}
+
+
+def stream_once(url: str, i: int, tokens: int) -> dict:
+    body = {"model": "ds4", "max_tokens": tokens, "temperature": 0, "stream": True,
+            "stream_options": {"include_usage": True},
+            "messages": [{"role": "system", "content": DEFAULT_SYSTEM},
+                         {"role": "user", "content": f"{i} {PROMPT}"}]}
+    stamps, usage = [], None
+    t0 = time.perf_counter()
+    with httpx.stream("POST", f"{url}/v1/chat/completions", json=body, timeout=3600) as r:
+        r.raise_for_status()
+        for line in r.iter_lines():
+            if not line.startswith("data: ") or line == "data: [DONE]":
+                continue
+            chunk = json.loads(line[6:])
+            if chunk.get("usage"):
+                usage = chunk["usage"]
+            for ch in chunk.get("choices", ()):
+                d = ch.get("delta", {})
+                if d.get("content") or d.get("reasoning_content"):
+                    stamps.append(time.perf_counter())
+                if ch.get("finish_reason"):
+                    t_end = time.perf_counter()
+    # (a token whose text is an unfinished UTF-8 sequence sends no chunk of its own: the count
+    # of tokens comes from usage, the span from the first text to the end of the reply)
+    n = usage["completion_tokens"]
+    return {"prompt_tokens": usage["prompt_tokens"], "generated": n,
+            "cached_tokens": usage["prompt_tokens_details"]["cached_tokens"],
+            "ttft_s": stamps[0] - t0,
+            "decode_tps": (n - 1) / (t_end - stamps[0]) if n > 1 else float("nan")}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("-m", "--model", default=None, help="GGUF (default: the embedded default model)")
+    ap.add_argument("--backend", default="auto")
+    ap.add_argument("--tokens", type=int, default=32, help="tokens generated per run")
+    ap.add_argument("--runs", type=int, default=3, help="timed runs of each")
+    ap.add_argument("--ctx", type=int, default=4096)
+    ap.add_argument("--out", default=str(ROOT / "bench" / "serve"), help="folder for the results")
+    args = ap.parse_args()
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    from ds4.backends import resolve_backend
+
+    args.backend = resolve_backend(args.backend)  # both commands run the same concrete backend
+    device = device_name(args.backend)
+
+    gens = [run_generate(args, env) for _ in range(args.runs)]
+
+    argv = ["serve", "--port", "0", "--backend", args.backend, "--ctx", str(args.ctx)]
+    if args.model:
+        argv += ["-m", args.model]
+    log = Path(args.out) / "serve.log"
+    server = Proc(argv, log).wait_listening(timeout=3600).wait_healthy()
+    try:
+        stream_once(server.url, 999, min(args.tokens, 4))  # warm-up (compiles, captures, allocates)
+        serves = [stream_once(server.url, i, args.tokens) for i in range(args.runs)]
+    finally:
+        server.kill()
+        log.unlink(missing_ok=True)
+
+    def med(rows, key):
+        return statistics.median(r[key] for r in rows)
+
+    g_dec, s_dec = med(gens, "decode_tps"), med(serves, "decode_tps")
+    summary = {"device": device, "backend": args.backend, "model": args.model or "embedded default",
+               "tokens": args.tokens, "runs": args.runs, "prompt_tokens": gens[0]["prompt_tokens"],
+               "generate": {"ttft_s": med(gens, "ttft_s"), "decode_tps": g_dec,
+                            "prefill_tps": med(gens, "prefill_tps")},
+               "serve": {"ttft_s": med(serves, "ttft_s"), "decode_tps": s_dec,
+                         "cached_tokens": max(r["cached_tokens"] for r in serves)},
+               "head_cost_decode": 1 - s_dec / g_dec, "raw": {"generate": gens, "serve": serves}}
+    slug = re.sub(r"[^A-Za-z0-9]+", "-", device).strip("-").lower()
+    out = Path(args.out)
+    (out / f"results-{slug}.json").write_text(json.dumps(summary, indent=2) + "\n")
+    with open(out / f"results-{slug}.csv", "w", newline="") as f:
+        w = csv.writer(f)
+        w.writerow(["device", "backend", "model", "path", "prompt_tokens", "tokens", "runs",
+                    "ttft_s", "decode_tokens_per_s"])
+        for name, rows in (("ds4 generate", gens), ("ds4 serve (HTTP, SSE)", serves)):
+            w.writerow([device, args.backend, summary["model"], name, rows[0]["prompt_tokens"], args.tokens,
+                        args.runs, f"{med(rows, 'ttft_s'):.4f}", f"{med(rows, 'decode_tps'):.3f}"])
+    print(f"device {device}, backend {args.backend}, {summary['prompt_tokens']} prompt tokens, "
+          f"{args.tokens} generated, median of {args.runs}")
+    print(f"  ds4 generate : TTFT {summary['generate']['ttft_s'] * 1e3:8.1f} ms, decode {g_dec:8.2f} tokens/s")
+    print(f"  ds4 serve    : TTFT {summary['serve']['ttft_s'] * 1e3:8.1f} ms, decode {s_dec:8.2f} tokens/s")
+    print(f"  head's cost of decode tokens/s: {summary['head_cost_decode'] * 100:+.2f}%")
+
+
+if __name__ == "__main__":
+    main()
