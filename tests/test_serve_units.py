@@ -147,3 +147,85 @@ def test_anthropic_tool_use_parses_as_the_clients_types():
     stop = message(Finished("stop", "END", 3, 0, 1, [], [], {CONTENT: "x", REASONING: ""}), model="ds4")
     m = anthropic.types.Message.model_validate(stop)
     assert (m.stop_reason, m.stop_sequence) == ("stop_sequence", "END")
+
+
+def _reply_events(tok, text_ids, *, think):
+    """The driver's events for a reply of these token ids (run through the real ReplyStream)."""
+    from ds4.serve.driver import Token
+
+    r = ReplyStream(tok, think=think, tools=True)
+    evs = []
+    for t in text_ids:
+        channel = r.channel
+        pieces = r.push(t)
+        evs.append(Token(pieces, None, "tool" if r.tool_text is not None else channel))
+    pieces, calls = r.finish()
+    evs.append(Finished("tool_calls" if calls else "stop", r.stop_hit, 9, 4, len(text_ids), calls,
+                        pieces, dict(r.text)))
+    return evs
+
+
+async def _aiter(items):
+    for x in items:
+        yield x
+
+
+def _collect(agen) -> list[str]:
+    import asyncio
+
+    async def run():
+        return [x async for x in agen]
+
+    return asyncio.run(run())
+
+
+def test_openai_stream_of_a_tool_call_accumulates_in_the_client(tok):
+    from openai.lib.streaming.chat import ChatCompletionStreamState
+    from openai.types.chat import ChatCompletionChunk
+
+    from ds4.serve.openai_api import chat_chunks
+
+    ids = [tok.think_end_id] + tok.encode("Sure.") + tok.encode_rendered(SPEC_BLOCK)
+    lines = _collect(chat_chunks(_aiter(_reply_events(tok, ids, think=True)), tok=tok, cid="c1",
+                                 created=1, model="ds4", logprobs=False, include_usage=True))
+    assert lines[-1] == "data: [DONE]\n\n"
+    state = ChatCompletionStreamState()
+    for line in lines[:-1]:
+        assert line.startswith("data: ") and line.endswith("\n\n")
+        chunk = ChatCompletionChunk.model_validate(json.loads(line[6:]))
+        state.handle_chunk(chunk)
+    final = state.get_final_completion()
+    msg = final.choices[0].message
+    assert final.choices[0].finish_reason == "tool_calls" and msg.content == "Sure."
+    assert [(t.function.name, json.loads(t.function.arguments)) for t in msg.tool_calls] == SPEC_ARGS
+    assert final.usage.prompt_tokens == 9 and final.usage.prompt_tokens_details.cached_tokens == 4
+
+
+def test_anthropic_stream_event_sequence_accumulates_in_the_client(tok):
+    from pydantic import TypeAdapter
+
+    from anthropic.lib.streaming._messages import accumulate_event
+    from anthropic.types import RawMessageStreamEvent
+
+    from ds4.serve.anthropic_api import message_events
+    from ds4.serve.driver import Started
+
+    ids = tok.encode("Hmm.") + [tok.think_end_id] + tok.encode("Sure.") + tok.encode_rendered(SPEC_BLOCK)
+    raw = _collect(message_events(_aiter(_reply_events(tok, ids, think=True)), Started(9, 4),
+                                  model="ds4", mid="msg_1"))
+    adapter = TypeAdapter(RawMessageStreamEvent)
+    names, snapshot, bufs = [], None, {}
+    for text in raw:
+        head, data = text.rstrip("\n").split("\n")
+        name = head.removeprefix("event: ")
+        event = adapter.validate_python(json.loads(data.removeprefix("data: ")))
+        assert event.type == name
+        names.append(name)
+        snapshot = accumulate_event(event=event, current_snapshot=snapshot, json_bufs=bufs)
+    assert names[0] == "message_start" and names[-2:] == ["message_delta", "message_stop"]
+    assert names.count("content_block_start") == names.count("content_block_stop") == 4
+    assert [b.type for b in snapshot.content] == ["thinking", "text", "tool_use", "tool_use"]
+    assert snapshot.content[0].thinking == "Hmm." and snapshot.content[1].text == "Sure."
+    assert [(b.name, b.input) for b in snapshot.content[2:]] == SPEC_ARGS
+    assert snapshot.stop_reason == "tool_use" and snapshot.usage.output_tokens == len(ids)
+    assert snapshot.usage.cache_read_input_tokens == 4

@@ -177,6 +177,64 @@ def _event(name: str, data: dict) -> str:
     return f"event: {name}\ndata: {json.dumps(data, ensure_ascii=False)}\n\n"
 
 
+async def message_events(evs, started, *, model: str, mid: str):
+    """The SSE events of a streamed message, from a job's `Started` and its later events."""
+    yield _event("message_start", {"type": "message_start", "message": {
+        "id": mid, "type": "message", "role": "assistant", "model": model, "content": [],
+        "stop_reason": None, "stop_sequence": None,
+        "usage": _usage(started.prompt_tokens, started.cached_tokens, 0)}})
+    index, open_kind = -1, None
+
+    def deltas(pieces):
+        nonlocal index, open_kind
+        for ch, text in pieces:
+            kind = "thinking" if ch == REASONING else "text"
+            if kind != open_kind:
+                if open_kind is not None:
+                    yield _event("content_block_stop", {"type": "content_block_stop", "index": index})
+                index += 1
+                open_kind = kind
+                block = {"type": "thinking", "thinking": "", "signature": ""} if kind == "thinking" \
+                    else {"type": "text", "text": ""}
+                yield _event("content_block_start", {"type": "content_block_start",
+                                                     "index": index, "content_block": block})
+            delta = {"type": "thinking_delta", "thinking": text} if kind == "thinking" \
+                else {"type": "text_delta", "text": text}
+            yield _event("content_block_delta", {"type": "content_block_delta", "index": index,
+                                                 "delta": delta})
+
+    async for ev in evs:
+        if isinstance(ev, Token):
+            for e in deltas(ev.pieces):
+                yield e
+        elif isinstance(ev, Failed):
+            yield _event("error", {"type": "error", "error": {"type": "api_error",
+                                                              "message": ev.message}})
+            return
+        elif isinstance(ev, Finished):
+            for e in deltas(ev.pieces):
+                yield e
+            if open_kind is None and not ev.tool_calls:  # an empty answer is one empty text block
+                for e in deltas([(CONTENT, "")]):
+                    yield e
+            if open_kind is not None:
+                yield _event("content_block_stop", {"type": "content_block_stop", "index": index})
+            for call in ev.tool_calls:
+                index += 1
+                block = {**_tool_use(call), "input": {}}
+                yield _event("content_block_start", {"type": "content_block_start", "index": index,
+                                                     "content_block": block})
+                yield _event("content_block_delta", {"type": "content_block_delta", "index": index,
+                                                     "delta": {"type": "input_json_delta",
+                                                               "partial_json": call.arguments_json}})
+                yield _event("content_block_stop", {"type": "content_block_stop", "index": index})
+            yield _event("message_delta", {"type": "message_delta",
+                                           "delta": {"stop_reason": _stop_reason(ev),
+                                                     "stop_sequence": ev.stop_sequence},
+                                           "usage": {"output_tokens": ev.completion_tokens}})
+            yield _event("message_stop", {"type": "message_stop"})
+
+
 def register(app: FastAPI, state: ServerState) -> None:
 
     @app.post("/v1/messages/count_tokens")
@@ -206,65 +264,6 @@ def register(app: FastAPI, state: ServerState) -> None:
                     return message(ev, model=model, mid=mid)
             raise APIError(499, "the client closed the request")
 
-        async def stream():
-            yield _event("message_start", {"type": "message_start", "message": {
-                "id": mid, "type": "message", "role": "assistant", "model": model, "content": [],
-                "stop_reason": None, "stop_sequence": None,
-                "usage": _usage(started.prompt_tokens, started.cached_tokens, 0)}})
-            index, open_kind = -1, None
-
-            def deltas(pieces):
-                nonlocal index, open_kind
-                for ch, text in pieces:
-                    kind = "thinking" if ch == REASONING else "text"
-                    if kind != open_kind:
-                        if open_kind is not None:
-                            yield _event("content_block_stop", {"type": "content_block_stop", "index": index})
-                        index += 1
-                        open_kind = kind
-                        block = {"type": "thinking", "thinking": "", "signature": ""} if kind == "thinking" \
-                            else {"type": "text", "text": ""}
-                        yield _event("content_block_start", {"type": "content_block_start",
-                                                             "index": index, "content_block": block})
-                    delta = {"type": "thinking_delta", "thinking": text} if kind == "thinking" \
-                        else {"type": "text_delta", "text": text}
-                    yield _event("content_block_delta", {"type": "content_block_delta", "index": index,
-                                                         "delta": delta})
-
-            async for ev in events(job, request, stream=True):
-                if isinstance(ev, Token):
-                    for e in deltas(ev.pieces):
-                        yield e
-                elif isinstance(ev, Failed):
-                    yield _event("error", {"type": "error", "error": {"type": "api_error",
-                                                                      "message": ev.message}})
-                    return
-                elif isinstance(ev, Finished):
-                    for e in deltas(ev.pieces):
-                        yield e
-                    if open_kind is None and not ev.tool_calls:  # an empty answer is one empty text block
-                        for e in deltas([(CONTENT, "")]):
-                            yield e
-                        if open_kind is None:
-                            index, open_kind = 0, "text"
-                            yield _event("content_block_start", {"type": "content_block_start", "index": 0,
-                                                                 "content_block": {"type": "text", "text": ""}})
-                    if open_kind is not None:
-                        yield _event("content_block_stop", {"type": "content_block_stop", "index": index})
-                    for call in ev.tool_calls:
-                        index += 1
-                        block = {**_tool_use(call), "input": {}}
-                        yield _event("content_block_start", {"type": "content_block_start", "index": index,
-                                                             "content_block": block})
-                        yield _event("content_block_delta", {"type": "content_block_delta", "index": index,
-                                                             "delta": {"type": "input_json_delta",
-                                                                       "partial_json": call.arguments_json}})
-                        yield _event("content_block_stop", {"type": "content_block_stop", "index": index})
-                    yield _event("message_delta", {"type": "message_delta",
-                                                   "delta": {"stop_reason": _stop_reason(ev),
-                                                             "stop_sequence": ev.stop_sequence},
-                                                   "usage": {"output_tokens": ev.completion_tokens}})
-                    yield _event("message_stop", {"type": "message_stop"})
-
-        return StreamingResponse(stream(), media_type="text/event-stream",
+        stream = message_events(events(job, request, stream=True), started, model=model, mid=mid)
+        return StreamingResponse(stream, media_type="text/event-stream",
                                  headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})

@@ -224,6 +224,45 @@ def _error_json(message: str, kind: str = "api_error", param: str | None = None)
     return {"error": {"message": message, "type": kind, "param": param, "code": None}}
 
 
+async def chat_chunks(evs, *, tok, cid: str, created: int, model: str, logprobs: bool,
+                      include_usage: bool):
+    """The SSE lines of a streamed chat completion, from a job's events after `Started`."""
+
+    def chunk(delta: dict, finish=None, logprobs=None) -> str:
+        choice = {"index": 0, "delta": delta, "logprobs": logprobs, "finish_reason": finish}
+        return _sse({"id": cid, "object": "chat.completion.chunk", "created": created,
+                     "model": model, "choices": [choice]})
+
+    def pieces(pcs, lp=None, channel=None):
+        lps = {"content": [_chat_logprob(tok, lp)]} if lp and channel == CONTENT else None
+        for ch, text in pcs:
+            key = "content" if ch == CONTENT else "reasoning_content"
+            yield chunk({key: text}, logprobs=lps if ch == CONTENT else None)
+            if ch == CONTENT:
+                lps = None
+        if lps:  # a token whose text is held back still gets its logprob
+            yield chunk({"content": ""}, logprobs=lps)
+
+    yield chunk({"role": "assistant", "content": ""})
+    async for ev in evs:
+        if isinstance(ev, Token):
+            for c in pieces(ev.pieces, ev.logprob if logprobs else None, ev.channel):
+                yield c
+        elif isinstance(ev, Failed):
+            yield _sse(_error_json(ev.message))
+            return
+        elif isinstance(ev, Finished):
+            for c in pieces(ev.pieces):
+                yield c
+            if ev.tool_calls:
+                yield chunk({"tool_calls": [_tool_call_json(c, i) for i, c in enumerate(ev.tool_calls)]})
+            yield chunk({}, _finish_reason(ev))
+            if include_usage:
+                yield _sse({"id": cid, "object": "chat.completion.chunk", "created": created,
+                            "model": model, "choices": [], "usage": _usage(ev)})
+            yield "data: [DONE]\n\n"
+
+
 def register(app: FastAPI, state: ServerState) -> None:
     tok = state.tokenizer
 
@@ -266,43 +305,9 @@ def register(app: FastAPI, state: ServerState) -> None:
                     return chat_completion(ev, model=model, logprobs=logprobs, cid=cid, created=created)
             raise APIError(499, "the client closed the request")
 
-        def chunk(delta: dict, finish=None, logprobs=None) -> str:
-            choice = {"index": 0, "delta": delta, "logprobs": logprobs, "finish_reason": finish}
-            return _sse({"id": cid, "object": "chat.completion.chunk", "created": created,
-                         "model": model, "choices": [choice]})
-
-        def pieces(pcs, lp=None, channel=None):
-            lps = {"content": [_chat_logprob(tok, lp)]} if lp and channel == CONTENT else None
-            for ch, text in pcs:
-                key = "content" if ch == CONTENT else "reasoning_content"
-                yield chunk({key: text}, logprobs=lps if ch == CONTENT else None)
-                if ch == CONTENT:
-                    lps = None
-            if lps:  # a token whose text is held back still gets its logprob
-                yield chunk({"content": ""}, logprobs=lps)
-
-        async def stream():
-            yield chunk({"role": "assistant", "content": ""})
-            async for ev in events(job, request, stream=True):
-                if isinstance(ev, Token):
-                    for c in pieces(ev.pieces, ev.logprob if want_lp is not None else None, ev.channel):
-                        yield c
-                elif isinstance(ev, Failed):
-                    yield _sse(_error_json(ev.message))
-                    return
-                elif isinstance(ev, Finished):
-                    for c in pieces(ev.pieces):
-                        yield c
-                    if ev.tool_calls:
-                        yield chunk({"tool_calls": [_tool_call_json(c, i)
-                                                    for i, c in enumerate(ev.tool_calls)]})
-                    yield chunk({}, _finish_reason(ev))
-                    if body.include_usage:
-                        yield _sse({"id": cid, "object": "chat.completion.chunk", "created": created,
-                                    "model": model, "choices": [], "usage": _usage(ev)})
-                    yield "data: [DONE]\n\n"
-
-        return StreamingResponse(stream(), media_type="text/event-stream",
+        stream = chat_chunks(events(job, request, stream=True), tok=tok, cid=cid, created=created,
+                             model=model, logprobs=want_lp is not None, include_usage=body.include_usage)
+        return StreamingResponse(stream, media_type="text/event-stream",
                                  headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
 
     @app.post("/v1/completions")
