@@ -56,6 +56,14 @@ def is_loopback(host: str) -> bool:
         return False
 
 
+def exposure_warning(host: str, key: str | None) -> str | None:
+    """What to warn about before serving on `host` with this key (None: nothing)."""
+    if is_loopback(host) or key is not None:
+        return None
+    return (f"serving on {host} without an API key: anyone who can reach this port can use the "
+            f"model (--api-key-file or {API_KEY_ENV})")
+
+
 def bind(host: str, port: int) -> socket.socket:
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
     sock = socket.socket(family, socket.SOCK_STREAM)
@@ -116,10 +124,9 @@ def serve(
 
     with library_errors():
         key = read_api_key(api_key_file)
-        if not is_loopback(host) and key is None:
-            err.print(Text(f"warning: serving on {host} without an API key: anyone who can reach "
-                           f"this port can use the model (--api-key-file or {API_KEY_ENV})",
-                           style="yellow"), soft_wrap=True)
+        warning = exposure_warning(host, key)
+        if warning:
+            err.print(Text(f"warning: {warning}", style="yellow"), soft_wrap=True)
         sock = bind(host, port)
         if split_next:
             eng = open_split_engine(model, backend, numerics, split_next, layers, ctx=ctx,

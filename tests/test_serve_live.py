@@ -326,6 +326,7 @@ def test_queue_full_429_and_disconnect_cancels(server, oa):
         oa.chat.completions.create(model="ds4", messages=[{"role": "user", "content": "x"}], max_tokens=1)
     assert int(e.value.response.headers["retry-after"]) >= 1
     sock.close()
+    time.sleep(1.0)  # the server notices the waiting client's hang-up (it polls) before A ends
     long.close()  # the client goes away: the generation stops at its next token
     wait_idle(url, AUTH)
     assert metric(url, "ds4_cancelled_generations_total", AUTH) == cancelled0 + 1

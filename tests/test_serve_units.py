@@ -229,3 +229,26 @@ def test_anthropic_stream_event_sequence_accumulates_in_the_client(tok):
     assert [(b.name, b.input) for b in snapshot.content[2:]] == SPEC_ARGS
     assert snapshot.stop_reason == "tool_use" and snapshot.usage.output_tokens == len(ids)
     assert snapshot.usage.cache_read_input_tokens == 4
+
+
+def test_exposure_warning_and_api_key(tmp_path, monkeypatch):
+    from cli.common import CLIError
+    from cli.serve import exposure_warning, read_api_key
+
+    for host in ("127.0.0.1", "::1", "localhost", "127.5.0.1"):
+        assert exposure_warning(host, None) is None
+    for host in ("0.0.0.0", "::", "192.168.1.4", "example.org"):
+        assert "without an API key" in exposure_warning(host, None)
+        assert exposure_warning(host, "k") is None
+    monkeypatch.delenv("DS4_API_KEY", raising=False)
+    assert read_api_key(None) is None
+    monkeypatch.setenv("DS4_API_KEY", " from-env \n")
+    assert read_api_key(None) == "from-env"
+    f = tmp_path / "key"
+    f.write_text("from-file\nignored\n")
+    assert read_api_key(f) == "from-file"  # the file wins over the environment
+    f.write_text("\n")
+    with pytest.raises(CLIError, match="empty"):
+        read_api_key(f)
+    with pytest.raises(CLIError, match="api-key-file"):
+        read_api_key(tmp_path / "missing")

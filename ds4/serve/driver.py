@@ -120,7 +120,8 @@ class Driver:
         self.available = True  # False while the pipeline's next stage is unreachable
         self._jobs: queue.Queue = queue.Queue()
         self._lock = threading.Lock()
-        self._waiting = 0
+        self._inflight = 0  # submitted and not finished: the one generating plus those waiting
+        self._running = 0
         self._avg_seconds = 1.0
         self._thread = threading.Thread(target=self._loop, name="ds4-generate", daemon=True)
         self._thread.start()
@@ -130,13 +131,16 @@ class Driver:
     def submit(self, req: GenRequest) -> Job:
         job = Job(req, asyncio.get_running_loop())
         with self._lock:
-            if self._waiting >= self.queue_size:
+            if self._inflight >= self.queue_size + 1:
                 self.metrics.rejected.inc()
-                raise QueueFull(max(1, math.ceil(self._avg_seconds * (self._waiting + 1))))
-            self._waiting += 1
-            self.metrics.queue_depth.set(self._waiting)
+                raise QueueFull(max(1, math.ceil(self._avg_seconds * self._inflight)))
+            self._inflight += 1
+            self._set_depth()
         self._jobs.put(job)
         return job
+
+    def _set_depth(self) -> None:
+        self.metrics.queue_depth.set(self._inflight - self._running)
 
     def close(self) -> None:
         self._jobs.put(None)
@@ -153,13 +157,13 @@ class Driver:
             if job is None:
                 return
             with self._lock:
-                self._waiting -= 1
-                self.metrics.queue_depth.set(self._waiting)
-            if job.cancelled.is_set():
-                continue
+                self._running = 1
+                self._set_depth()
             t0 = time.perf_counter()
             self.metrics.running.set(1)
             try:
+                if job.cancelled.is_set():  # its client left while it waited
+                    continue
                 self._run(job)
             except Exception as e:  # a bug: the job fails, the server goes on
                 log.exception("generation failed")
@@ -167,9 +171,14 @@ class Driver:
                 with contextlib.suppress(Exception):
                     self.session.sync([])  # a session in an unknown state is not reused
             finally:
+                with self._lock:
+                    self._inflight -= 1
+                    self._running = 0
+                    self._set_depth()
                 self.metrics.running.set(0)
-                w = _DURATION_EMA_WEIGHT
-                self._avg_seconds = (1 - w) * self._avg_seconds + w * (time.perf_counter() - t0)
+                if not job.cancelled.is_set():
+                    w = _DURATION_EMA_WEIGHT
+                    self._avg_seconds = (1 - w) * self._avg_seconds + w * (time.perf_counter() - t0)
 
     def _run(self, job: Job) -> None:
         req, s, m = job.req, self.session, self.metrics
