@@ -15,10 +15,16 @@ from serve_helpers import ROOT
 N = 3
 
 
+def _spawn(*args) -> subprocess.Popen:
+    return subprocess.Popen([sys.executable, "-m", "cli.main", *map(str, args)], cwd=ROOT,
+                            stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True, env={**os.environ, "PYTHONPATH": str(ROOT)})
+
+
 def _cli(*args, input=None):
-    return subprocess.run([sys.executable, "-m", "cli.main", *map(str, args)], cwd=ROOT, input=input,
-                          capture_output=True, text=True, timeout=600,
-                          env={**os.environ, "PYTHONPATH": str(ROOT)})
+    p = _spawn(*args)
+    out, err = p.communicate(input, timeout=600)
+    return subprocess.CompletedProcess(p.args, p.returncode, out, err)
 
 
 def _expected_backend() -> str:
@@ -44,6 +50,8 @@ def test_version():
 def test_chat_turns_reuse_the_session(tmp_path):
     import ds4
 
+    save = tmp_path / "chat.dsv4"
+    chat = _spawn("chat", "-n", N, "-t", 0, "--nothink", "--system", "")  # runs while we compute
     eng = ds4.Engine.open(None, backend="reference")
     tok = eng.tokenizer
     eos = tok.eos_id
@@ -56,21 +64,22 @@ def test_chat_turns_reuse_the_session(tmp_path):
     def close(held):
         return held if held[-1] == eos else held + [eos]
 
-    save = tmp_path / "chat.dsv4"
-    r = _cli("chat", "-n", N, "-t", 0, "--nothink", "--system", "",
-             input=f"Hello\nAgain\n/save {save}\n/think on\nMore\n/reset\n/think off\nHello\n")
-    assert r.returncode == 0, r.stderr
-    want = _expected_backend()
-    assert r.stderr.count(f"backend: {want} (--backend auto)") == 1
-    turns = [(int(a), int(b)) for a, b in re.findall(r"prefilled (\d+) new tokens \((\d+) reused\)", r.stderr)]
-    replies = r.stdout.split("\n")
-
+    script = f"Hello\nAgain\n/save {save}\n/think on\nMore\n/reset\n/think off\nHello\n"
+    chat.stdin.write(script)  # (a few bytes: the pipe holds them until the chat reads)
+    chat.stdin.flush()
     ids1 = [tok.bos_id, tok.user_id] + tok.encode("Hello") + [tok.assistant_id, tok.think_end_id]
     g1 = greedy(ids1)
     ids2 = close(ids1 + g1) + [tok.user_id] + tok.encode("Again") + [tok.assistant_id, tok.think_end_id]
     g2 = greedy(ids2)
     held3 = ids2 + g2
     ids3 = close(held3) + [tok.user_id] + tok.encode("More") + [tok.assistant_id, tok.think_start_id]
+    out, err = chat.communicate(timeout=600)
+    r = subprocess.CompletedProcess(chat.args, chat.returncode, out, err)
+    assert r.returncode == 0, r.stderr
+    want = _expected_backend()
+    assert r.stderr.count(f"backend: {want} (--backend auto)") == 1
+    turns = [(int(a), int(b)) for a, b in re.findall(r"prefilled (\d+) new tokens \((\d+) reused\)", r.stderr)]
+    replies = r.stdout.split("\n")
     assert turns[0] == (len(ids1), 0)
     assert turns[1] == (len(ids2) - len(ids1 + g1), len(ids1 + g1))  # only the new turn
     assert turns[2] == (len(ids3) - len(held3), len(held3))

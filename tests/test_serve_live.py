@@ -31,8 +31,24 @@ T0 = {"temperature": 0}
 N = 3  # tokens per reply: the text is gibberish (random weights), a few tokens say enough
 
 
+def _generate_argv(prompt: str) -> list[str]:
+    return [sys.executable, "-m", "cli.main", "generate", "-p", prompt, "-n", str(N), "-t", "0",
+            "--nothink", "--backend", "reference"]
+
+
 @pytest.fixture(scope="module")
-def server(tmp_path_factory):
+def generate_hi():
+    """`ds4 generate -t 0 --nothink -p hi`, started early so that it runs while the server loads."""
+    p = subprocess.Popen(_generate_argv("hi"), cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                         text=True, env={**__import__("os").environ, "PYTHONPATH": str(ROOT)})
+    yield p
+    if p.poll() is None:
+        p.kill()
+        p.wait()
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory, generate_hi):
     log = tmp_path_factory.mktemp("serve") / "serve.log"
     proc = Proc(["serve", "--port", "0", "--backend", "reference", "--queue", "1", "--ctx", "1024",
                  "--max-tokens-limit", "512"], log, env={"DS4_API_KEY": KEY})
@@ -115,17 +131,14 @@ def test_stream_equals_nonstream_and_usage(oa, engine):
     assert r.usage.completion_tokens == usage.completion_tokens == N
 
 
-def test_temperature0_equals_ds4_generate(oa):
-    gen = subprocess.run([sys.executable, "-m", "cli.main", "generate", "-p", "hi", "-n", str(N),
-                          "-t", "0", "--nothink", "--backend", "reference"],
-                         cwd=ROOT, capture_output=True, text=True, timeout=300,
-                         env={**__import__("os").environ, "PYTHONPATH": str(ROOT)})
-    assert gen.returncode == 0, gen.stderr
+def test_temperature0_equals_ds4_generate(oa, generate_hi):
+    stdout, stderr = generate_hi.communicate(timeout=300)
+    assert generate_hi.returncode == 0, stderr
     r = oa.chat.completions.create(
         model="ds4", messages=[{"role": "system", "content": DEFAULT_SYSTEM},
                                {"role": "user", "content": "hi"}],
         max_tokens=N, temperature=0, reasoning_effort="none")
-    assert r.choices[0].message.content == gen.stdout.removesuffix("\n")
+    assert r.choices[0].message.content == stdout.removesuffix("\n")
     assert r.choices[0].message.model_extra.get("reasoning_content") is None
 
 
