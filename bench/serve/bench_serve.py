@@ -7,7 +7,10 @@ Both run in their own process, greedy (temperature 0), think mode on (the CLI's 
 the CLI's default system text, one after the other on the same machine:
 
 * generate — `ds4 generate -t 0 -n N`: its stats line gives the prefill and decode tokens/s the
-             CLI measures; time to first token = prefill time + one decode step.
+             CLI measures; time to first token = prefill time + one decode step. A fresh
+             process pays first-call costs (allocation; on a GPU, graph capture), so the same
+             path (Session.sync + Session.sample, as the CLI runs it) is also timed warm in a
+             process of its own: that is the row the head is compared with.
 * serve    — `ds4 serve` with one warm-up request, then `--runs` streamed requests through the
              OpenAI API (httpx, server-sent events): time to first token is from sending the
              request to the first text chunk; decode tokens/s counts the chunks after the first
@@ -15,7 +18,7 @@ the CLI's default system text, one after the other on the same machine:
              JSON, SSE and event-loop work included). Each run's user text starts with the run's
              number, so no run reuses the previous one's prefill.
 
-The head's cost is 1 - serve decode / generate decode. Results go to
+The head's cost is 1 - serve decode / warm generate-path decode. Results go to
 bench/serve/results-<device>.csv and .json (the device named in both).
 """
 
@@ -78,6 +81,37 @@ def run_generate(args, env) -> dict:
             "ttft_s": n_prompt / prefill + 1 / decode}
 
 
+def run_library(args) -> list[dict]:
+    """`ds4 generate`'s own path (Session.sync, then Session.sample greedy, as the CLI's
+    stream_reply runs it) in this process, after one warm-up run, so that neither side pays for
+    first-call work (allocation, graph capture) in its timed runs. The same timing as the
+    server's: first token = prefill + one step; decode = tokens after the first over the time
+    from the first token to the end."""
+    import ds4
+    from ds4.core.chat import encode_prompt
+    from ds4.core.sampling import GREEDY
+
+    eng = ds4.Engine.open(args.model, backend=args.backend)
+    tok = eng.tokenizer
+    s = eng.session(ctx=args.ctx)
+    rows = []
+    for i in [999] + list(range(args.runs)):
+        ids = encode_prompt(tok, f"{i} {PROMPT}", system=DEFAULT_SYSTEM, think=True)
+        t0 = time.perf_counter()
+        s.sync(ids)
+        t_first = None
+        n = 0
+        for _ in s.sample(args.tokens if i != 999 else 4, GREEDY, None, stop={tok.eos_id}):
+            n += 1
+            if t_first is None:
+                t_first = time.perf_counter()
+        t_end = time.perf_counter()
+        if i != 999:
+            rows.append({"prompt_tokens": len(ids), "generated": n, "ttft_s": t_first - t0,
+                         "decode_tps": (n - 1) / (t_end - t_first) if n > 1 else float("nan")})
+    return rows
+
+
 def stream_once(url: str, i: int, tokens: int) -> dict:
     body = {"model": "ds4", "max_tokens": tokens, "temperature": 0, "stream": True,
             "stream_options": {"include_usage": True},
@@ -116,6 +150,7 @@ def main() -> None:
     ap.add_argument("--runs", type=int, default=3, help="timed runs of each")
     ap.add_argument("--ctx", type=int, default=4096)
     ap.add_argument("--out", default=str(ROOT / "bench" / "serve"), help="folder for the results")
+    ap.add_argument("--library-only", action="store_true", help=argparse.SUPPRESS)
     args = ap.parse_args()
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
     from ds4.backends import resolve_backend
@@ -123,7 +158,19 @@ def main() -> None:
     args.backend = resolve_backend(args.backend)  # both commands run the same concrete backend
     device = device_name(args.backend)
 
+    if args.library_only:  # (the child process of the library measurement)
+        print(json.dumps(run_library(args)))
+        return
     gens = [run_generate(args, env) for _ in range(args.runs)]
+    argv = [sys.executable, __file__, "--library-only", "--backend", args.backend, "--tokens",
+            str(args.tokens), "--runs", str(args.runs), "--ctx", str(args.ctx)]
+    if args.model:
+        argv += ["-m", args.model]
+    # its own process, so that its memory is gone before the server loads the model
+    lib = subprocess.run(argv, cwd=ROOT, env=env, capture_output=True, text=True, timeout=3600)
+    if lib.returncode != 0:
+        raise SystemExit(f"the library run failed: {lib.stderr}")
+    libs = json.loads(lib.stdout.strip().splitlines()[-1])
 
     argv = ["serve", "--port", "0", "--backend", args.backend, "--ctx", str(args.ctx)]
     if args.model:
@@ -140,14 +187,15 @@ def main() -> None:
     def med(rows, key):
         return statistics.median(r[key] for r in rows)
 
-    g_dec, s_dec = med(gens, "decode_tps"), med(serves, "decode_tps")
+    g_dec, s_dec = med(libs, "decode_tps"), med(serves, "decode_tps")
     summary = {"device": device, "backend": args.backend, "model": args.model or "embedded default",
                "tokens": args.tokens, "runs": args.runs, "prompt_tokens": gens[0]["prompt_tokens"],
-               "generate": {"ttft_s": med(gens, "ttft_s"), "decode_tps": g_dec,
-                            "prefill_tps": med(gens, "prefill_tps")},
+               "generate_cli": {"ttft_s": med(gens, "ttft_s"), "decode_tps": med(gens, "decode_tps"),
+                                "prefill_tps": med(gens, "prefill_tps")},
+               "generate": {"ttft_s": med(libs, "ttft_s"), "decode_tps": g_dec},
                "serve": {"ttft_s": med(serves, "ttft_s"), "decode_tps": s_dec,
                          "cached_tokens": max(r["cached_tokens"] for r in serves)},
-               "head_cost_decode": 1 - s_dec / g_dec, "raw": {"generate": gens, "serve": serves}}
+               "head_cost_decode": 1 - s_dec / g_dec, "raw": {"generate_cli": gens, "generate": libs, "serve": serves}}
     slug = re.sub(r"[^A-Za-z0-9]+", "-", device).strip("-").lower()
     out = Path(args.out)
     (out / f"results-{slug}.json").write_text(json.dumps(summary, indent=2) + "\n")
@@ -155,13 +203,17 @@ def main() -> None:
         w = csv.writer(f)
         w.writerow(["device", "backend", "model", "path", "prompt_tokens", "tokens", "runs",
                     "ttft_s", "decode_tokens_per_s"])
-        for name, rows in (("ds4 generate", gens), ("ds4 serve (HTTP, SSE)", serves)):
+        for name, rows in (("ds4 generate (CLI, cold process)", gens),
+                           ("ds4 generate path (Session.sample, warm)", libs),
+                           ("ds4 serve (HTTP, SSE, warm)", serves)):
             w.writerow([device, args.backend, summary["model"], name, rows[0]["prompt_tokens"], args.tokens,
                         args.runs, f"{med(rows, 'ttft_s'):.4f}", f"{med(rows, 'decode_tps'):.3f}"])
     print(f"device {device}, backend {args.backend}, {summary['prompt_tokens']} prompt tokens, "
           f"{args.tokens} generated, median of {args.runs}")
-    print(f"  ds4 generate : TTFT {summary['generate']['ttft_s'] * 1e3:8.1f} ms, decode {g_dec:8.2f} tokens/s")
-    print(f"  ds4 serve    : TTFT {summary['serve']['ttft_s'] * 1e3:8.1f} ms, decode {s_dec:8.2f} tokens/s")
+    for label, key in (("ds4 generate (CLI)   ", "generate_cli"), ("generate path (warm)", "generate"),
+                       ("ds4 serve (warm)    ", "serve")):
+        row = summary[key]
+        print(f"  {label}: TTFT {row['ttft_s'] * 1e3:8.1f} ms, decode {row['decode_tps']:8.2f} tokens/s")
     print(f"  head's cost of decode tokens/s: {summary['head_cost_decode'] * 100:+.2f}%")
 
 

@@ -6,6 +6,7 @@
   reply.py       generated tokens -> reasoning / answer / tool-call channels
   driver.py      the one generation thread, its bounded queue, prompt reuse, cancellation
   metrics.py     Prometheus counters and gauges
+  shared.py      what both APIs share: request errors, limits, waiting for a job's events
   openai_api.py  /v1/models, /v1/chat/completions, /v1/completions
   anthropic_api.py  /v1/messages, /v1/messages/count_tokens
   app.py         the FastAPI application: auth, limits, errors, /health, /metrics

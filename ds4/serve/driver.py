@@ -122,6 +122,7 @@ class Driver:
         self._lock = threading.Lock()
         self._inflight = 0  # submitted and not finished: the one generating plus those waiting
         self._running = 0
+        self._current: Job | None = None
         self._avg_seconds = 1.0
         self._thread = threading.Thread(target=self._loop, name="ds4-generate", daemon=True)
         self._thread.start()
@@ -143,6 +144,10 @@ class Driver:
         self.metrics.queue_depth.set(self._inflight - self._running)
 
     def close(self) -> None:
+        """Stop after the generation under way (cancelled at its next token)."""
+        current = self._current
+        if current is not None:
+            current.cancel()
         self._jobs.put(None)
         self._thread.join(timeout=30)
         close = getattr(self.engine, "close", None)
@@ -158,6 +163,7 @@ class Driver:
                 return
             with self._lock:
                 self._running = 1
+                self._current = job
                 self._set_depth()
             t0 = time.perf_counter()
             self.metrics.running.set(1)
@@ -174,6 +180,7 @@ class Driver:
                 with self._lock:
                     self._inflight -= 1
                     self._running = 0
+                    self._current = None
                     self._set_depth()
                 self.metrics.running.set(0)
                 if not job.cancelled.is_set():
