@@ -11,7 +11,6 @@ import json
 import socket
 import subprocess
 import sys
-import threading
 import time
 
 import anthropic

@@ -42,9 +42,9 @@ def test_split_worker_dies_and_returns(tmp_path):
 
         worker = Proc(["pipe-worker", str(port), "3:6", "--backend", "reference", "--ctx", "1024"],
                       tmp_path / "worker2.log").wait_listening()
+        assert httpx.get(f"{server.url}/health").status_code == 200  # it reached the worker again
         again = oa.chat.completions.create(**kw)
         assert again.choices[0].message.content == first
-        assert httpx.get(f"{server.url}/health").status_code == 200
     finally:
         server.kill()
         worker.kill()

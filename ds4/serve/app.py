@@ -7,11 +7,13 @@
   * errors: every refused request gets the calling API's own error JSON (OpenAI's `error`
     object with `param` naming the field, Anthropic's `{"type": "error", ...}`), 400 for an
     invalid field (never FastAPI's 422);
-  * /health (200, or 503 while a pipeline's next stage is away) and /metrics (Prometheus).
+  * /health (200, or 503 while a pipeline's next stage is away: it tries to reach it again
+    each time it is asked) and /metrics (Prometheus).
 """
 
 from __future__ import annotations
 
+import asyncio
 import hmac
 import json
 import time
@@ -127,7 +129,7 @@ def create_app(driver: Driver, *, model_id: str, max_tokens_limit: int, api_key:
 
     @app.get("/health")
     async def health():
-        if driver.split and not driver.available:
+        if driver.split and not driver.available and not await asyncio.to_thread(driver.probe):
             return JSONResponse({"status": "unavailable", "reason": "the pipeline's next stage is away"},
                                 status_code=503)
         return {"status": "ok", "model": model_id}

@@ -143,6 +143,17 @@ class Driver:
     def _set_depth(self) -> None:
         self.metrics.queue_depth.set(self._inflight - self._running)
 
+    def probe(self) -> bool:
+        """For /health while a pipeline's next stage is away: try to reach it again (the
+        engine's lock keeps this apart from a generation)."""
+        if self.split and not self.available:
+            try:
+                self.engine.connect()
+                self.available = True
+            except _unavailable_errors():
+                pass
+        return self.available
+
     def close(self) -> None:
         """Stop after the generation under way (cancelled at its next token)."""
         current = self._current

@@ -12,10 +12,10 @@ from __future__ import annotations
 import json
 import secrets
 import time
-from typing import Any, Literal, Optional, Union
+from typing import Any, Optional, Union
 
 from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse, StreamingResponse
+from fastapi.responses import StreamingResponse
 from pydantic import BaseModel, ConfigDict, Field
 
 from ds4.core.sampling import SamplingParams

@@ -6,7 +6,7 @@ import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 
-from .driver import Driver, Failed, Finished, GenRequest, Job, QueueFull, Started, Token, next_event
+from .driver import Driver, Failed, Finished, GenRequest, Job, QueueFull, Started, next_event
 from .prompt import Conversation, conversation_parts, encode_parts
 
 MAX_SEED = (1 << 64) - 1
@@ -121,5 +121,3 @@ async def events(job: Job, request, stream: bool = False) -> AsyncIterator:
     finally:
         job.cancel()
 
-
-__all__ = ["APIError", "ServerState", "Started", "Token", "Finished", "Failed", "GenRequest"]
