@@ -20,6 +20,8 @@ from typing import Annotated, Optional
 import typer
 from rich.text import Text
 
+from ds4.serve import DEFAULT_MAX_BODY
+
 from .common import CLIError, err, library_errors, open_engine
 from .options import BackendOption, CtxOption, ModelOption, NumericsOption, check_range
 from .pipe import AuthTokenOption, LayersOption, SplitNextOption, open_split_engine
@@ -27,6 +29,8 @@ from .pipe import AuthTokenOption, LayersOption, SplitNextOption, open_split_eng
 API_KEY_ENV = "DS4_API_KEY"
 DEFAULT_PORT = 8000
 DEFAULT_QUEUE = 16
+LISTEN_BACKLOG = 128  # connections the kernel holds before uvicorn accepts them
+SHUTDOWN_GRACE_S = 5  # how long open streams may run on after Ctrl-C / SIGTERM
 
 
 def register(app: typer.Typer) -> None:
@@ -73,7 +77,7 @@ def bind(host: str, port: int) -> socket.socket:
     except OSError as e:
         sock.close()
         raise CLIError(f"cannot listen on {host}:{port}: {e.strerror or e}") from None
-    sock.listen(128)
+    sock.listen(LISTEN_BACKLOG)
     sock.set_inheritable(True)
     return sock
 
@@ -101,7 +105,7 @@ def serve(
         help="Largest max_tokens a request may ask for (400 above it).")] = None,
     max_body: Annotated[int, typer.Option(
         "--max-body", metavar="BYTES", callback=check_range(1024),
-        help="Largest request body (413 above it).")] = 8 << 20,
+        help="Largest request body (413 above it).")] = DEFAULT_MAX_BODY,
     model_id: Annotated[Optional[str], typer.Option(
         "--model-id", metavar="NAME", show_default="the model file's name",
         help="The model name /v1/models lists and replies carry.")] = None,
@@ -147,7 +151,7 @@ def serve(
     print(f"listening on http://{shown}:{actual} (model {name}, ctx {ctx}, queue {queue})", flush=True)
     logging.basicConfig(stream=sys.stderr, level=logging.INFO if verbose else logging.WARNING)
     config = uvicorn.Config(app, log_level="info" if verbose else "warning", access_log=verbose,
-                            timeout_graceful_shutdown=5)
+                            timeout_graceful_shutdown=SHUTDOWN_GRACE_S)
     try:
         uvicorn.Server(config).run(sockets=[sock])
     finally:

@@ -11,3 +11,5 @@
   anthropic_api.py  /v1/messages, /v1/messages/count_tokens
   app.py         the FastAPI application: auth, limits, errors, /health, /metrics
 """
+
+DEFAULT_MAX_BODY = 8 << 20  # bytes; a long agent history fits, a runaway upload does not

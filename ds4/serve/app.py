@@ -23,12 +23,11 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from . import anthropic_api, openai_api
+from . import DEFAULT_MAX_BODY, anthropic_api, openai_api
 from .driver import Driver
 from .metrics import CONTENT_TYPE_LATEST
 from .shared import APIError, ServerState
 
-DEFAULT_MAX_BODY = 8 << 20  # bytes; a long agent history fits, a runaway upload does not
 OPEN_PATHS = ("/health",)
 _ANTHROPIC_KINDS = {400: "invalid_request_error", 401: "authentication_error",
                     403: "permission_error", 404: "not_found_error", 411: "invalid_request_error",

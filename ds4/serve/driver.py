@@ -36,6 +36,10 @@ log = logging.getLogger("ds4.serve")
 
 # How the average generation's duration is tracked for Retry-After (weight of the newest one).
 _DURATION_EMA_WEIGHT = 0.3
+# How often a request that is not streamed checks that its client is still there (seconds).
+DISCONNECT_POLL_S = 0.25
+# How long shutdown waits for the generation thread to finish its cancelled token (seconds).
+CLOSE_WAIT_S = 30.0
 
 
 @dataclass
@@ -160,7 +164,7 @@ class Driver:
         if current is not None:
             current.cancel()
         self._jobs.put(None)
-        self._thread.join(timeout=30)
+        self._thread.join(timeout=CLOSE_WAIT_S)
         close = getattr(self.engine, "close", None)
         if close:
             close()
@@ -325,7 +329,7 @@ def token_logprobs(logits: np.ndarray, token: int, top: int) -> dict:
     return {"id": int(token), "logprob": float(lp[token]), "top": best}
 
 
-async def next_event(job: Job, request, poll_s: float = 0.25):
+async def next_event(job: Job, request, poll_s: float = DISCONNECT_POLL_S):
     """The job's next event; cancels the job (and returns None) once the client is gone."""
     while True:
         try:
