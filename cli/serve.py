@@ -109,6 +109,11 @@ def serve(
     model_id: Annotated[Optional[str], typer.Option(
         "--model-id", metavar="NAME", show_default="the model file's name",
         help="The model name /v1/models lists and replies carry.")] = None,
+    snapshots: Annotated[bool, typer.Option(
+        "--prompt-snapshots/--no-prompt-snapshots",
+        help="Keep a host copy of the session at each prompt (less its last token), so that a "
+             "history that resends the prompt but not the reply as generated (think-mode chats, "
+             "stop strings, edited replies) still reuses it; costs one state copy per prompt.")] = True,
     split_next: SplitNextOption = None,
     layers: LayersOption = None,
     auth_token: AuthTokenOption = None,
@@ -143,7 +148,7 @@ def serve(
             raise CLIError(f"--ctx {ctx} is more than the model's context_length "
                            f"{eng.config.context_length}")
         name = model_id or (model.stem if model is not None else "ds4-default")
-        driver = Driver(eng, ctx=ctx, queue_size=queue)
+        driver = Driver(eng, ctx=ctx, queue_size=queue, snapshots=snapshots)
     app = create_app(driver, model_id=name, max_tokens_limit=max_tokens or ctx, api_key=key,
                      max_body=max_body)
     actual = sock.getsockname()[1]

@@ -214,6 +214,24 @@ def test_prefix_reuse_equals_cold(oa, an, engine):
     assert c.usage.input_tokens + c.usage.cache_read_input_tokens > len(ids_b) + N
 
 
+def test_think_mode_chat_reuses_the_prompt_snapshot(oa, engine):
+    """A think-mode history drops the past reasoning (from the generation prompt's <think> on),
+    so the session's tokens are not a prefix of the next prompt; the snapshot of the previous
+    prompt less that token is, and the text equals a cold session's."""
+    tok = engine.tokenizer
+    first = [{"role": "user", "content": "Think about it"}]
+    a = oa.chat.completions.create(model="ds4", messages=first, max_tokens=N, temperature=0)
+    answer = a.choices[0].message.content
+    b = oa.chat.completions.create(model="ds4", temperature=0, max_tokens=N, messages=first + [
+        {"role": "assistant", "content": answer}, {"role": "user", "content": "And?"}])
+    ids_a = chat_ids(tok, "Think about it", think=True)
+    ids_b = (ids_a[:-1] + [tok.think_end_id] + tok.encode(answer) + [tok.eos_id, tok.user_id]
+             + tok.encode("And?") + [tok.assistant_id, tok.think_start_id])
+    assert b.usage.prompt_tokens == len(ids_b)
+    assert b.usage.prompt_tokens_details.cached_tokens == len(ids_a) - 1
+    assert b.choices[0].message.model_extra["reasoning_content"] == tok.decode(greedy_ids(engine, ids_b, N))
+
+
 def test_logprobs(oa, engine):
     tok = engine.tokenizer
     r = oa.chat.completions.create(model="ds4", messages=[{"role": "user", "content": "Hi"}],

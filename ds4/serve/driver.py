@@ -7,8 +7,9 @@ client went away) is seen by the thread before its next token.
 
 Prompt reuse: the server keeps one live session. A request whose prompt starts with every token
 the session holds (its previous prompt and reply: a chat or an agent resending its history)
-prefills only the rest; the reused count is reported as cached tokens. Any other prompt is
-prefilled from the start (the compressed caches cannot be rewound).
+prefills only the rest; one that starts with the previous prompt less its last token continues
+from a snapshot taken there; the reused count is reported as cached tokens. Any other prompt is
+prefilled from the start (the compressed caches cannot be rewound, only restored).
 """
 
 from __future__ import annotations
@@ -113,7 +114,8 @@ def _unavailable_errors() -> tuple[type[BaseException], ...]:
 
 
 class Driver:
-    def __init__(self, engine, *, ctx: int, queue_size: int, metrics: Metrics | None = None):
+    def __init__(self, engine, *, ctx: int, queue_size: int, metrics: Metrics | None = None,
+                 snapshots: bool = True):
         self.engine = engine
         self.tokenizer = engine.tokenizer
         self.ctx = ctx
@@ -121,6 +123,10 @@ class Driver:
         self.metrics = metrics or Metrics()
         self.session = engine.session(ctx=ctx)
         self.split = not isinstance(self.session, Session)
+        # A host copy of the session at the previous prompt less its last token (see
+        # _prefill_with_snapshot); it costs one copy of the state per new prompt.
+        self.snapshots = snapshots
+        self._snapshot = None
         self.available = True  # False while the pipeline's next stage is unreachable
         self._jobs: queue.Queue = queue.Queue()
         self._lock = threading.Lock()
@@ -213,7 +219,10 @@ class Driver:
             if self.split:
                 s.sampling = req.params  # how many candidates the last stage sends back
             t0 = time.perf_counter()
-            s.sync(req.prompt)
+            if self.split or not self.snapshots:
+                s.sync(req.prompt)
+            else:
+                cached = self._prefill_with_snapshot(req.prompt, cached)
             t_prefill = time.perf_counter() - t0
         except unavailable as e:
             self.available = False
@@ -266,6 +275,27 @@ class Driver:
             m.decode_rate.set(generated / t_decode)
         job.put(Finished(reason, reply.stop_hit, n_prompt, cached, generated, calls, pieces,
                          dict(reply.text)))
+
+    def _prefill_with_snapshot(self, prompt: list[int], cached: int) -> int:
+        """Sync the session to `prompt`, reusing the longest prefix it can: the tokens the
+        session holds, or the snapshot of the previous prompt less its last token. That
+        snapshot serves a history that resends the previous prompt but not the reply as the
+        session holds it: a think-mode chat (past turns are re-rendered without their
+        reasoning, from the generation prompt's <think> on), a reply cut by a stop string, an
+        edited or regenerated reply. Returns how many prompt tokens were reused."""
+        s, snap = self.session, self._snapshot
+        if cached == len(prompt):  # the session holds exactly this prompt
+            return cached
+        if snap is not None and cached < len(snap.tokens) < len(prompt) \
+                and prompt[:len(snap.tokens)] == snap.tokens:
+            s.restore(snap)
+            cached = len(snap.tokens)
+        head = prompt[:-1]
+        s.sync(head)  # (the session holds a prefix of head here, or nothing)
+        if head and (snap is None or snap.tokens != head):
+            self._snapshot = s.snapshot()
+        s.eval(prompt[-1])
+        return cached
 
     def _steps(self, s, n: int, req: GenRequest, rng: Rng) -> Iterator[tuple[int, dict | None]]:
         """(token, its logprob record or None), each evaluated by the session before it is
