@@ -18,7 +18,10 @@ the CLI's default system text, one after the other on the same machine:
              JSON, SSE and event-loop work included). Each run's user text starts with the run's
              number, so no run reuses the previous one's prefill.
 
-The head's cost is 1 - serve decode / warm generate-path decode. Results go to
+The head's cost is 1 - serve decode / warm generate-path decode. Both also report the CPU time
+their process spent per decoded token (all threads; Linux /proc): on a machine shared with other
+work, wall-clock rates move with the load, CPU time much less, and the head's own work shows up
+there as the difference. Results go to
 bench/serve/results-<device>.csv and .json (the device named in both).
 """
 
@@ -99,20 +102,32 @@ def run_library(args) -> list[dict]:
         ids = encode_prompt(tok, f"{i} {PROMPT}", system=DEFAULT_SYSTEM, think=True)
         t0 = time.perf_counter()
         s.sync(ids)
-        t_first = None
+        t_first = cpu_first = None
         n = 0
         for _ in s.sample(args.tokens if i != 999 else 4, GREEDY, None, stop={tok.eos_id}):
             n += 1
             if t_first is None:
-                t_first = time.perf_counter()
-        t_end = time.perf_counter()
+                t_first, cpu_first = time.perf_counter(), time.process_time()
+        t_end, cpu_end = time.perf_counter(), time.process_time()
         if i != 999:
             rows.append({"prompt_tokens": len(ids), "generated": n, "ttft_s": t_first - t0,
-                         "decode_tps": (n - 1) / (t_end - t_first) if n > 1 else float("nan")})
+                         "decode_tps": (n - 1) / (t_end - t_first) if n > 1 else float("nan"),
+                         "decode_cpu_ms": 1e3 * (cpu_end - cpu_first) / (n - 1) if n > 1 else float("nan")})
     return rows
 
 
-def stream_once(url: str, i: int, tokens: int) -> dict:
+def process_cpu_s(pid: int | None) -> float:
+    """User + system CPU seconds of a process, all its threads (Linux; 0 elsewhere)."""
+    if pid is None:
+        return 0.0
+    try:
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    except OSError:
+        return 0.0
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def stream_once(url: str, i: int, tokens: int, pid: int | None = None) -> dict:
     body = {"model": "ds4", "max_tokens": tokens, "temperature": 0, "stream": True,
             "stream_options": {"include_usage": True},
             "messages": [{"role": "system", "content": DEFAULT_SYSTEM},
@@ -130,16 +145,19 @@ def stream_once(url: str, i: int, tokens: int) -> dict:
             for ch in chunk.get("choices", ()):
                 d = ch.get("delta", {})
                 if d.get("content") or d.get("reasoning_content"):
+                    if not stamps:
+                        cpu_first = process_cpu_s(pid)
                     stamps.append(time.perf_counter())
                 if ch.get("finish_reason"):
-                    t_end = time.perf_counter()
+                    t_end, cpu_end = time.perf_counter(), process_cpu_s(pid)
     # (a token whose text is an unfinished UTF-8 sequence sends no chunk of its own: the count
     # of tokens comes from usage, the span from the first text to the end of the reply)
     n = usage["completion_tokens"]
     return {"prompt_tokens": usage["prompt_tokens"], "generated": n,
             "cached_tokens": usage["prompt_tokens_details"]["cached_tokens"],
             "ttft_s": stamps[0] - t0,
-            "decode_tps": (n - 1) / (t_end - stamps[0]) if n > 1 else float("nan")}
+            "decode_tps": (n - 1) / (t_end - stamps[0]) if n > 1 else float("nan"),
+            "decode_cpu_ms": 1e3 * (cpu_end - cpu_first) / (n - 1) if n > 1 and pid else float("nan")}
 
 
 def main() -> None:
@@ -179,7 +197,7 @@ def main() -> None:
     server = Proc(argv, log).wait_listening(timeout=3600).wait_healthy()
     try:
         stream_once(server.url, 999, min(args.tokens, 4))  # warm-up (compiles, captures, allocates)
-        serves = [stream_once(server.url, i, args.tokens) for i in range(args.runs)]
+        serves = [stream_once(server.url, i, args.tokens, server.proc.pid) for i in range(args.runs)]
     finally:
         server.kill()
         log.unlink(missing_ok=True)
@@ -192,8 +210,10 @@ def main() -> None:
                "tokens": args.tokens, "runs": args.runs, "prompt_tokens": gens[0]["prompt_tokens"],
                "generate_cli": {"ttft_s": med(gens, "ttft_s"), "decode_tps": med(gens, "decode_tps"),
                                 "prefill_tps": med(gens, "prefill_tps")},
-               "generate": {"ttft_s": med(libs, "ttft_s"), "decode_tps": g_dec},
+               "generate": {"ttft_s": med(libs, "ttft_s"), "decode_tps": g_dec,
+                            "decode_cpu_ms": med(libs, "decode_cpu_ms")},
                "serve": {"ttft_s": med(serves, "ttft_s"), "decode_tps": s_dec,
+                         "decode_cpu_ms": med(serves, "decode_cpu_ms"),
                          "cached_tokens": max(r["cached_tokens"] for r in serves)},
                "head_cost_decode": 1 - s_dec / g_dec, "raw": {"generate_cli": gens, "generate": libs, "serve": serves}}
     slug = re.sub(r"[^A-Za-z0-9]+", "-", device).strip("-").lower()
@@ -202,18 +222,20 @@ def main() -> None:
     with open(out / f"results-{slug}.csv", "w", newline="") as f:
         w = csv.writer(f)
         w.writerow(["device", "backend", "model", "path", "prompt_tokens", "tokens", "runs",
-                    "ttft_s", "decode_tokens_per_s"])
+                    "ttft_s", "decode_tokens_per_s", "decode_cpu_ms_per_token"])
         for name, rows in (("ds4 generate (CLI, cold process)", gens),
                            ("ds4 generate path (Session.sample, warm)", libs),
                            ("ds4 serve (HTTP, SSE, warm)", serves)):
             w.writerow([device, args.backend, summary["model"], name, rows[0]["prompt_tokens"], args.tokens,
-                        args.runs, f"{med(rows, 'ttft_s'):.4f}", f"{med(rows, 'decode_tps'):.3f}"])
+                        args.runs, f"{med(rows, 'ttft_s'):.4f}", f"{med(rows, 'decode_tps'):.3f}",
+                        f"{med(rows, 'decode_cpu_ms'):.2f}" if "decode_cpu_ms" in rows[0] else ""])
     print(f"device {device}, backend {args.backend}, {summary['prompt_tokens']} prompt tokens, "
           f"{args.tokens} generated, median of {args.runs}")
     for label, key in (("ds4 generate (CLI)   ", "generate_cli"), ("generate path (warm)", "generate"),
                        ("ds4 serve (warm)    ", "serve")):
         row = summary[key]
-        print(f"  {label}: TTFT {row['ttft_s'] * 1e3:8.1f} ms, decode {row['decode_tps']:8.2f} tokens/s")
+        cpu = f", {row['decode_cpu_ms']:7.1f} CPU ms/token" if "decode_cpu_ms" in row else ""
+        print(f"  {label}: TTFT {row['ttft_s'] * 1e3:8.1f} ms, decode {row['decode_tps']:8.2f} tokens/s{cpu}")
     print(f"  head's cost of decode tokens/s: {summary['head_cost_decode'] * 100:+.2f}%")
 
 
