@@ -34,7 +34,7 @@ def register(app: typer.Typer) -> None:
 def bench(
     model: ModelOption = None,
     backend: Annotated[Optional[BackendName], typer.Option(
-        "--backend", "-b", show_default="reference",
+        "--backend", "-b", show_default="auto",
         help="Compute backend: reference (numpy), triton (CUDA), mlx (Metal / CPU), or auto "
              "where the registry offers it.")] = None,
     numerics: NumericsOption = "ds4",
@@ -115,7 +115,7 @@ def bench(
                 raise CLIError(f"--compare {compare}: {e}") from None
             names = [_resolve(n) for n in names]
         else:
-            names = [backend or "reference"]
+            names = [_resolve(backend or "auto")]
 
     table_console = out if csv_path is not None else err
     csv_file = None

@@ -104,12 +104,26 @@ def resolve_model(path: Path | None) -> Path:
         return default_model_path(progress=progress)
 
 
-def open_engine(path: Path | None, backend: str = "reference", numerics: str = "ds4"):
+def choose_backend(name: str, announce: bool = True) -> str:
+    """The concrete backend for `--backend NAME`: "auto" picks by machine (triton where CUDA is
+    present, mlx on Apple silicon, else reference; ds4.backends.resolve_backend), and the
+    choice is printed on stderr unless `announce` is False (the caller shows it itself)."""
+    from ds4.backends import resolve_backend
+
+    chosen = resolve_backend(name)
+    if name == "auto" and announce:
+        err.print(Text(f"backend: {chosen} (--backend auto)", style="dim"))
+    return chosen
+
+
+def open_engine(path: Path | None, backend: str = "auto", numerics: str = "ds4",
+                announce: bool = True):
     """Resolve the model (creating the default one if needed) and open it on `backend`."""
     import ds4
 
     with library_errors():
         model_path = resolve_model(path)
+        backend = choose_backend(backend, announce)
         return ds4.Engine.open(model_path, backend=backend, numerics=numerics)
 
 

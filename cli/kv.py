@@ -97,7 +97,7 @@ def prefill(
     nothink: NoThinkOption = False,
     system: SystemOption = DEFAULT_SYSTEM,
     ctx: CtxOption = 4096,
-    backend: BackendOption = "reference",
+    backend: BackendOption = "auto",
     numerics: NumericsOption = "ds4",
     auth_token: AuthTokenOption = None,
     io_timeout: IoTimeoutOption = DEFAULT_IO_TIMEOUT,
@@ -174,7 +174,7 @@ def decode(
     ctx: Annotated[Optional[int], typer.Option(
         "--ctx", "-c", metavar="TOKENS", callback=check_range(2), show_default="the saved ctx",
         help="Session context size; at least the saved one.")] = None,
-    backend: BackendOption = "reference",
+    backend: BackendOption = "auto",
     numerics: NumericsOption = "ds4",
     host: HostOption = "127.0.0.1",
     auth_token: AuthTokenOption = None,

@@ -24,7 +24,7 @@ from rich.text import Text
 from ds4.core.chat import DEFAULT_SYSTEM
 from ds4.core.tiny import EXPERT_MIXES, PRESETS
 
-from . import bench, kv, pipe
+from . import bench, chat, kv, pipe, serve
 from .pipe import AuthTokenOption, LayersOption, SplitNextOption, open_split_engine
 from .common import (CLIError, rate, stream_reply, err, human_bytes, library_errors, open_engine, out, print_error,
                      print_field, progress_callback, resolve_model)
@@ -67,6 +67,22 @@ app = typer.Typer(
     pretty_exceptions_show_locals=False,
     context_settings={"help_option_names": ["-h", "--help"]},
 )
+
+def _print_version(value: bool) -> None:
+    if value:
+        import ds4
+
+        out.print(f"ds4 {ds4.__version__}")
+        raise typer.Exit()
+
+
+@app.callback()
+def _root(
+    version: Annotated[bool, typer.Option(
+        "--version", callback=_print_version, is_eager=True, help="Print ds4's version and exit.")] = False,
+) -> None:
+    """DeepSeek V4 Flash inference: inspect models, write synthetic ones, generate text."""
+
 
 PresetName = Literal[tuple(PRESETS)]  # type: ignore[valid-type]
 ExpertsName = Literal[tuple(EXPERT_MIXES)]  # type: ignore[valid-type]
@@ -227,7 +243,7 @@ def generate(
     nothink: NoThinkOption = False,
     system: SystemOption = DEFAULT_SYSTEM,
     ctx: CtxOption = 4096,
-    backend: BackendOption = "reference",
+    backend: BackendOption = "auto",
     numerics: NumericsOption = "ds4",
     split_next: SplitNextOption = None,
     layers: LayersOption = None,
@@ -251,21 +267,22 @@ def generate(
 
     if split_next:
         eng = open_split_engine(model, backend, numerics, split_next, layers, ctx=ctx,
-                                sampling=params, auth_token=auth_token)
+                                sampling=params, auth_token=auth_token, announce=False)
     elif layers:
         with library_errors():
             raise CLIError("--layers is only used with --split-next")
     else:
-        eng = open_engine(model, backend, numerics)
+        eng = open_engine(model, backend, numerics, announce=False)
     try:
-        _generate(eng, prompt, n, params, rng, seed, nothink, system, ctx)
+        _generate(eng, prompt, n, params, rng, seed, nothink, system, ctx,
+                  backend_note=f"backend {eng.backend.name} (auto)" if backend == "auto" else None)
     finally:
         close = getattr(eng, "close", None)
         if close:
             close()
 
 
-def _generate(eng, prompt, n, params, rng, seed, nothink, system, ctx) -> None:
+def _generate(eng, prompt, n, params, rng, seed, nothink, system, ctx, backend_note=None) -> None:
     from ds4.core.chat import encode_prompt
     from ds4.pipeline import next_token
 
@@ -289,6 +306,8 @@ def _generate(eng, prompt, n, params, rng, seed, nothink, system, ctx) -> None:
              f"generated: {generated} tokens, {rate(generated, t_gen)}")
     if params.temperature > 0:
         stats += f" · seed {seed}"
+    if backend_note:  # `--backend auto` says what it chose, once, on the stats line
+        stats += f" · {backend_note}"
     err.print(Text(stats, style="dim"), soft_wrap=True)
     if stop == "interrupted":
         raise typer.Exit(130)
@@ -298,6 +317,8 @@ def _generate(eng, prompt, n, params, rng, seed, nothink, system, ctx) -> None:
 kv.register(app)
 pipe.register(app)
 bench.register(app)
+serve.register(app)
+chat.register(app)
 
 
 def main() -> None:

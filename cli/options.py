@@ -55,7 +55,9 @@ ModelArgument = Annotated[Optional[Path], typer.Argument(
 
 BackendOption = Annotated[BackendName, typer.Option(
     "--backend", "-b",
-    help="Compute backend: reference (numpy, runs anywhere), triton (CUDA), mlx (Metal).")]
+    help="Compute backend: auto (triton where CUDA is present, mlx on Apple silicon, else "
+         "reference; the choice is printed), reference (numpy, runs anywhere), triton (CUDA), "
+         "mlx (Metal).")]
 
 NumericsOption = Annotated[NumericsName, typer.Option(
     "--numerics",

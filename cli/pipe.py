@@ -20,7 +20,7 @@ from typing import Annotated, Optional
 
 import typer
 
-from .common import CLIError, library_errors, resolve_model
+from .common import CLIError, choose_backend, library_errors, resolve_model
 from .options import BackendOption, CtxOption, ModelOption, NumericsOption, check_range
 
 # ---- options generate can reuse ------------------------------------------------------------------
@@ -47,7 +47,7 @@ IoTimeoutOption = Annotated[float, typer.Option(
 def open_split_engine(model: Path | None, backend: str, numerics: str, split_next: str,
                       layers: str | None, *, ctx: int | None = None, slots: int = 1,
                       snapshots: int = 0, sampling=None, auth_token: str | None = None,
-                      io_timeout: float = 120.0, connect: bool = True):
+                      io_timeout: float = 120.0, connect: bool = True, announce: bool = True):
     """The head of a pipeline split, for `generate --split-next HOST:PORT --layers 0:A`.
 
     Returns a `ds4.pipeline.SplitEngine` (`.session(ctx)`, `.tokenizer`, `.config`, `.close()`);
@@ -63,6 +63,7 @@ def open_split_engine(model: Path | None, backend: str, numerics: str, split_nex
         if not layers:
             raise CLIError("--split-next needs --layers 0:A (the layers this head runs)")
         path = resolve_model(model)
+        backend = choose_backend(backend, announce)
         eng = SplitEngine.open(path, split_next, layers, backend=backend, numerics=numerics,
                                slots=slots, snapshots=snapshots, sampling=sampling,
                                auth_token=auth_token, ctx=ctx, io_timeout=io_timeout)
@@ -83,7 +84,7 @@ def pipe_worker(
         metavar="A:B", help="The layers this stage serves, [A, B); B = the model's layer count "
                             "makes it the last stage, which also runs the output head.")],
     model: ModelOption = None,
-    backend: BackendOption = "reference",
+    backend: BackendOption = "auto",
     numerics: NumericsOption = "ds4",
     slots: Annotated[int, typer.Option(
         "--slots", metavar="N", callback=check_range(1, 4096),
@@ -114,6 +115,7 @@ def pipe_worker(
                         format="pipe-worker: %(message)s")
     with library_errors():
         path = resolve_model(model)
+        backend = choose_backend(backend)
         worker = serve(path, layers, port=port, backend=backend, numerics=numerics, slots=slots,
                        ctx=ctx, snapshots=snapshots, max_rows=min(max_rows, ctx), host=host,
                        auth_token=auth_token, next_addr=next_stage, io_timeout=io_timeout,

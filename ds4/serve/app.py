@@ -1,0 +1,143 @@
+"""The FastAPI application: both APIs' routes over one `Driver`, plus what guards them.
+
+  * auth: with an API key set, every route but /health needs `Authorization: Bearer KEY` or
+    `x-api-key: KEY` (compared in constant time), else 401;
+  * limits: a request body over `max_body` bytes gets 413 before it is read, one without a
+    length 411; `max_tokens` above the server's limit gets 400;
+  * errors: every refused request gets the calling API's own error JSON (OpenAI's `error`
+    object with `param` naming the field, Anthropic's `{"type": "error", ...}`), 400 for an
+    invalid field (never FastAPI's 422);
+  * /health (200, or 503 while a pipeline's next stage is away: it tries to reach it again
+    each time it is asked) and /metrics (Prometheus).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hmac
+import json
+import time
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, Response
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from . import DEFAULT_MAX_BODY, anthropic_api, openai_api
+from .driver import Driver
+from .metrics import CONTENT_TYPE_LATEST
+from .shared import APIError, ServerState
+
+OPEN_PATHS = ("/health",)
+_ANTHROPIC_KINDS = {400: "invalid_request_error", 401: "authentication_error",
+                    403: "permission_error", 404: "not_found_error", 411: "invalid_request_error",
+                    413: "request_too_large", 429: "rate_limit_error", 503: "overloaded_error"}
+
+
+def _is_anthropic(path: str) -> bool:
+    return path.startswith("/v1/messages")
+
+
+def error_response(path: str, status: int, message: str, param: str | None = None,
+                   kind: str | None = None, headers: dict | None = None) -> JSONResponse:
+    if _is_anthropic(path):
+        kind = _ANTHROPIC_KINDS.get(status, kind or "api_error")
+        body = {"type": "error", "error": {"type": kind, "message": message}}
+    else:
+        if kind is None:
+            kind = {401: "authentication_error", 429: "rate_limit_error", 404: "not_found_error"}.get(
+                status, "invalid_request_error" if status < 500 else "api_error")
+        body = {"error": {"message": message, "type": kind, "param": param, "code": None}}
+    return JSONResponse(body, status_code=status, headers=headers)
+
+
+class Guard:
+    """ASGI middleware: API key, body size, and the request counter."""
+
+    def __init__(self, app, *, api_key: str | None, max_body: int, metrics):
+        self.app = app
+        self.key = api_key.encode() if api_key else None
+        self.max_body = max_body
+        self.metrics = metrics
+
+    def _authorized(self, headers: dict[bytes, bytes]) -> bool:
+        given = headers.get(b"x-api-key")
+        auth = headers.get(b"authorization", b"")
+        if given is None and auth[:7].lower() == b"bearer ":
+            given = auth[7:].strip()
+        return given is not None and hmac.compare_digest(given, self.key)
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        path = scope["path"]
+        headers = dict(scope["headers"])
+        status_box = [0]
+
+        async def counting_send(message):
+            if message["type"] == "http.response.start":
+                status_box[0] = message["status"]
+            await send(message)
+
+        try:
+            refusal = None
+            if self.key is not None and path not in OPEN_PATHS and not self._authorized(headers):
+                refusal = error_response(path, 401, "a valid API key is required: send "
+                                                    "'Authorization: Bearer KEY' or 'x-api-key: KEY'",
+                                         headers={"WWW-Authenticate": "Bearer"})
+            elif scope["method"] == "POST":
+                length = headers.get(b"content-length")
+                if length is None:
+                    refusal = error_response(path, 411, "the request needs a Content-Length")
+                elif not length.isdigit() or int(length) > self.max_body:
+                    refusal = error_response(path, 413, f"the request body is {length.decode(errors='replace')} "
+                                                        f"bytes; this server takes at most {self.max_body}")
+            if refusal is not None:
+                return await refusal(scope, receive, counting_send)
+            return await self.app(scope, receive, counting_send)
+        finally:
+            if path.startswith("/v1/"):
+                self.metrics.requests.labels(path, str(status_box[0])).inc()
+
+
+def create_app(driver: Driver, *, model_id: str, max_tokens_limit: int, api_key: str | None = None,
+               max_body: int = DEFAULT_MAX_BODY) -> FastAPI:
+    state = ServerState(driver, model_id, max_tokens_limit, int(time.time()))
+    app = FastAPI(title="ds4", docs_url=None, redoc_url=None, openapi_url=None)
+    app.state.ds4 = state
+
+    @app.exception_handler(APIError)
+    async def _api_error(request: Request, e: APIError):
+        return error_response(request.url.path, e.status, e.message, e.param, e.kind, e.headers)
+
+    @app.exception_handler(RequestValidationError)
+    async def _invalid(request: Request, e: RequestValidationError):
+        first = e.errors()[0]
+        loc = [str(x) for x in first.get("loc", ()) if x != "body"]
+        param = ".".join(loc) or "body"
+        detail = first.get("msg", "invalid value")
+        if first.get("type") == "json_invalid":
+            param, detail = "body", "the body is not valid JSON"
+        elif "input" in first and first.get("type") != "missing":
+            detail += f", got {json.dumps(first['input'], default=str)[:200]}"
+        return error_response(request.url.path, 400, f"{param}: {detail}", param)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http(request: Request, e: StarletteHTTPException):
+        return error_response(request.url.path, e.status_code, str(e.detail))
+
+    @app.get("/health")
+    async def health():
+        if driver.split and not driver.available and not await asyncio.to_thread(driver.probe):
+            return JSONResponse({"status": "unavailable", "reason": "the pipeline's next stage is away"},
+                                status_code=503)
+        return {"status": "ok", "model": model_id}
+
+    @app.get("/metrics")
+    async def metrics():
+        return Response(driver.metrics.render(), media_type=CONTENT_TYPE_LATEST)
+
+    openai_api.register(app, state)
+    anthropic_api.register(app, state)
+    app.add_middleware(Guard, api_key=api_key, max_body=max_body, metrics=driver.metrics)
+    return app

@@ -1,0 +1,370 @@
+"""The engine's one generation thread, its bounded queue, prompt reuse and cancellation.
+
+The engine and its session are not thread-safe, so every engine call happens on one thread.
+Endpoints `submit` a `GenRequest` and read the job's events (`Started`, `Token`..., then
+`Finished` or `Failed`) from an asyncio queue that the thread fills. A job's `cancel()` (the
+client went away) is seen by the thread before its next token.
+
+Prompt reuse: the server keeps one live session. A request whose prompt starts with every token
+the session holds (its previous prompt and reply: a chat or an agent resending its history)
+prefills only the rest; one that starts with the previous prompt less its last token continues
+from a snapshot taken there; the reused count is reported as cached tokens. Any other prompt is
+prefilled from the start (the compressed caches cannot be rewound, only restored).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import math
+import queue
+import threading
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from ds4.core.sampling import Rng, SamplingParams, sample
+from ds4.engine import Session
+
+from .metrics import Metrics
+from .reply import ReplyStream
+from .tools import ToolCall
+
+log = logging.getLogger("ds4.serve")
+
+# How the average generation's duration is tracked for Retry-After (weight of the newest one).
+_DURATION_EMA_WEIGHT = 0.3
+# How often a request that is not streamed checks that its client is still there (seconds).
+DISCONNECT_POLL_S = 0.25
+# How long shutdown waits for the generation thread to finish its cancelled token (seconds).
+CLOSE_WAIT_S = 30.0
+
+
+@dataclass
+class GenRequest:
+    prompt: list[int]
+    max_tokens: int
+    params: SamplingParams
+    seed: int
+    think: bool = False  # the reply starts in the reasoning channel
+    stops: list[str] = field(default_factory=list)
+    tools: bool = False  # parse DS4 tool-call markup out of the answer
+    logprobs: int | None = None  # None: none; k: the chosen token's and the k best
+
+
+@dataclass
+class Started:
+    prompt_tokens: int
+    cached_tokens: int
+
+
+@dataclass
+class Token:
+    pieces: list[tuple[str, str]]  # (channel, text) this token completed
+    logprob: dict | None  # {"id", "logprob", "top": [(id, logprob), ...]}
+    channel: str  # the channel the token belongs to (reasoning, content)
+
+
+@dataclass
+class Finished:
+    reason: str  # "stop", "length", "tool_calls" or "cancelled"
+    stop_sequence: str | None
+    prompt_tokens: int
+    cached_tokens: int
+    completion_tokens: int
+    tool_calls: list[ToolCall]
+    pieces: list[tuple[str, str]]  # text held back until the end
+    text: dict  # channel -> whole text
+
+
+@dataclass
+class Failed:
+    status: int  # the HTTP status it stands for (503: the pipeline is away, 500: a bug)
+    message: str
+
+
+class QueueFull(Exception):
+    def __init__(self, retry_after: int):
+        super().__init__(f"the server is busy; retry in {retry_after} s")
+        self.retry_after = retry_after
+
+
+class Job:
+    def __init__(self, req: GenRequest, loop: asyncio.AbstractEventLoop):
+        self.req = req
+        self.loop = loop
+        self.events: asyncio.Queue = asyncio.Queue()
+        self.cancelled = threading.Event()
+
+    def put(self, event) -> None:
+        with contextlib.suppress(RuntimeError):  # the loop is gone (shutdown)
+            self.loop.call_soon_threadsafe(self.events.put_nowait, event)
+
+    def cancel(self) -> None:
+        self.cancelled.set()
+
+
+def _unavailable_errors() -> tuple[type[BaseException], ...]:
+    from ds4.pipeline import PipelineError
+
+    return (PipelineError, OSError)
+
+
+class Driver:
+    def __init__(self, engine, *, ctx: int, queue_size: int, metrics: Metrics | None = None,
+                 snapshots: bool = True):
+        self.engine = engine
+        self.tokenizer = engine.tokenizer
+        self.ctx = ctx
+        self.queue_size = queue_size
+        self.metrics = metrics or Metrics()
+        self.session = engine.session(ctx=ctx)
+        self.split = not isinstance(self.session, Session)
+        # A host copy of the session at the previous prompt less its last token (see
+        # _prefill_with_snapshot); it costs one copy of the state per new prompt.
+        self.snapshots = snapshots
+        self._snapshot = None
+        self.available = True  # False while the pipeline's next stage is unreachable
+        self._jobs: queue.Queue = queue.Queue()
+        self._lock = threading.Lock()
+        self._inflight = 0  # submitted and not finished: the one generating plus those waiting
+        self._running = 0
+        self._current: Job | None = None
+        self._avg_seconds = 1.0
+        self._thread = threading.Thread(target=self._loop, name="ds4-generate", daemon=True)
+        self._thread.start()
+
+    # ---- the endpoints' side ----
+
+    def submit(self, req: GenRequest) -> Job:
+        job = Job(req, asyncio.get_running_loop())
+        with self._lock:
+            if self._inflight >= self.queue_size + 1:
+                self.metrics.rejected.inc()
+                raise QueueFull(max(1, math.ceil(self._avg_seconds * self._inflight)))
+            self._inflight += 1
+            self._set_depth()
+        self._jobs.put(job)
+        return job
+
+    def _set_depth(self) -> None:
+        self.metrics.queue_depth.set(self._inflight - self._running)
+
+    def probe(self) -> bool:
+        """For /health while a pipeline's next stage is away: try to reach it again (the
+        engine's lock keeps this apart from a generation)."""
+        if self.split and not self.available:
+            try:
+                self.engine.connect()
+                self.available = True
+            except _unavailable_errors():
+                pass
+        return self.available
+
+    def close(self) -> None:
+        """Stop after the generation under way (cancelled at its next token)."""
+        current = self._current
+        if current is not None:
+            current.cancel()
+        self._jobs.put(None)
+        self._thread.join(timeout=CLOSE_WAIT_S)
+        close = getattr(self.engine, "close", None)
+        if close:
+            close()
+
+    # ---- the generation thread ----
+
+    def _loop(self) -> None:
+        while True:
+            job = self._jobs.get()
+            if job is None:
+                return
+            with self._lock:
+                self._running = 1
+                self._current = job
+                self._set_depth()
+            t0 = time.perf_counter()
+            self.metrics.running.set(1)
+            try:
+                if job.cancelled.is_set():  # its client left while it waited
+                    continue
+                self._run(job)
+            except Exception as e:  # a bug: the job fails, the server goes on
+                log.exception("generation failed")
+                job.put(Failed(500, f"internal error: {type(e).__name__}: {e}"))
+                with contextlib.suppress(Exception):
+                    self.session.sync([])  # a session in an unknown state is not reused
+            finally:
+                with self._lock:
+                    self._inflight -= 1
+                    self._running = 0
+                    self._current = None
+                    self._set_depth()
+                self.metrics.running.set(0)
+                if not job.cancelled.is_set():
+                    w = _DURATION_EMA_WEIGHT
+                    self._avg_seconds = (1 - w) * self._avg_seconds + w * (time.perf_counter() - t0)
+
+    def _run(self, job: Job) -> None:
+        req, s, m = job.req, self.session, self.metrics
+        prev = s.tokens
+        req.prompt = same_text_prefix(self.tokenizer, prev, req.prompt)
+        n_prompt = len(req.prompt)
+        cached = len(prev) if len(prev) <= n_prompt and req.prompt[:len(prev)] == prev else 0
+        unavailable = _unavailable_errors()
+        try:
+            if self.split:
+                s.sampling = req.params  # how many candidates the last stage sends back
+            t0 = time.perf_counter()
+            if self.split or not self.snapshots:
+                s.sync(req.prompt)
+            else:
+                cached = self._prefill_with_snapshot(req.prompt, cached)
+            t_prefill = time.perf_counter() - t0
+        except unavailable as e:
+            self.available = False
+            job.put(Failed(503, str(e)))
+            return
+        self.available = True
+        if n_prompt > cached and t_prefill > 0:
+            m.prefill_rate.set((n_prompt - cached) / t_prefill)
+        job.put(Started(n_prompt, cached))
+
+        eos = self.tokenizer.eos_id
+        reply = ReplyStream(self.tokenizer, think=req.think, stops=req.stops, tools=req.tools)
+        n = min(req.max_tokens, s.ctx - n_prompt)
+        generated, reason = 0, None
+        steps = self._steps(s, n, req, Rng(req.seed))
+        t1 = time.perf_counter()
+        try:
+            with contextlib.closing(steps):
+                for token, logprob in steps:
+                    if token == eos:
+                        reason = "stop"
+                        break
+                    generated += 1
+                    channel = reply.channel
+                    pieces = reply.push(token)
+                    if reply.tool_text is not None:
+                        channel = "tool"
+                    job.put(Token(pieces, logprob, channel))
+                    if reply.done:
+                        reason = "stop"
+                        break
+                    if job.cancelled.is_set():
+                        reason = "cancelled"
+                        m.cancelled.inc()
+                        break
+        except unavailable as e:
+            self.available = False
+            job.put(Failed(503, f"the generation stopped after {generated} tokens: {e}"))
+            return
+        t_decode = time.perf_counter() - t1
+        pieces, calls = reply.finish()
+        if calls and reason != "cancelled":
+            reason = "tool_calls"
+        elif reason is None:
+            reason = "length"
+        m.prompt_tokens.inc(n_prompt)
+        m.cached_tokens.inc(cached)
+        m.generated_tokens.inc(generated)
+        if generated and t_decode > 0:
+            m.decode_rate.set(generated / t_decode)
+        job.put(Finished(reason, reply.stop_hit, n_prompt, cached, generated, calls, pieces,
+                         dict(reply.text)))
+
+    def _prefill_with_snapshot(self, prompt: list[int], cached: int) -> int:
+        """Sync the session to `prompt`, reusing the longest prefix it can: the tokens the
+        session holds, or the snapshot of the previous prompt less its last token. That
+        snapshot serves a history that resends the previous prompt but not the reply as the
+        session holds it: a think-mode chat (past turns are re-rendered without their
+        reasoning, from the generation prompt's <think> on), a reply cut by a stop string, an
+        edited or regenerated reply. Returns how many prompt tokens were reused."""
+        s, snap = self.session, self._snapshot
+        if cached == len(prompt):  # the session holds exactly this prompt
+            return cached
+        if snap is not None and cached < len(snap.tokens) < len(prompt) \
+                and prompt[:len(snap.tokens)] == snap.tokens:
+            s.restore(snap)
+            cached = len(snap.tokens)
+        head = prompt[:-1]
+        s.sync(head)  # (the session holds a prefix of head here, or nothing)
+        if head and (snap is None or snap.tokens != head):
+            self._snapshot = s.snapshot()
+        s.eval(prompt[-1])
+        return cached
+
+    def _steps(self, s, n: int, req: GenRequest, rng: Rng) -> Iterator[tuple[int, dict | None]]:
+        """(token, its logprob record or None), each evaluated by the session before it is
+        yielded, end-of-sentence included (so that the session holds what the next turn's
+        prompt will repeat)."""
+        eos = self.tokenizer.eos_id
+        if not self.split and req.logprobs is None:
+            # Session.sample keeps a device that chooses tokens itself busy between steps
+            for token in s.sample(n, req.params, rng, stop={eos}):
+                yield token, None
+            return
+        for _ in range(n):
+            if self.split:
+                token, logprob = s.next_token(req.params, rng), None
+            else:
+                logits = s.logits
+                token = sample(logits, req.params, rng)
+                logprob = token_logprobs(logits, token, req.logprobs or 0)
+            s.eval(token)
+            yield token, logprob
+            if token == eos:
+                return
+
+
+def same_text_prefix(tokenizer, held: list[int], prompt: list[int]) -> list[int]:
+    """`prompt`, with its start written as the session's `held` tokens where both spell the same
+    text (bytes and special tokens alike). A client resends the reply as text, and BPE of
+    that text need not give back the tokens the model chose; this keeps the session reusable.
+    """
+    if not held or prompt[:len(held)] == held:
+        return prompt
+    special = set(tokenizer.special_ids.values())
+    want = b"".join(tokenizer.token_bytes(t) for t in held)
+    want_special = [t for t in held if t in special]
+    got, k = 0, 0
+    while k < len(prompt) and got < len(want):
+        got += len(tokenizer.token_bytes(prompt[k]))
+        k += 1
+    if got != len(want):
+        return prompt
+    head = prompt[:k]
+    if b"".join(tokenizer.token_bytes(t) for t in head) != want \
+            or [t for t in head if t in special] != want_special:
+        return prompt
+    return held + prompt[k:]
+
+
+def token_logprobs(logits: np.ndarray, token: int, top: int) -> dict:
+    """The log-probability of `token` and of the `top` most likely tokens, under the model's
+    own distribution (softmax of the logits, before temperature or truncation)."""
+    x = np.asarray(logits, dtype=np.float64)
+    finite = np.isfinite(x)
+    mx = x[finite].max()
+    lse = mx + math.log(np.exp(x[finite] - mx).sum())
+    lp = x - lse
+    best = []
+    if top > 0:
+        idx = np.argpartition(-lp, top - 1)[:top] if top < len(lp) else np.arange(len(lp))
+        idx = idx[np.lexsort((idx, -lp[idx]))]
+        best = [(int(i), float(lp[i])) for i in idx]
+    return {"id": int(token), "logprob": float(lp[token]), "top": best}
+
+
+async def next_event(job: Job, request, poll_s: float = DISCONNECT_POLL_S):
+    """The job's next event; cancels the job (and returns None) once the client is gone."""
+    while True:
+        try:
+            return await asyncio.wait_for(job.events.get(), poll_s)
+        except asyncio.TimeoutError:
+            if await request.is_disconnected():
+                job.cancel()
+                return None

@@ -1,0 +1,386 @@
+"""The OpenAI API: GET /v1/models, POST /v1/chat/completions, POST /v1/completions.
+
+Extensions: `top_k` and `min_p` (ds4's sampler; min_p defaults to ds4's 0.05), and the think
+mode: DS4 thinks by default, as `ds4 generate` does; `reasoning_effort: "none"` (or
+`"thinking": {"type": "disabled"}`) answers without reasoning, "max" / "xhigh" is Think-Max
+where the context allows it. The reasoning comes back apart from the answer, as
+`reasoning_content`.
+"""
+
+from __future__ import annotations
+
+import json
+import secrets
+import time
+from typing import Any, Optional, Union
+
+from fastapi import FastAPI, Request
+from fastapi.responses import StreamingResponse
+from pydantic import BaseModel, ConfigDict, Field
+
+from ds4.core.sampling import SamplingParams
+
+from .driver import Failed, Finished, GenRequest, Token
+from .prompt import Conversation, Turn, add_turn
+from .reply import CONTENT, REASONING
+from .shared import (MAX_SEED, MAX_TOP_LOGPROBS, APIError, ServerState, bad, check_prompt,
+                     default_seed, encode_conversation, events, first_event, max_tokens_for,
+                     stops_from, submit)
+from .tools import ToolCall, ToolSpec
+
+COMPLETIONS_DEFAULT_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
+MAX_COMPLETION_LOGPROBS = 5
+THINK_OFF = ("none",)
+THINK_MAX = ("max", "xhigh")
+
+
+class _Sampling(BaseModel):
+    model_config = ConfigDict(extra="allow")
+
+    model: Optional[str] = None
+    stream: bool = False
+    stream_options: Optional[dict] = None
+    max_tokens: Optional[int] = None
+    temperature: float = Field(1.0, ge=0.0, le=2.0)
+    top_p: float = Field(1.0, gt=0.0, le=1.0)
+    top_k: int = Field(0, ge=0)
+    min_p: float = Field(0.05, ge=0.0, le=1.0)
+    seed: Optional[int] = Field(None, ge=0, le=MAX_SEED)
+    stop: Union[str, list[str], None] = None
+    n: int = 1
+
+    def sampling(self) -> SamplingParams:
+        return SamplingParams(self.temperature, self.top_k, self.top_p, self.min_p)
+
+    def check_n(self) -> None:
+        if self.n != 1:
+            raise bad("n", f"this server returns one choice per request: expected 1, got {self.n}")
+
+    @property
+    def include_usage(self) -> bool:
+        return bool(self.stream and self.stream_options and self.stream_options.get("include_usage"))
+
+
+class ChatRequest(_Sampling):
+    messages: list[dict[str, Any]] = Field(min_length=1)
+    max_completion_tokens: Optional[int] = None
+    logprobs: bool = False
+    top_logprobs: Optional[int] = Field(None, ge=0, le=MAX_TOP_LOGPROBS)
+    tools: Optional[list[dict[str, Any]]] = None
+    tool_choice: Union[str, dict, None] = None
+    reasoning_effort: Optional[str] = None
+    thinking: Optional[dict] = None
+
+
+class CompletionRequest(_Sampling):
+    prompt: Union[str, list[str], list[int]]
+    logprobs: Optional[int] = Field(None, ge=0, le=MAX_COMPLETION_LOGPROBS)
+    echo: bool = False
+
+
+# ---- messages -> Conversation ---------------------------------------------------------------------
+
+def _text(content, param: str) -> str:
+    if content is None:
+        return ""
+    if isinstance(content, str):
+        return content
+    if isinstance(content, list):
+        out = []
+        for j, part in enumerate(content):
+            if not isinstance(part, dict) or part.get("type") not in ("text", "input_text"):
+                kind = part.get("type") if isinstance(part, dict) else type(part).__name__
+                raise bad(f"{param}[{j}].type", f"only text content is supported, got {kind!r}")
+            if not isinstance(part.get("text"), str):
+                raise bad(f"{param}[{j}].text", "expected a string")
+            out.append(part["text"])
+        return "".join(out)
+    raise bad(param, f"expected a string or a list of content parts, got {type(content).__name__}")
+
+
+def _tool_calls(calls, param: str) -> list[ToolCall]:
+    if not isinstance(calls, list):
+        raise bad(param, "expected a list of tool calls")
+    out = []
+    for j, call in enumerate(calls):
+        fn = call.get("function") if isinstance(call, dict) else None
+        if not isinstance(fn, dict) or not isinstance(fn.get("name"), str):
+            raise bad(f"{param}[{j}].function.name", "expected a string")
+        raw = fn.get("arguments") or "{}"
+        try:
+            args = json.loads(raw) if isinstance(raw, str) else raw
+        except ValueError:
+            raise bad(f"{param}[{j}].function.arguments", "expected a JSON object") from None
+        if not isinstance(args, dict):
+            raise bad(f"{param}[{j}].function.arguments", "expected a JSON object")
+        out.append(ToolCall(fn["name"], args, id=str(call.get("id") or "")))
+    return out
+
+
+def conversation(req: ChatRequest) -> Conversation:
+    conv = Conversation()
+    for i, msg in enumerate(req.messages):
+        p = f"messages[{i}]"
+        role = msg.get("role")
+        if role in ("system", "developer"):
+            conv.system.append(_text(msg.get("content"), f"{p}.content"))
+        elif role == "user":
+            add_turn(conv, Turn("user", _text(msg.get("content"), f"{p}.content")))
+        elif role == "assistant":
+            calls = _tool_calls(msg["tool_calls"], f"{p}.tool_calls") if msg.get("tool_calls") else []
+            reasoning = msg.get("reasoning_content")
+            add_turn(conv, Turn("assistant", _text(msg.get("content"), f"{p}.content"),
+                                reasoning if isinstance(reasoning, str) else None, calls))
+        elif role in ("tool", "function"):
+            add_turn(conv, Turn("tool", tool_results=[_text(msg.get("content"), f"{p}.content")]))
+        else:
+            raise bad(f"{p}.role", "expected one of system, developer, user, assistant, tool, "
+                                   f"function, got {role!r}")
+    if req.tools and req.tool_choice != "none":
+        for j, tool in enumerate(req.tools):
+            fn = tool.get("function") if isinstance(tool, dict) else None
+            if tool.get("type", "function") != "function" or not isinstance(fn, dict) \
+                    or not isinstance(fn.get("name"), str):
+                raise bad(f"tools[{j}].function.name", "expected a function tool with a name")
+            conv.tools.append(ToolSpec(fn["name"], fn.get("description") or "",
+                                       fn.get("parameters") or {"type": "object", "properties": {}}))
+        choice = req.tool_choice
+        if choice in (None, "auto"):
+            conv.tool_choice = None
+        elif choice == "required":
+            conv.tool_choice = "required"
+        elif isinstance(choice, dict) and isinstance(choice.get("function"), dict):
+            name = choice["function"].get("name")
+            if name not in {t.name for t in conv.tools}:
+                raise bad("tool_choice.function.name", f"no tool named {name!r} in tools")
+            conv.tool_choice = name
+        else:
+            raise bad("tool_choice", f"expected none, auto, required or a function, got {choice!r}")
+    return conv
+
+
+def think_mode(req: ChatRequest) -> tuple[bool, bool]:
+    if req.thinking is not None and req.thinking.get("type") == "disabled":
+        return False, False
+    effort = req.reasoning_effort
+    if effort is not None and effort not in ("none", "minimal", "low", "medium", "high", *THINK_MAX):
+        raise bad("reasoning_effort", f"expected none, minimal, low, medium, high or max, got {effort!r}")
+    return effort not in THINK_OFF, effort in THINK_MAX
+
+
+# ---- responses ------------------------------------------------------------------------------------
+
+def _usage(fin: Finished) -> dict:
+    return {"prompt_tokens": fin.prompt_tokens, "completion_tokens": fin.completion_tokens,
+            "total_tokens": fin.prompt_tokens + fin.completion_tokens,
+            "prompt_tokens_details": {"cached_tokens": fin.cached_tokens}}
+
+
+def _finish_reason(fin: Finished) -> str:
+    return fin.reason if fin.reason in ("stop", "length", "tool_calls") else "stop"
+
+
+def _token_entry(tok, token_id: int, logprob: float) -> dict:
+    raw = tok.token_bytes(token_id)
+    return {"token": raw.decode("utf-8", errors="replace"), "logprob": logprob, "bytes": list(raw)}
+
+
+def _chat_logprob(tok, lp: dict) -> dict:
+    entry = _token_entry(tok, lp["id"], lp["logprob"])
+    entry["top_logprobs"] = [_token_entry(tok, i, v) for i, v in lp["top"]]
+    return entry
+
+
+def _tool_call_json(call: ToolCall, index: int | None = None) -> dict:
+    out = {"id": call.id, "type": "function",
+           "function": {"name": call.name, "arguments": call.arguments_json}}
+    if index is not None:
+        out["index"] = index
+    return out
+
+
+def chat_completion(fin: Finished, *, model: str, logprobs: list | None, cid: str | None = None,
+                    created: int | None = None) -> dict:
+    """The non-streamed chat.completion object of a finished generation."""
+    message: dict = {"role": "assistant", "content": fin.text[CONTENT]}
+    if fin.text[REASONING]:
+        message["reasoning_content"] = fin.text[REASONING]
+    if fin.tool_calls:
+        message["tool_calls"] = [_tool_call_json(c) for c in fin.tool_calls]
+        message["content"] = fin.text[CONTENT] or None
+    return {"id": cid or "chatcmpl-" + secrets.token_hex(12), "object": "chat.completion",
+            "created": created or int(time.time()), "model": model,
+            "choices": [{"index": 0, "message": message,
+                         "logprobs": None if logprobs is None else {"content": logprobs},
+                         "finish_reason": _finish_reason(fin)}],
+            "usage": _usage(fin)}
+
+
+def _sse(obj) -> str:
+    return f"data: {json.dumps(obj, ensure_ascii=False)}\n\n"
+
+
+def _error_json(message: str, kind: str = "api_error", param: str | None = None) -> dict:
+    return {"error": {"message": message, "type": kind, "param": param, "code": None}}
+
+
+async def chat_chunks(evs, *, tok, cid: str, created: int, model: str, logprobs: bool,
+                      include_usage: bool):
+    """The SSE lines of a streamed chat completion, from a job's events after `Started`."""
+
+    def chunk(delta: dict, finish=None, logprobs=None) -> str:
+        choice = {"index": 0, "delta": delta, "logprobs": logprobs, "finish_reason": finish}
+        return _sse({"id": cid, "object": "chat.completion.chunk", "created": created,
+                     "model": model, "choices": [choice]})
+
+    def pieces(pcs, lp=None, channel=None):
+        lps = {"content": [_chat_logprob(tok, lp)]} if lp and channel == CONTENT else None
+        for ch, text in pcs:
+            key = "content" if ch == CONTENT else "reasoning_content"
+            yield chunk({key: text}, logprobs=lps if ch == CONTENT else None)
+            if ch == CONTENT:
+                lps = None
+        if lps:  # a token whose text is held back still gets its logprob
+            yield chunk({"content": ""}, logprobs=lps)
+
+    yield chunk({"role": "assistant", "content": ""})
+    async for ev in evs:
+        if isinstance(ev, Token):
+            for c in pieces(ev.pieces, ev.logprob if logprobs else None, ev.channel):
+                yield c
+        elif isinstance(ev, Failed):
+            yield _sse(_error_json(ev.message))
+            return
+        elif isinstance(ev, Finished):
+            for c in pieces(ev.pieces):
+                yield c
+            if ev.tool_calls:
+                yield chunk({"tool_calls": [_tool_call_json(c, i) for i, c in enumerate(ev.tool_calls)]})
+            yield chunk({}, _finish_reason(ev))
+            if include_usage:
+                yield _sse({"id": cid, "object": "chat.completion.chunk", "created": created,
+                            "model": model, "choices": [], "usage": _usage(ev)})
+            yield "data: [DONE]\n\n"
+
+
+def register(app: FastAPI, state: ServerState) -> None:
+    tok = state.tokenizer
+
+    @app.get("/v1/models")
+    async def models() -> dict:
+        return {"object": "list", "data": [{"id": state.model_id, "object": "model",
+                                            "created": state.created, "owned_by": "ds4"}]}
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(body: ChatRequest, request: Request):
+        body.check_n()
+        if body.max_tokens is not None and body.max_completion_tokens is not None:
+            raise bad("max_completion_tokens", "give max_tokens or max_completion_tokens, not both")
+        think, think_max = think_mode(body)
+        conv = conversation(body)
+        prompt = encode_conversation(state, conv, think, think_max)
+        check_prompt(state, prompt, "messages")
+        limit_param = "max_completion_tokens" if body.max_completion_tokens is not None else "max_tokens"
+        requested = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
+        n = max_tokens_for(state, requested, limit_param, None, len(prompt))
+        want_lp = body.top_logprobs or 0 if body.logprobs else None
+        if body.top_logprobs is not None and not body.logprobs:
+            raise bad("top_logprobs", "needs logprobs: true")
+        req = GenRequest(prompt, n, body.sampling(), default_seed() if body.seed is None else body.seed,
+                         think=think, stops=stops_from(body.stop, "stop"), tools=bool(conv.tools),
+                         logprobs=want_lp)
+        job = submit(state, req)
+        await first_event(job, request)
+        model = body.model or state.model_id
+        cid, created = "chatcmpl-" + secrets.token_hex(12), int(time.time())
+        if not body.stream:
+            logprobs = [] if want_lp is not None else None
+            async for ev in events(job, request):
+                if isinstance(ev, Token) and ev.logprob and logprobs is not None \
+                        and ev.channel == CONTENT:
+                    logprobs.append(_chat_logprob(tok, ev.logprob))
+                elif isinstance(ev, Failed):
+                    raise APIError(ev.status, ev.message, None, "api_error")
+                elif isinstance(ev, Finished):
+                    return chat_completion(ev, model=model, logprobs=logprobs, cid=cid, created=created)
+            raise APIError(499, "the client closed the request")
+
+        stream = chat_chunks(events(job, request, stream=True), tok=tok, cid=cid, created=created,
+                             model=model, logprobs=want_lp is not None, include_usage=body.include_usage)
+        return StreamingResponse(stream, media_type="text/event-stream",
+                                 headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+
+    @app.post("/v1/completions")
+    async def completions(body: CompletionRequest, request: Request):
+        body.check_n()
+        if body.echo:
+            raise bad("echo", "echo is not supported")
+        p = body.prompt
+        if isinstance(p, list) and p and all(isinstance(x, str) for x in p):
+            if len(p) != 1:
+                raise bad("prompt", f"expected one prompt, got {len(p)}")
+            p = p[0]
+        if isinstance(p, str):
+            prompt = tok.encode_rendered(p)  # raw text: chat markup in it becomes special tokens
+        else:
+            prompt = [int(x) for x in p]
+            bad_ids = [x for x in prompt if not 0 <= x < tok.vocab_size]
+            if bad_ids:
+                raise bad("prompt", f"token id {bad_ids[0]} is outside the vocabulary "
+                                    f"[0, {tok.vocab_size})")
+        check_prompt(state, prompt, "prompt")
+        n = max_tokens_for(state, body.max_tokens, "max_tokens", COMPLETIONS_DEFAULT_MAX_TOKENS,
+                           len(prompt))
+        req = GenRequest(prompt, n, body.sampling(), default_seed() if body.seed is None else body.seed,
+                         stops=stops_from(body.stop, "stop"), logprobs=body.logprobs)
+        job = submit(state, req)
+        await first_event(job, request)
+        model = body.model or state.model_id
+        cid, created = "cmpl-" + secrets.token_hex(12), int(time.time())
+
+        def lp_json(lps: list[dict]) -> dict | None:
+            if body.logprobs is None:
+                return None
+            return {"tokens": [tok.token_bytes(x["id"]).decode("utf-8", errors="replace") for x in lps],
+                    "token_logprobs": [x["logprob"] for x in lps],
+                    "top_logprobs": [{tok.token_bytes(i).decode("utf-8", errors="replace"): v
+                                      for i, v in x["top"]} for x in lps],
+                    "text_offset": []}
+
+        if not body.stream:
+            lps: list[dict] = []
+            async for ev in events(job, request):
+                if isinstance(ev, Token) and ev.logprob:
+                    lps.append(ev.logprob)
+                elif isinstance(ev, Failed):
+                    raise APIError(ev.status, ev.message, None, "api_error")
+                elif isinstance(ev, Finished):
+                    return {"id": cid, "object": "text_completion", "created": created, "model": model,
+                            "choices": [{"index": 0, "text": ev.text[CONTENT], "logprobs": lp_json(lps),
+                                         "finish_reason": _finish_reason(ev)}],
+                            "usage": _usage(ev)}
+            raise APIError(499, "the client closed the request")
+
+        def chunk(text: str, finish=None, lps=None) -> str:
+            return _sse({"id": cid, "object": "text_completion", "created": created, "model": model,
+                         "choices": [{"index": 0, "text": text, "logprobs": lps,
+                                      "finish_reason": finish}]})
+
+        async def stream():
+            async for ev in events(job, request, stream=True):
+                if isinstance(ev, Token):
+                    text = "".join(t for _, t in ev.pieces)
+                    if text or ev.logprob:
+                        yield chunk(text, lps=lp_json([ev.logprob]) if ev.logprob else None)
+                elif isinstance(ev, Failed):
+                    yield _sse(_error_json(ev.message))
+                    return
+                elif isinstance(ev, Finished):
+                    yield chunk("".join(t for _, t in ev.pieces), _finish_reason(ev))
+                    if body.include_usage:
+                        yield _sse({"id": cid, "object": "text_completion", "created": created,
+                                    "model": model, "choices": [], "usage": _usage(ev)})
+                    yield "data: [DONE]\n\n"
+
+        return StreamingResponse(stream(), media_type="text/event-stream",
+                                 headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})

@@ -1,0 +1,366 @@
+"""`ds4 serve` on the embedded default model, driven by the official openai and anthropic clients.
+
+One server process (reference backend, an API key, a queue of one) serves every test here. The
+expected texts come from paths independent of the HTTP head: `ds4 generate -t 0` in its own
+process, and the library's Session driven greedily in this process.
+"""
+
+from __future__ import annotations
+
+import json
+import socket
+import subprocess
+import sys
+import time
+
+import anthropic
+import httpx
+import numpy as np
+import openai
+import pytest
+
+from ds4.core.chat import DEFAULT_SYSTEM
+
+from serve_helpers import ROOT, Proc, metric, wait_idle
+
+KEY = "test-key-0123"
+AUTH = {"Authorization": f"Bearer {KEY}"}
+# (this anthropic client has no sampling arguments; the server still reads them from the body)
+T0 = {"temperature": 0}
+N = 3  # tokens per reply: the text is gibberish (random weights), a few tokens say enough
+
+
+def _generate_argv(prompt: str) -> list[str]:
+    return [sys.executable, "-m", "cli.main", "generate", "-p", prompt, "-n", str(N), "-t", "0",
+            "--nothink", "--backend", "reference"]
+
+
+@pytest.fixture(scope="module")
+def generate_hi():
+    """`ds4 generate -t 0 --nothink -p hi`, started early so that it runs while the server loads."""
+    p = subprocess.Popen(_generate_argv("hi"), cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                         text=True, env={**__import__("os").environ, "PYTHONPATH": str(ROOT)})
+    yield p
+    if p.poll() is None:
+        p.kill()
+        p.wait()
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory, generate_hi):
+    log = tmp_path_factory.mktemp("serve") / "serve.log"
+    proc = Proc(["serve", "--port", "0", "--backend", "reference", "--queue", "1", "--ctx", "1024",
+                 "--max-tokens-limit", "512"], log, env={"DS4_API_KEY": KEY})
+    try:
+        yield proc.wait_listening().wait_healthy()
+    finally:
+        proc.kill()
+
+
+@pytest.fixture(scope="module")
+def oa(server):
+    return openai.OpenAI(base_url=f"{server.url}/v1", api_key=KEY, max_retries=0, timeout=120)
+
+
+@pytest.fixture(scope="module")
+def an(server):
+    return anthropic.Anthropic(base_url=server.url, api_key=KEY, max_retries=0, timeout=120)
+
+
+@pytest.fixture(scope="module")
+def engine():
+    import ds4
+
+    return ds4.Engine.open(None, backend="reference")
+
+
+_greedy: dict = {}
+
+
+def greedy_ids(engine, ids: list[int], n: int) -> list[int]:
+    """The library's own greedy continuation (cold session), the reference for the server."""
+    key = (tuple(ids), n)
+    if key not in _greedy:
+        s = engine.session(ctx=1024)
+        s.sync(ids)
+        _greedy[key] = list(s.greedy(n, stop={engine.tokenizer.eos_id}))
+    return _greedy[key]
+
+
+def chat_ids(tok, user: str, think: bool, system: str | None = None) -> list[int]:
+    """BOS [system] <｜User｜>user <｜Assistant｜><think> | </think>, by hand (spec §5)."""
+    ids = [tok.bos_id] + (tok.encode(system) if system else []) + [tok.user_id] + tok.encode(user)
+    return ids + [tok.assistant_id, tok.think_start_id if think else tok.think_end_id]
+
+
+def test_models_health_metrics(server, oa):
+    assert [m.id for m in oa.models.list().data] == ["ds4-default"]
+    assert httpx.get(f"{server.url}/health").json()["status"] == "ok"  # open without a key
+    assert httpx.get(f"{server.url}/metrics").status_code == 401
+    text = httpx.get(f"{server.url}/metrics", headers=AUTH).text
+    for name in ("ds4_requests_total", "ds4_queue_depth", "ds4_prompt_tokens_total",
+                 "ds4_generated_tokens_total", "ds4_prefill_tokens_per_second",
+                 "ds4_decode_tokens_per_second"):
+        assert name in text
+
+
+def test_stream_equals_nonstream_and_usage(oa, engine):
+    tok = engine.tokenizer
+    msgs = [{"role": "user", "content": "Hello"}]
+    r = oa.chat.completions.create(model="ds4", messages=msgs, max_tokens=N, temperature=0)
+    reasoning = r.choices[0].message.model_extra["reasoning_content"]
+    parts = {"reasoning_content": "", "content": ""}
+    usage = finish = None
+    for c in oa.chat.completions.create(model="ds4", messages=msgs, max_tokens=N, temperature=0,
+                                        stream=True, stream_options={"include_usage": True}):
+        if c.usage:
+            usage = c.usage
+        for ch in c.choices:
+            finish = ch.finish_reason or finish
+            for key in parts:
+                parts[key] += getattr(ch.delta, key, None) or (ch.delta.model_extra or {}).get(key) or ""
+    assert (parts["reasoning_content"], parts["content"]) == (reasoning, r.choices[0].message.content)
+    # think mode (the default): the reply is reasoning until </think>; the greedy ids in-process
+    ids = chat_ids(tok, "Hello", think=True)
+    want = greedy_ids(engine, ids, N)
+    assert tok.eos_id not in want and tok.think_end_id not in want
+    assert reasoning == tok.decode(want)
+    assert r.choices[0].finish_reason == finish == "length"
+    assert r.usage.prompt_tokens == usage.prompt_tokens == len(ids)
+    assert r.usage.completion_tokens == usage.completion_tokens == N
+
+
+def test_temperature0_equals_ds4_generate(oa, generate_hi):
+    stdout, stderr = generate_hi.communicate(timeout=300)
+    assert generate_hi.returncode == 0, stderr
+    r = oa.chat.completions.create(
+        model="ds4", messages=[{"role": "system", "content": DEFAULT_SYSTEM},
+                               {"role": "user", "content": "hi"}],
+        max_tokens=N, temperature=0, reasoning_effort="none")
+    assert r.choices[0].message.content == stdout.removesuffix("\n")
+    assert r.choices[0].message.model_extra.get("reasoning_content") is None
+
+
+def test_anthropic_stream_nonstream_usage(an, oa, engine):
+    tok = engine.tokenizer
+    msgs = [{"role": "user", "content": "Hello"}]
+    m = an.messages.create(model="ds4", max_tokens=N, messages=msgs, extra_body=T0)
+    with an.messages.stream(model="ds4", max_tokens=N, messages=msgs, extra_body=T0) as s:
+        streamed = "".join(s.text_stream)
+        final = s.get_final_message()
+    assert isinstance(m, anthropic.types.Message)
+    assert m.content[0].type == "text" and streamed == m.content[0].text == final.content[0].text
+    assert m.stop_reason == final.stop_reason == "max_tokens"
+    ids = chat_ids(tok, "Hello", think=False)
+    assert m.content[0].text == tok.decode(greedy_ids(engine, ids, N))
+    assert m.usage.input_tokens + (m.usage.cache_read_input_tokens or 0) == len(ids)
+    assert m.usage.output_tokens == N
+    assert an.messages.count_tokens(model="ds4", messages=msgs).input_tokens == len(ids)
+
+
+def test_anthropic_thinking_block(an, engine):
+    tok = engine.tokenizer
+    m = an.messages.create(model="ds4", max_tokens=N, extra_body=T0,
+                           thinking={"type": "enabled", "budget_tokens": 1024},
+                           messages=[{"role": "user", "content": "Hello"}])
+    assert m.content[0].type == "thinking"
+    assert m.content[0].thinking == tok.decode(greedy_ids(engine, chat_ids(tok, "Hello", True), N))
+
+
+def test_stop_sequences_across_tokens(oa, an):
+    msgs = [{"role": "user", "content": "Tell me"}]
+    chunks = [c.choices[0].delta.content for c in oa.chat.completions.create(
+        model="ds4", messages=msgs, max_tokens=4, temperature=0, reasoning_effort="none", stream=True)
+        if c.choices and c.choices[0].delta.content]
+    full = "".join(chunks)
+    i = next(k for k in range(1, len(chunks)) if chunks[k - 1] and chunks[k])
+    stop = chunks[i - 1][-1] + chunks[i][0]  # spans the boundary between two tokens' text
+    want = full[:full.find(stop)]
+    r = oa.chat.completions.create(model="ds4", messages=msgs, max_tokens=4, temperature=0,
+                                   reasoning_effort="none", stop=[stop])
+    assert r.choices[0].finish_reason == "stop"
+    assert r.choices[0].message.content == want
+    streamed = "".join(c.choices[0].delta.content or "" for c in oa.chat.completions.create(
+        model="ds4", messages=msgs, max_tokens=4, temperature=0, reasoning_effort="none",
+        stop=stop, stream=True) if c.choices)
+    assert streamed == want
+    m = an.messages.create(model="ds4", max_tokens=4, messages=msgs, extra_body=T0, stop_sequences=[stop])
+    assert (m.stop_reason, m.stop_sequence, m.content[0].text) == ("stop_sequence", stop, want)
+
+
+def test_prefix_reuse_equals_cold(oa, an, engine):
+    tok = engine.tokenizer
+    first = [{"role": "user", "content": "Hello there"}]
+    a = oa.chat.completions.create(model="ds4", messages=first, max_tokens=N, temperature=0,
+                                   reasoning_effort="none")
+    history = first + [{"role": "assistant", "content": a.choices[0].message.content},
+                       {"role": "user", "content": "Again"}]
+    b = oa.chat.completions.create(model="ds4", messages=history, max_tokens=N, temperature=0,
+                                   reasoning_effort="none")
+    held = a.usage.prompt_tokens + a.usage.completion_tokens
+    assert b.usage.prompt_tokens_details.cached_tokens == held
+    # cold, in this process: the first prompt, its greedy reply's ids, then the new turn
+    ids_a = chat_ids(tok, "Hello there", think=False)
+    reply = greedy_ids(engine, ids_a, N)
+    assert tok.decode(reply) == a.choices[0].message.content
+    ids_b = ids_a + reply + [tok.eos_id, tok.user_id] + tok.encode("Again") + [tok.assistant_id, tok.think_end_id]
+    assert b.usage.prompt_tokens == len(ids_b)
+    assert b.choices[0].message.content == tok.decode(greedy_ids(engine, ids_b, N))
+    # the Anthropic API reports the reuse as cache reads
+    c = an.messages.create(model="ds4", max_tokens=N, extra_body=T0, messages=history + [
+        {"role": "assistant", "content": b.choices[0].message.content},
+        {"role": "user", "content": "More"}])
+    assert c.usage.cache_read_input_tokens == len(ids_b) + N
+    assert c.usage.input_tokens + c.usage.cache_read_input_tokens > len(ids_b) + N
+
+
+def test_think_mode_chat_reuses_the_prompt_snapshot(oa, engine):
+    """A think-mode history drops the past reasoning (from the generation prompt's <think> on),
+    so the session's tokens are not a prefix of the next prompt; the snapshot of the previous
+    prompt less that token is, and the text equals a cold session's."""
+    tok = engine.tokenizer
+    first = [{"role": "user", "content": "Think about it"}]
+    a = oa.chat.completions.create(model="ds4", messages=first, max_tokens=N, temperature=0)
+    answer = a.choices[0].message.content
+    b = oa.chat.completions.create(model="ds4", temperature=0, max_tokens=N, messages=first + [
+        {"role": "assistant", "content": answer}, {"role": "user", "content": "And?"}])
+    ids_a = chat_ids(tok, "Think about it", think=True)
+    ids_b = (ids_a[:-1] + [tok.think_end_id] + tok.encode(answer) + [tok.eos_id, tok.user_id]
+             + tok.encode("And?") + [tok.assistant_id, tok.think_start_id])
+    assert b.usage.prompt_tokens == len(ids_b)
+    assert b.usage.prompt_tokens_details.cached_tokens == len(ids_a) - 1
+    assert b.choices[0].message.model_extra["reasoning_content"] == tok.decode(greedy_ids(engine, ids_b, N))
+
+
+def test_logprobs(oa, engine):
+    tok = engine.tokenizer
+    r = oa.chat.completions.create(model="ds4", messages=[{"role": "user", "content": "Hi"}],
+                                   max_tokens=3, temperature=0, reasoning_effort="none",
+                                   logprobs=True, top_logprobs=2)
+    entries = r.choices[0].logprobs.content
+    s = engine.session(ctx=1024)
+    s.sync(chat_ids(tok, "Hi", think=False))
+    assert len(entries) == 3
+    for e in entries:
+        x = s.logits.astype(np.float64)
+        lp = x - (x.max() + np.log(np.exp(x - x.max()).sum()))
+        best = np.argsort(-lp, kind="stable")[:2]
+        assert e.token == tok.token_bytes(int(best[0])).decode("utf-8", errors="replace")
+        assert e.logprob == pytest.approx(lp[best[0]], abs=1e-5)
+        assert [t.logprob for t in e.top_logprobs] == pytest.approx(lp[best].tolist(), abs=1e-5)
+        s.eval(int(best[0]))
+
+
+def test_raw_completions(oa, engine):
+    tok = engine.tokenizer
+    prompt = "<｜begin▁of▁sentence｜>Once upon a time"
+    r = oa.completions.create(model="ds4", prompt=prompt, max_tokens=3, temperature=0)
+    ids = tok.encode_rendered(prompt)
+    assert r.choices[0].text == tok.decode(greedy_ids(engine, ids, 3))
+    assert r.usage.prompt_tokens == len(ids) and r.choices[0].finish_reason == "length"
+
+
+def test_tool_history_renders_in_ds4_format(oa, an, engine):
+    """An assistant tool call and its result, sent by each client, become the DSML block and the
+    <tool_result> turn written out here by hand from spec §5."""
+    from ds4.serve.tools import ToolSpec, render_tool_prompt
+
+    tok = engine.tokenizer
+    schema = {"type": "object", "properties": {"city": {"type": "string"}, "days": {"type": "integer"}}}
+    oa_tools = [{"type": "function", "function": {"name": "get_weather", "description": "Weather",
+                                                   "parameters": schema}}]
+    oa_msgs = [{"role": "user", "content": "Weather in Paris?"},
+               {"role": "assistant", "content": None, "tool_calls": [
+                   {"id": "call_1", "type": "function",
+                    "function": {"name": "get_weather", "arguments": json.dumps({"city": "Paris", "days": 2})}}]},
+               {"role": "tool", "tool_call_id": "call_1", "content": "sunny"}]
+    text = ("<｜begin▁of▁sentence｜>" + render_tool_prompt([ToolSpec("get_weather", "Weather", schema)])
+            + "<｜User｜>Weather in Paris?<｜Assistant｜></think>\n\n<｜DSML｜tool_calls>\n"
+            '<｜DSML｜invoke name="get_weather">\n'
+            '<｜DSML｜parameter name="city" string="true">Paris</｜DSML｜parameter>\n'
+            '<｜DSML｜parameter name="days" string="false">2</｜DSML｜parameter>\n'
+            "</｜DSML｜invoke>\n</｜DSML｜tool_calls><｜end▁of▁sentence｜>"
+            "<｜User｜><tool_result>sunny</tool_result><｜Assistant｜></think>")
+    want = len(tok.encode_rendered(text))
+    r = oa.chat.completions.create(model="ds4", messages=oa_msgs, tools=oa_tools, max_tokens=1,
+                                   temperature=0, reasoning_effort="none")
+    assert r.usage.prompt_tokens == want
+    an_msgs = [{"role": "user", "content": "Weather in Paris?"},
+               {"role": "assistant", "content": [{"type": "tool_use", "id": "toolu_1", "name": "get_weather",
+                                                  "input": {"city": "Paris", "days": 2}}]},
+               {"role": "user", "content": [{"type": "tool_result", "tool_use_id": "toolu_1",
+                                             "content": "sunny"}]}]
+    an_tools = [{"name": "get_weather", "description": "Weather", "input_schema": schema}]
+    assert an.messages.count_tokens(model="ds4", messages=an_msgs, tools=an_tools).input_tokens == want
+
+
+def test_invalid_requests_400(server, oa, an):
+    msgs = [{"role": "user", "content": "x"}]
+    cases = [({"temperature": 5}, "temperature"), ({"n": 2}, "n"),
+             ({"max_tokens": 100000}, "max_tokens"), ({"top_p": 0}, "top_p"),
+             ({"messages": [{"role": "robot", "content": "x"}]}, "messages[0].role"),
+             ({"messages": [{"role": "user", "content": [{"type": "image_url"}]}]}, "messages[0].content[0].type")]
+    for extra, param in cases:
+        with pytest.raises(openai.BadRequestError) as e:
+            oa.chat.completions.create(**{"model": "ds4", "messages": msgs, "max_tokens": 1, **extra})
+        assert e.value.status_code == 400 and e.value.body["param"] == param, (extra, e.value.body)
+        assert param.split("[")[0] in e.value.body["message"]
+    with pytest.raises(anthropic.BadRequestError) as e:
+        an.messages.create(model="ds4", max_tokens=1, messages=msgs, extra_body={"temperature": 3})
+    assert e.value.body["type"] == "error" and e.value.body["error"]["type"] == "invalid_request_error"
+    assert "temperature" in e.value.body["error"]["message"]
+    with pytest.raises(anthropic.BadRequestError) as e:
+        an.messages.create(model="ds4", max_tokens=1, messages=[{"role": "system", "content": "x"}])
+    assert "messages[0].role" in e.value.body["error"]["message"]
+    r = httpx.post(f"{server.url}/v1/messages", headers={**AUTH, "content-type": "application/json"},
+                   content=b"{not json")
+    assert r.status_code == 400 and r.json()["type"] == "error"
+    r = httpx.post(f"{server.url}/v1/chat/completions", headers=AUTH, json={"messages": "x"})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "messages"
+    big = b'{"messages": [], "pad": "' + b"x" * (9 << 20) + b'"}'
+    r = httpx.post(f"{server.url}/v1/chat/completions", headers={**AUTH, "content-type": "application/json"},
+                   content=big)
+    assert r.status_code == 413 and "error" in r.json()
+
+
+def test_auth_401(server):
+    bad_oa = openai.OpenAI(base_url=f"{server.url}/v1", api_key="wrong", max_retries=0)
+    with pytest.raises(openai.AuthenticationError):
+        bad_oa.models.list()
+    bad_an = anthropic.Anthropic(base_url=server.url, api_key="wrong", max_retries=0)
+    with pytest.raises(anthropic.AuthenticationError):
+        bad_an.messages.create(model="ds4", max_tokens=1, messages=[{"role": "user", "content": "x"}])
+    r = httpx.post(f"{server.url}/v1/messages", headers={"x-api-key": KEY},
+                   json={"max_tokens": 1, "messages": [{"role": "user", "content": "x"}], "temperature": 0})
+    assert r.status_code == 200  # x-api-key works as well as the bearer header
+
+
+def test_queue_full_429_and_disconnect_cancels(server, oa):
+    url = server.url
+    wait_idle(url, AUTH)
+    cancelled0 = metric(url, "ds4_cancelled_generations_total", AUTH)
+    generated0 = metric(url, "ds4_generated_tokens_total", AUTH)
+    long = oa.chat.completions.create(model="ds4", messages=[{"role": "user", "content": "long"}],
+                                      max_tokens=500, temperature=0, reasoning_effort="none", stream=True)
+    next(iter(long))  # generating now
+    # a second request waits in the queue of one (its client hangs up while it waits)
+    sock = socket.create_connection(("127.0.0.1", server.port))
+    body = json.dumps({"messages": [{"role": "user", "content": "q"}], "max_tokens": 2}).encode()
+    sock.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                 + f"Authorization: Bearer {KEY}\r\nContent-Length: {len(body)}\r\n\r\n".encode() + body)
+    deadline = time.monotonic() + 30
+    while metric(url, "ds4_queue_depth", AUTH) < 1:
+        assert time.monotonic() < deadline
+        time.sleep(0.05)
+    with pytest.raises(openai.RateLimitError) as e:
+        oa.chat.completions.create(model="ds4", messages=[{"role": "user", "content": "x"}], max_tokens=1)
+    assert int(e.value.response.headers["retry-after"]) >= 1
+    sock.close()
+    time.sleep(1.0)  # the server notices the waiting client's hang-up (it polls) before A ends
+    long.close()  # the client goes away: the generation stops at its next token
+    wait_idle(url, AUTH)
+    assert metric(url, "ds4_cancelled_generations_total", AUTH) == cancelled0 + 1
+    assert metric(url, "ds4_generated_tokens_total", AUTH) - generated0 < 100
+    # and the server serves again
+    r = oa.chat.completions.create(model="ds4", messages=[{"role": "user", "content": "x"}], max_tokens=1)
+    assert r.usage.completion_tokens == 1

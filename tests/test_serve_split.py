@@ -1,0 +1,50 @@
+"""`ds4 serve --split-next`: the HTTP head of a pipeline, and what it does when its worker dies
+mid-stream (an error event ends the stream, 503 while the worker is away, served again once it
+is back, with no restart of the server). Driven by the official openai client."""
+
+from __future__ import annotations
+
+import httpx
+import openai
+import pytest
+
+from serve_helpers import Proc
+
+N = 3
+
+
+def test_split_worker_dies_and_returns(tmp_path):
+    worker = Proc(["pipe-worker", "0", "3:6", "--backend", "reference", "--ctx", "1024"],
+                  tmp_path / "worker.log").wait_listening()
+    port = worker.port
+    server = Proc(["serve", "--port", "0", "--backend", "reference", "--ctx", "1024",
+                   "--split-next", f"127.0.0.1:{port}", "--layers", "0:3"], tmp_path / "serve.log")
+    try:
+        server.wait_listening().wait_healthy()
+        oa = openai.OpenAI(base_url=f"{server.url}/v1", api_key="-", max_retries=0, timeout=120)
+        msgs = [{"role": "user", "content": "Hello"}]
+        kw = dict(model="ds4", messages=msgs, max_tokens=N, temperature=0, reasoning_effort="none")
+        first = oa.chat.completions.create(**kw).choices[0].message.content
+
+        stream = oa.chat.completions.create(**{**kw, "max_tokens": 400}, stream=True)
+        it = iter(stream)
+        next(it)
+        worker.kill()
+        with pytest.raises(openai.APIError) as e:
+            for _ in it:
+                pass
+        assert "pipeline" in str(e.value.message) or "next stage" in str(e.value.message)
+
+        with pytest.raises(openai.InternalServerError) as e:
+            oa.chat.completions.create(**kw)
+        assert e.value.status_code == 503
+        assert httpx.get(f"{server.url}/health").status_code == 503
+
+        worker = Proc(["pipe-worker", str(port), "3:6", "--backend", "reference", "--ctx", "1024"],
+                      tmp_path / "worker2.log").wait_listening()
+        assert httpx.get(f"{server.url}/health").status_code == 200  # it reached the worker again
+        again = oa.chat.completions.create(**kw)
+        assert again.choices[0].message.content == first
+    finally:
+        server.kill()
+        worker.kill()

@@ -1,0 +1,254 @@
+"""The HTTP head's pieces without a server: DSML tool calls written by hand from spec §5, stop
+strings across token boundaries, the reply channels, and response JSON parsed by the official
+clients' own types."""
+
+from __future__ import annotations
+
+import json
+
+import anthropic
+import openai
+import pytest
+
+from ds4.serve.anthropic_api import message
+from ds4.serve.driver import Finished, same_text_prefix
+from ds4.serve.openai_api import chat_completion
+from ds4.serve.reply import CONTENT, REASONING, ReplyStream
+from ds4.serve.stops import StopMatcher
+from ds4.serve.tools import ToolCall, render_tool_calls, render_tool_result, split_tool_calls
+
+# spec §5, "Server rendering": the DSML block of an assistant turn, byte for byte
+SPEC_BLOCK = ("\n\n<｜DSML｜tool_calls>\n"
+              '<｜DSML｜invoke name="get_weather">\n'
+              '<｜DSML｜parameter name="city" string="true">Paris</｜DSML｜parameter>\n'
+              '<｜DSML｜parameter name="days" string="false">3</｜DSML｜parameter>\n'
+              "</｜DSML｜invoke>\n"
+              '<｜DSML｜invoke name="search">\n'
+              '<｜DSML｜parameter name="q" string="true">a "quoted" {x}</｜DSML｜parameter>\n'
+              '<｜DSML｜parameter name="opts" string="false">{"n": [1, 2], "exact": true}</｜DSML｜parameter>\n'
+              "</｜DSML｜invoke>\n"
+              "</｜DSML｜tool_calls>")
+SPEC_ARGS = [("get_weather", {"city": "Paris", "days": 3}),
+             ("search", {"q": 'a "quoted" {x}', "opts": {"n": [1, 2], "exact": True}})]
+
+
+@pytest.fixture(scope="module")
+def tok():
+    from ds4.core.default_model import default_model_path
+    from ds4.core.gguf_model import GGUFModel
+    from ds4.core.tokenizer import Tokenizer
+
+    return Tokenizer.from_vocabulary(*GGUFModel(default_model_path()).vocabulary)
+
+
+def test_render_tool_calls_is_the_spec_block():
+    assert render_tool_calls([ToolCall(n, a) for n, a in SPEC_ARGS]) == SPEC_BLOCK
+
+
+def test_split_tool_calls_parses_the_spec_block():
+    answer, calls = split_tool_calls("Let me check." + SPEC_BLOCK)
+    assert answer == "Let me check."
+    assert [(c.name, c.arguments) for c in calls] == SPEC_ARGS
+    assert len({c.id for c in calls}) == 2 and all(c.id.startswith("call_") for c in calls)
+    assert split_tool_calls("no calls here") == ("no calls here", [])
+    # cut off inside the second invoke: the complete first one is kept
+    cut = SPEC_BLOCK[:SPEC_BLOCK.index('<｜DSML｜invoke name="search">') + 20]
+    assert [(c.name, c.arguments) for c in split_tool_calls(cut)[1]] == SPEC_ARGS[:1]
+    # a malformed JSON value is passed on as its text
+    bad = SPEC_BLOCK.replace('string="false">3<', 'string="false">3,<')
+    assert split_tool_calls(bad)[1][0].arguments["days"] == "3,"
+
+
+def test_tool_result_escapes_only_its_closing_tag():
+    assert render_tool_result("a</tool_result>b<tool_result>") == \
+        "<tool_result>a&lt;/tool_result>b<tool_result></tool_result>"
+
+
+@pytest.mark.parametrize("pieces, stops, want, hit", [
+    (["Hel", "lo wo", "rld"], ["o w"], "Hell", "o w"),
+    (["ab", "c", "d"], ["cd", "bc"], "a", "bc"),  # the earliest match wins
+    (["x", "y"], ["yz"], "xy", None),  # a held prefix that never completes is emitted
+    (["STO", "P!"], ["STOP"], "", "STOP"),
+])
+def test_stop_matcher_across_pieces(pieces, stops, want, hit):
+    m = StopMatcher(stops)
+    out = "".join(m.push(p) for p in pieces) + m.flush()
+    assert (out, m.hit) == (want, hit)
+
+
+def test_stop_matcher_holds_back_only_possible_prefixes():
+    m = StopMatcher(["</end>"])
+    assert m.push("text </e") == "text "
+    assert m.push("x") == "</ex"
+
+
+def test_reply_stream_channels_and_tool_calls(tok):
+    """Tokens of a thinking reply that calls tools: reasoning, answer, then DSML (its markers as
+    the special token, as the model emits them)."""
+    ids = (tok.encode("Weighing options.") + [tok.think_end_id] + tok.encode("Checking.")
+           + tok.encode_rendered(SPEC_BLOCK) + [tok.eos_id])
+    r = ReplyStream(tok, think=True, tools=True)
+    pieces = []
+    for t in ids[:-1]:
+        pieces += r.push(t)
+    end, calls = r.finish()
+    pieces += end
+    assert "".join(t for ch, t in pieces if ch == REASONING) == "Weighing options."
+    assert "".join(t for ch, t in pieces if ch == CONTENT) == "Checking."  # no blank line, no markup
+    assert [(c.name, c.arguments) for c in calls] == SPEC_ARGS
+    assert r.done  # the closing marker ends the generation
+
+
+def test_reply_stream_without_tools_keeps_markup_as_text(tok):
+    r = ReplyStream(tok, think=False, tools=False, stops=["zz"])
+    text = "a\n\nb" + "<｜DSML｜tool_calls>"
+    out = [p for t in tok.encode_rendered(text) for p in r.push(t)]
+    out += r.finish()[0]
+    assert "".join(t for _, t in out) == text and not r.done
+
+
+def test_same_text_prefix(tok):
+    held = tok.encode("Hello") + tok.encode(" world")
+    prompt = tok.encode("Hello world") + [tok.eos_id, tok.user_id] + tok.encode("next")
+    assert same_text_prefix(tok, held, prompt) == held + prompt[len(tok.encode("Hello world")):]
+    # a typed special-token string is not the special token
+    typed = tok.encode("<｜User｜>x")
+    assert same_text_prefix(tok, [tok.user_id] + tok.encode("x"), typed + [1]) == typed + [1]
+    assert same_text_prefix(tok, held, tok.encode("Help")) == tok.encode("Help")
+
+
+def _finished(text, reasoning="", calls=(), reason="tool_calls"):
+    return Finished(reason, None, 12, 5, 7, list(calls), [], {CONTENT: text, REASONING: reasoning})
+
+
+def test_openai_tool_calls_parse_as_the_clients_types():
+    _, calls = split_tool_calls(SPEC_BLOCK)
+    body = chat_completion(_finished("", "thought", calls), model="ds4", logprobs=None)
+    c = openai.types.chat.ChatCompletion.model_validate(json.loads(json.dumps(body)))
+    msg = c.choices[0].message
+    assert c.choices[0].finish_reason == "tool_calls" and msg.content is None
+    assert [(t.function.name, json.loads(t.function.arguments)) for t in msg.tool_calls] == SPEC_ARGS
+    assert all(t.type == "function" and t.id for t in msg.tool_calls)
+    assert msg.model_extra["reasoning_content"] == "thought"
+    assert (c.usage.prompt_tokens, c.usage.completion_tokens, c.usage.total_tokens) == (12, 7, 19)
+    assert c.usage.prompt_tokens_details.cached_tokens == 5
+
+
+def test_anthropic_tool_use_parses_as_the_clients_types():
+    _, calls = split_tool_calls("Sure." + SPEC_BLOCK)
+    body = message(_finished("Sure.", "thought", calls), model="ds4")
+    m = anthropic.types.Message.model_validate(json.loads(json.dumps(body)))
+    assert m.stop_reason == "tool_use"
+    assert [b.type for b in m.content] == ["thinking", "text", "tool_use", "tool_use"]
+    assert m.content[0].thinking == "thought" and m.content[1].text == "Sure."
+    assert [(b.name, b.input) for b in m.content[2:]] == SPEC_ARGS
+    assert all(b.id.startswith("toolu_") for b in m.content[2:])
+    assert (m.usage.input_tokens, m.usage.cache_read_input_tokens, m.usage.output_tokens) == (7, 5, 7)
+    stop = message(Finished("stop", "END", 3, 0, 1, [], [], {CONTENT: "x", REASONING: ""}), model="ds4")
+    m = anthropic.types.Message.model_validate(stop)
+    assert (m.stop_reason, m.stop_sequence) == ("stop_sequence", "END")
+
+
+def _reply_events(tok, text_ids, *, think):
+    """The driver's events for a reply of these token ids (run through the real ReplyStream)."""
+    from ds4.serve.driver import Token
+
+    r = ReplyStream(tok, think=think, tools=True)
+    evs = []
+    for t in text_ids:
+        channel = r.channel
+        pieces = r.push(t)
+        evs.append(Token(pieces, None, "tool" if r.tool_text is not None else channel))
+    pieces, calls = r.finish()
+    evs.append(Finished("tool_calls" if calls else "stop", r.stop_hit, 9, 4, len(text_ids), calls,
+                        pieces, dict(r.text)))
+    return evs
+
+
+async def _aiter(items):
+    for x in items:
+        yield x
+
+
+def _collect(agen) -> list[str]:
+    import asyncio
+
+    async def run():
+        return [x async for x in agen]
+
+    return asyncio.run(run())
+
+
+def test_openai_stream_of_a_tool_call_accumulates_in_the_client(tok):
+    from openai.lib.streaming.chat import ChatCompletionStreamState
+    from openai.types.chat import ChatCompletionChunk
+
+    from ds4.serve.openai_api import chat_chunks
+
+    ids = [tok.think_end_id] + tok.encode("Sure.") + tok.encode_rendered(SPEC_BLOCK)
+    lines = _collect(chat_chunks(_aiter(_reply_events(tok, ids, think=True)), tok=tok, cid="c1",
+                                 created=1, model="ds4", logprobs=False, include_usage=True))
+    assert lines[-1] == "data: [DONE]\n\n"
+    state = ChatCompletionStreamState()
+    for line in lines[:-1]:
+        assert line.startswith("data: ") and line.endswith("\n\n")
+        chunk = ChatCompletionChunk.model_validate(json.loads(line[6:]))
+        state.handle_chunk(chunk)
+    final = state.get_final_completion()
+    msg = final.choices[0].message
+    assert final.choices[0].finish_reason == "tool_calls" and msg.content == "Sure."
+    assert [(t.function.name, json.loads(t.function.arguments)) for t in msg.tool_calls] == SPEC_ARGS
+    assert final.usage.prompt_tokens == 9 and final.usage.prompt_tokens_details.cached_tokens == 4
+
+
+def test_anthropic_stream_event_sequence_accumulates_in_the_client(tok):
+    from pydantic import TypeAdapter
+
+    from anthropic.lib.streaming._messages import accumulate_event
+    from anthropic.types import RawMessageStreamEvent
+
+    from ds4.serve.anthropic_api import message_events
+    from ds4.serve.driver import Started
+
+    ids = tok.encode("Hmm.") + [tok.think_end_id] + tok.encode("Sure.") + tok.encode_rendered(SPEC_BLOCK)
+    raw = _collect(message_events(_aiter(_reply_events(tok, ids, think=True)), Started(9, 4),
+                                  model="ds4", mid="msg_1"))
+    adapter = TypeAdapter(RawMessageStreamEvent)
+    names, snapshot, bufs = [], None, {}
+    for text in raw:
+        head, data = text.rstrip("\n").split("\n")
+        name = head.removeprefix("event: ")
+        event = adapter.validate_python(json.loads(data.removeprefix("data: ")))
+        assert event.type == name
+        names.append(name)
+        snapshot = accumulate_event(event=event, current_snapshot=snapshot, json_bufs=bufs)
+    assert names[0] == "message_start" and names[-2:] == ["message_delta", "message_stop"]
+    assert names.count("content_block_start") == names.count("content_block_stop") == 4
+    assert [b.type for b in snapshot.content] == ["thinking", "text", "tool_use", "tool_use"]
+    assert snapshot.content[0].thinking == "Hmm." and snapshot.content[1].text == "Sure."
+    assert [(b.name, b.input) for b in snapshot.content[2:]] == SPEC_ARGS
+    assert snapshot.stop_reason == "tool_use" and snapshot.usage.output_tokens == len(ids)
+    assert snapshot.usage.cache_read_input_tokens == 4
+
+
+def test_exposure_warning_and_api_key(tmp_path, monkeypatch):
+    from cli.common import CLIError
+    from cli.serve import exposure_warning, read_api_key
+
+    for host in ("127.0.0.1", "::1", "localhost", "127.5.0.1"):
+        assert exposure_warning(host, None) is None
+    for host in ("0.0.0.0", "::", "192.168.1.4", "example.org"):
+        assert "without an API key" in exposure_warning(host, None)
+        assert exposure_warning(host, "k") is None
+    monkeypatch.delenv("DS4_API_KEY", raising=False)
+    assert read_api_key(None) is None
+    monkeypatch.setenv("DS4_API_KEY", " from-env \n")
+    assert read_api_key(None) == "from-env"
+    f = tmp_path / "key"
+    f.write_text("from-file\nignored\n")
+    assert read_api_key(f) == "from-file"  # the file wins over the environment
+    f.write_text("\n")
+    with pytest.raises(CLIError, match="empty"):
+        read_api_key(f)
+    with pytest.raises(CLIError, match="api-key-file"):
+        read_api_key(tmp_path / "missing")
