@@ -30,10 +30,12 @@ its tokens from position 0 on its next sync/eval, and saved snapshots are forgot
 
 from __future__ import annotations
 
+import itertools
 import logging
 import os
 import socket
 import threading
+import time
 from collections import deque
 from dataclasses import dataclass
 from queue import Queue
@@ -52,6 +54,7 @@ DEFAULT_MAX_ROWS = 512
 DEFAULT_IO_TIMEOUT = 120.0
 DEFAULT_IDLE_TIMEOUT = 3600.0
 DEFAULT_CONNECT_TIMEOUT = 10.0
+OPEN_RETRY_PAUSES = (0.05, 0.1, 0.2, 0.4, 0.8)  # seconds between OPENs a full worker refused
 
 
 class PipelineError(RuntimeError):
@@ -109,6 +112,7 @@ def next_token(session, params: SamplingParams, rng) -> int:
 class _Slot:
     states: dict | None = None
     pos: int = -1  # tokens held; -1: nothing valid, only base 0 is accepted
+    owner: object = None  # the connection that opened it; None: in the free pool
 
 
 @dataclass
@@ -122,6 +126,11 @@ class Stage:
 
     Holds only its own layers' weights (the engine was opened with `layers=range(a, b)`) and
     only their state. Every method is called with frames that `qkp.read_frame` validated.
+
+    Slots and snapshot entries belong to connections (`owner`: any hashable the worker picks
+    per connection). A frame's slot number and snapshot index are the owner's own names,
+    bound by `open` / the first `save` to a stage slot / entry from the free pool, and given
+    back by `free` / `release` (the connection closed). No owner reaches another's state.
     """
 
     def __init__(self, engine: Engine, *, slots: int = 1, ctx: int = 4096, snapshots: int = 0,
@@ -140,6 +149,8 @@ class Stage:
         self.layout = SessionLayout.create(cfg, ctx, prefill_cap=max_rows)
         self.slots = [_Slot() for _ in range(slots)]
         self.snapshots: list[_StageSnapshot | None] = [None] * snapshots
+        self._slot_of: dict[object, dict[int, int]] = {}  # owner -> its slot -> stage slot
+        self._snap_of: dict[object, dict[int, int]] = {}  # owner -> its index -> stage entry
         self.lock = threading.Lock()
         self.hello = qkp.Hello(self.layers.start, self.layers.stop, cfg.n_layer, cfg.n_embd,
                                cfg.n_hc, slots, ctx, cfg.n_vocab, max_rows,
@@ -158,12 +169,59 @@ class Stage:
         be, cfg = self.backend, self.engine.config
         return {il: be.alloc_state(layer_state_shapes(cfg, self.layout, il), FILL) for il in self.layers}
 
-    def eval(self, frame: qkp.Frame) -> bytes | np.ndarray:
+    # ---- ownership ----
+
+    def open(self, owner, local: int) -> int:
+        """OPEN: bind the owner's slot `local` to a free stage slot (already bound: keep it)."""
+        with self.lock:
+            mine = self._slot_of.setdefault(owner, {})
+            if local in mine:
+                return qkp.STATUS_OK
+            free = next((i for i, s in enumerate(self.slots) if s.owner is None), None)
+            if free is None:
+                return qkp.STATUS_NO_SLOT
+            self.slots[free] = _Slot(owner=owner)
+            mine[local] = free
+            return qkp.STATUS_OK
+
+    def free(self, owner, local: int) -> int:
+        """FREE: give the owner's slot `local` back; its state is dropped."""
+        with self.lock:
+            index = self._slot_of.get(owner, {}).pop(local, None)
+            if index is None:
+                return qkp.STATUS_SLOT_NOT_OPEN
+            self.slots[index] = _Slot()
+            return qkp.STATUS_OK
+
+    def release(self, owner) -> None:
+        """The owner's connection closed: every slot and snapshot entry it held is free again."""
+        with self.lock:
+            for index in self._slot_of.pop(owner, {}).values():
+                self.slots[index] = _Slot()
+            for index in self._snap_of.pop(owner, {}).values():
+                self.snapshots[index] = None
+
+    def owned(self, owner) -> tuple[int, int]:
+        """(slots, snapshot entries) the owner holds."""
+        with self.lock:
+            return len(self._slot_of.get(owner, {})), len(self._snap_of.get(owner, {}))
+
+    def _slot(self, owner, local: int) -> _Slot | None:
+        index = self._slot_of.get(owner, {}).get(local)
+        return None if index is None else self.slots[index]
+
+    # ---- frames ----
+
+    def eval(self, frame: qkp.Frame, owner=None) -> bytes | np.ndarray:
         """Run the frame's rows through the stage's layers. The last stage returns the reply
-        (greedy ids, top-k pairs); any other stage the rows at its output."""
+        (greedy ids, then top-k pairs or the logits row); any other stage the rows at its
+        output. A slot the owner has not opened is a protocol violation (QkpError)."""
         h = frame.header
         with self.lock:
-            slot = self.slots[h.slot]
+            slot = self._slot(owner, h.slot)
+            if slot is None:
+                raise qkp.QkpError("slot", f"slot {h.slot} is not open on this connection (send "
+                                   "OPEN first; a connection uses only the slots it opened)")
             if h.base != 0 and h.base != slot.pos:
                 held = "nothing" if slot.pos < 0 else f"{slot.pos} tokens"
                 raise qkp.QkpError("base", f"slot {h.slot} holds {held}; expected base 0 or "
@@ -186,32 +244,47 @@ class Stage:
             if h.n > 1:
                 ids[:-1] = be.output_argmax(X[:-1], w.output_hc, w.output_norm, w.output)
             ids[-1] = _greedy_or_none(logits)
+            if h.topk == qkp.TOPK_LOGITS:
+                return qkp.pack_eval_reply(ids, [], h.topk, logits)
             pairs = []
             if h.topk and np.isfinite(logits).any():
                 pairs = top_candidates(logits, h.topk)
             return qkp.pack_eval_reply(ids, pairs, h.topk)
 
-    def save(self, h: qkp.Header) -> int:
+    def save(self, h: qkp.Header, owner=None) -> int:
         with self.lock:
             if h.n >= len(self.snapshots):
                 return qkp.STATUS_BAD_INDEX
-            slot = self.slots[h.slot]
+            slot = self._slot(owner, h.slot)
+            if slot is None:
+                return qkp.STATUS_SLOT_NOT_OPEN
             if slot.pos < 0 or slot.pos != h.topk:
                 return qkp.STATUS_COUNT_MISMATCH
+            mine = self._snap_of.setdefault(owner, {})
+            index = mine.get(h.n)
+            if index is None:
+                taken = {i for entries in self._snap_of.values() for i in entries.values()}
+                index = next((i for i in range(len(self.snapshots)) if i not in taken), None)
+                if index is None:
+                    return qkp.STATUS_SNAPSHOTS_FULL
             be = self.backend
             arrays = {il: {name: be.state_to_numpy(st, name) for name in st}
                       for il, st in slot.states.items()}
-            self.snapshots[h.n] = _StageSnapshot(slot.pos, arrays)
+            self.snapshots[index] = _StageSnapshot(slot.pos, arrays)
+            mine[h.n] = index
             return qkp.STATUS_OK
 
-    def load(self, h: qkp.Header) -> int:
+    def load(self, h: qkp.Header, owner=None) -> int:
         with self.lock:
             if h.n >= len(self.snapshots):
                 return qkp.STATUS_BAD_INDEX
-            snap = self.snapshots[h.n]
+            index = self._snap_of.get(owner, {}).get(h.n)
+            snap = None if index is None else self.snapshots[index]
             if snap is None or snap.count != h.topk:
                 return qkp.STATUS_NO_SNAPSHOT
-            slot = self.slots[h.slot]
+            slot = self._slot(owner, h.slot)
+            if slot is None:
+                return qkp.STATUS_SLOT_NOT_OPEN
             if slot.states is None:
                 slot.states = self._alloc()
             slot.pos = -1
@@ -260,6 +333,7 @@ class Worker:
         self._stop = threading.Event()
         self._conns: set[socket.socket] = set()
         self._conns_lock = threading.Lock()
+        self._owners = itertools.count(1)  # one owner id per connection: its slots, its snapshots
         self._thread: threading.Thread | None = None
 
     # ---- lifecycle ----
@@ -303,6 +377,7 @@ class Worker:
 
     def _serve_conn(self, sock: socket.socket, addr) -> None:
         peer = f"{addr[0]}:{addr[1]}"
+        owner = next(self._owners)
         conn = qkp.Conn(sock, self.io_timeout, peer)
         down: qkp.Conn | None = None
         relay: _Relay | None = None
@@ -314,7 +389,7 @@ class Worker:
                 relay = _Relay(conn, down, self.stage.hello)
             conn.send(self.stage.hello.pack())
             log.info("qkp %s: connected", peer)
-            self._frames(conn, down, relay)
+            self._frames(conn, down, relay, owner)
             clean = True
         except qkp.QkpClosed as e:
             if e.field != "eof" or relay is None or not relay.failed:
@@ -333,6 +408,7 @@ class Worker:
             conn.close()
             if down is not None:
                 down.close()
+            self.stage.release(owner)  # after the relay: nothing of this connection runs now
             with self._conns_lock:
                 self._conns.discard(sock)
 
@@ -353,7 +429,8 @@ class Worker:
             raise qkp.QkpError("next", f"the next stage at {host}:{port} does not fit: {e}") from None
         return down
 
-    def _frames(self, conn: qkp.Conn, down: qkp.Conn | None, relay: "_Relay | None") -> None:
+    def _frames(self, conn: qkp.Conn, down: qkp.Conn | None, relay: "_Relay | None",
+                owner) -> None:
         stage = self.stage
         answers_topk = stage.last or down is not None
         while not self._stop.is_set():
@@ -367,23 +444,37 @@ class Worker:
                     down.send(h.pack())
                 return
             if h.op == qkp.EVAL:
-                out = stage.eval(frame)
+                out = stage.eval(frame, owner)
                 if relay is None:
                     conn.send(out)
                 else:
                     relay.put(("eval", h))
                     down.send(h.pack(), frame.tokens, out)
             else:
-                status = stage.save(h) if h.op == qkp.SAVE else stage.load(h)
+                status = self._status_op(h, owner)
                 if relay is None:
                     conn.send(qkp.STATUS.pack(status))
                 elif status != qkp.STATUS_OK:
                     relay.put(("local", qkp.STATUS.pack(status)))
                 else:
-                    relay.put(("status", h))
+                    # an OPEN the next stage refuses gives this stage's slot back too
+                    undo = (lambda: stage.free(owner, h.slot)) if h.op == qkp.OPEN else None
+                    relay.put(("status", undo))
                     down.send(h.pack())
             if relay is not None and relay.failed:
                 raise qkp.QkpClosed("next", "the link to the next stage broke")
+
+    def _status_op(self, h: qkp.Header, owner) -> int:
+        stage = self.stage
+        if h.op == qkp.OPEN:
+            status = stage.open(owner, h.slot)
+            if status == qkp.STATUS_NO_SLOT:
+                log.warning("qkp: refused an OPEN: all %d slots are held (--slots is the total "
+                            "over all connections)", len(stage.slots))
+            return status
+        if h.op == qkp.FREE:
+            return stage.free(owner, h.slot)
+        return stage.save(h, owner) if h.op == qkp.SAVE else stage.load(h, owner)
 
 
 class _Relay:
@@ -409,8 +500,11 @@ class _Relay:
                     self.up.send(h)
                 elif kind == "eval":
                     self.up.send(self.down.recv_exact(self.limits.eval_reply_bytes(h.n, h.topk)))
-                elif kind == "status":
-                    self.up.send(self.down.recv_exact(qkp.STATUS.size))
+                elif kind == "status":  # h: None, or what to undo when the next stage refuses
+                    reply = bytes(self.down.recv_exact(qkp.STATUS.size))
+                    if h is not None and qkp.STATUS.unpack(reply)[0] != qkp.STATUS_OK:
+                        h()
+                    self.up.send(reply)
                 else:  # pragma: no cover
                     raise AssertionError(item)
         except (qkp.QkpError, OSError) as e:
@@ -551,6 +645,7 @@ class SplitEngine:
         self.lock = threading.RLock()
         self._free = list(range(slots))
         self._snapshots: dict[int, SplitSnapshot] = {}
+        self._opened: set[int] = set()  # this engine's slots OPEN on the current connection
         self._generation_seen = 0
 
     @classmethod
@@ -633,10 +728,46 @@ class SplitEngine:
         if self.link.generation != self._generation_seen:
             self._generation_seen = self.link.generation
             self._snapshots.clear()  # a new connection may be a restarted worker: they are gone
+            self._opened.clear()  # and the worker gave a closed connection's slots back
         return hello
+
+    def _open(self, slot: int) -> None:
+        """OPEN `slot` on the current connection unless it is open: the chain binds it to one
+        of its slots, or refuses when every slot is held by other connections."""
+        if slot in self._opened:
+            return
+        link = self.link
+        # A worker frees a closed connection's slots when its thread for that connection sees
+        # the close, which can be just after a reconnect's OPEN arrives: ask again a few times
+        # before refusing (a bounded wait, never a hang).
+        for pause in (*OPEN_RETRY_PAUSES, None):
+            try:
+                status = link.status(qkp.OPEN, slot, 0, 0)
+            except (OSError, qkp.QkpError) as e:
+                raise link.broken("OPEN", e) from None
+            if status != qkp.STATUS_NO_SLOT or pause is None:
+                break
+            time.sleep(pause)
+        if status == qkp.STATUS_NO_SLOT:
+            raise PipelineRefused(
+                f"the pipeline at {link.addr} has no free slot: every slot of a stage is held by "
+                "another connection (another head or session; --slots is the total over all of "
+                "them); retry when one finishes, or start the workers with a larger --slots")
+        if status != qkp.STATUS_OK:
+            raise PipelineError(f"the next stage at {link.addr} refused to open slot {slot} "
+                                f"({qkp.STATUS_TEXT.get(status, status)})")
+        self._opened.add(slot)
 
     def _release(self, slot: int) -> None:
         with self.lock:
+            link = self.link
+            if (slot in self._opened and link.conn is not None and link.in_flight == 0
+                    and link.generation == self._generation_seen):
+                try:  # give the worker's slot back now, not when the connection closes
+                    link.status(qkp.FREE, slot, 0, 0)
+                except (OSError, qkp.QkpError):
+                    link.drop()
+            self._opened.discard(slot)
             if slot not in self._free:
                 self._free.append(slot)
                 self._free.sort()
@@ -733,6 +864,7 @@ class SplitSession:
         if self.ctx > hello.n_ctx:
             raise PipelineRefused(f"the session's ctx {self.ctx} is more than the next stage's "
                                   f"ctx {hello.n_ctx}")
+        self.split._open(self.slot)
         return hello
 
     def _reset(self) -> None:

@@ -219,6 +219,100 @@ def test_two_slots_interleaved_each_match_unsplit(model_path, workers, reference
         assert outs == reference
 
 
+# ---- sessions belong to their connection ---------------------------------------------------------
+
+
+def _drain_closed(conn, limit=5.0) -> bytes:
+    """What the worker sends before it closes `conn`; fails if it answers nothing and stays open."""
+    got = b""
+    deadline = time.monotonic() + limit
+    while True:
+        try:
+            got += bytes(conn.recv_exact(1, timeout=max(0.01, deadline - time.monotonic())))
+        except qkp.QkpClosed as e:
+            assert e.field == "eof", "the worker neither answered nor closed the connection"
+            return got
+
+
+def test_rogue_connection_cannot_touch_another_session(model_path, workers, reference):
+    """A second connection writing the head's slot number at the head's position is closed
+    unanswered; opening a slot of its own on a full worker is refused; the head's text is the
+    unsplit text."""
+    w = workers["inside"]  # --slots 1
+    with head(model_path, w, 2) as eng:
+        s = eng.session(ctx=CTX)
+        s.sync(PROMPT_A)
+        out = []
+        for _ in range(3):
+            out.append(s.greedy)
+            s.eval(out[-1])
+        hello = eng.link.hello
+        rows = np.random.default_rng(9).standard_normal((1, hello.n_hc, hello.n_embd)).astype("<f4")
+        rogue = qkp.Conn.connect("127.0.0.1", w.port, 5.0)
+        assert qkp.client_handshake(rogue, None, exact=False) == hello
+        rogue.send(qkp.Header(qkp.EVAL, s.slot, 1, len(s.tokens), 0).pack(),
+                   np.array([5], "<u4"), rows)
+        assert _drain_closed(rogue) == b""
+        rogue.close()
+        rogue = qkp.Conn.connect("127.0.0.1", w.port, 5.0)
+        qkp.client_handshake(rogue, None, exact=False)
+        rogue.send(qkp.Header(qkp.OPEN, s.slot, 0, 0, 0).pack())
+        assert qkp.STATUS.unpack(bytes(rogue.recv_exact(4)))[0] == qkp.STATUS_NO_SLOT
+        rogue.close()
+        for _ in range(N_GEN - 3):
+            out.append(s.greedy)
+            s.eval(out[-1])
+        assert out == reference["A"]
+    assert "slot 0 is not open on this connection" in w.log.read_text()
+
+
+PROMPTS = {"A": PROMPT_A, "B": PROMPT_B,
+           "C": [int(x) for x in np.random.default_rng(9).integers(0, 512, 17)],
+           "D": [int(x) for x in np.random.default_rng(10).integers(0, 512, 9)]}
+
+
+def test_concurrent_heads_each_match_unsplit(model_path, logs, unsplit):
+    """Four heads (four connections, each with its own slot 0) generate at once on one worker
+    with --slots 4, each token-identical to unsplit; a fifth is refused, and gets a slot once
+    one head has finished."""
+    expected = {k: generate(unsplit.session(ctx=CTX), p) for k, p in PROMPTS.items()}
+    w = WorkerProc(model_path, "2:5", "--slots", "4", "--max-rows", "6", log_dir=logs).wait_ready()
+    engines = {k: head(model_path, w, 2) for k in PROMPTS}
+    got, errors = {}, []
+    start = threading.Barrier(len(PROMPTS))
+
+    def run(name):
+        try:
+            s = engines[name].session(ctx=CTX)
+            s.sync(PROMPTS[name][:1])  # every head holds its slot before any generates
+            start.wait(timeout=30)
+            got[name] = generate(s, PROMPTS[name])
+        except BaseException as e:  # noqa: BLE001 -- reported below
+            errors.append(e)
+            start.abort()
+
+    try:
+        threads = [threading.Thread(target=run, args=(k,)) for k in PROMPTS]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(timeout=120)
+        assert not errors, errors
+        assert got == expected
+        with head(model_path, w, 2) as fifth:
+            t0 = time.monotonic()
+            s = fifth.session(ctx=CTX)
+            with pytest.raises(PipelineRefused, match="no free slot"):
+                s.sync(PROMPT_A)
+            assert time.monotonic() - t0 < 5
+            engines.pop("A").close()  # its connection closes: its slot goes back
+            assert generate(s, PROMPT_A) == expected["A"]
+    finally:
+        for e in engines.values():
+            e.close()
+        w.kill()
+
+
 def test_snapshot_restores_a_prefix_on_every_stage(model_path, workers, unsplit):
     prefix, rest = PROMPT_A[:14], [5, 77, 300]
     cold = unsplit.session(ctx=CTX)

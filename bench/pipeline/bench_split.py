@@ -58,14 +58,22 @@ class NullStage:
         self.last, self.exact = True, False
         self._pairs = [(i, -float(i)) for i in range(qkp.TOPK_MAX)]
 
-    def eval(self, frame):
+    def eval(self, frame, owner=None):
         h = frame.header
         return qkp.pack_eval_reply(np.zeros(h.n, "<u4"), self._pairs[:h.topk], h.topk)
 
-    def save(self, h):
+    def save(self, h, owner=None):
         return qkp.STATUS_OK
 
     load = save
+
+    def open(self, owner, slot):
+        return qkp.STATUS_OK
+
+    free = open
+
+    def release(self, owner):
+        pass
 
 
 def serve_null(n_embd: int, n_hc: int) -> None:
@@ -90,6 +98,8 @@ def frame_rtt(port: int, n_embd: int, n_hc: int, iters: int, topk: int = 0,
               gap_ms: float = 0.0) -> dict:
     conn = qkp.Conn.connect("127.0.0.1", port, 10.0)
     hello = qkp.client_handshake(conn, None, exact=False)
+    conn.send(qkp.Header(qkp.OPEN, 0, 0, 0, 0).pack())
+    assert qkp.STATUS.unpack(bytes(conn.recv_exact(qkp.STATUS.size)))[0] == qkp.STATUS_OK
     row = np.random.default_rng(0).standard_normal((1, n_hc, n_embd)).astype("<f4")
     token = np.array([1], "<u4")
     reply = hello.eval_reply_bytes(1, topk)

@@ -1,9 +1,10 @@
-"""qkp4: the pipeline-stage wire (shared/spec/wire.md §1).
+"""qkp5: the pipeline-stage wire (shared/spec/wire.md §1, with the changes listed below).
 
 One model is served as contiguous layer ranges; the head sends the mHC state rows (n_hc × n_embd
 float32 per token) and the token ids of each chunk to the next stage, which runs its layers and
 either forwards the rows to its own next stage or, as the last stage, answers with greedy ids
-and the top-k candidates of the final position. Everything is little-endian and fixed-layout.
+and what the head's sampler needs of the final position. Everything is little-endian and
+fixed-layout.
 
 Connection, client first:
 
@@ -11,9 +12,42 @@ Connection, client first:
     [flags & FLAG_AUTH]  worker -> 32-byte nonce;  client -> HMAC-SHA256(token, AUTH_CONTEXT + nonce)
     worker -> Hello (48 bytes)
 
-then frames: a 20-byte `Header` {op, slot, n, base, topk} plus the op's payload (see `Header`).
+then frames: a 20-byte `Header` {u32 op, u32 slot, u32 n, u32 base, u32 topk} plus the op's
+payload, each answered in order:
 
-Choices this module makes where the spec leaves room (all ours, all local to qkp4):
+    op        request payload                        reply
+    1 EVAL    n u32 token ids, n×n_hc×n_embd f32     last stage: n u32 greedy ids, then by `topk`:
+              rows for positions [base, base + n)      0: nothing; 1..256: topk × {u32 id, f32 logit}
+                                                       best first; TOPK_LOGITS (0xFFFFFFFF): n_vocab
+                                                       f32, the final position's whole logits row
+    2 BYE     none                                   none; the connection closes
+    3 SAVE    none (n = snapshot index,              u32 status
+              topk = live token count)
+    4 LOAD    none (same)                            u32 status
+    5 OPEN    none (slot = the slot to open)         u32 status (0, or STATUS_NO_SLOT)
+    6 FREE    none (slot = the slot to give back)    u32 status (0, or STATUS_SLOT_NOT_OPEN)
+
+Changes from qkp4 (hence the magic "qkp5"):
+* Slots belong to connections. `slot` in a frame is the connection's own slot number
+  (0..n_slots-1); OPEN binds it to one of the stage's `n_slots` slots taken from the free pool,
+  FREE (or the connection closing) gives it back. `n_slots` is the stage's total across all
+  connections. An OPEN when every slot is held by some connection is answered with
+  STATUS_NO_SLOT (the head turns it into an error saying so): a refusal, never a wait or a
+  steal. An EVAL naming a slot this connection has not opened is a protocol violation: the
+  stage closes the connection (an EVAL reply has no status field) and nothing is computed.
+  SAVE/LOAD on such a slot are answered with STATUS_SLOT_NOT_OPEN. Snapshot indices are the
+  connection's own too: SAVE binds index `n` to one of the stage's `--snapshots` entries
+  (STATUS_SNAPSHOTS_FULL when all are bound to other connections), LOAD reads only what this
+  connection saved, and the connection closing forgets them. So no connection can read or
+  write another connection's sequences.
+* `topk` = TOPK_LOGITS asks the last stage for the final position's whole logits row, which is
+  what exact sampling needs on the paths the top 256 do not cover (the default min-p path, top-p,
+  top_k > 256): with it the head samples from the same vector an unsplit engine samples from.
+* A middle stage forwards OPEN and FREE to its next stage on the connection it opened for this
+  client, and answers with its own refusal without forwarding; when the next stage refuses an
+  OPEN it has granted, it gives its own slot back.
+
+Choices this module makes where the spec leaves room (all ours, all local to qkp5):
 * The auth proof is HMAC-SHA256 keyed by the token over `AUTH_CONTEXT + nonce`. A worker that
   has a token refuses a client without a proof or with a wrong one by closing the connection;
   a worker without a token reads and ignores a proof.
@@ -50,15 +84,17 @@ from typing import Callable
 
 import numpy as np
 
-MAGIC = 0x716B7034  # "qkp4"
+MAGIC = 0x716B7035  # "qkp5"
 FLAG_AUTH = 1 << 0
 FLAG_EXACT = 1 << 1
 KNOWN_FLAGS = FLAG_AUTH | FLAG_EXACT
 
-EVAL, BYE, SAVE, LOAD = 1, 2, 3, 4
-OPS = {EVAL: "EVAL", BYE: "BYE", SAVE: "SAVE", LOAD: "LOAD"}
+EVAL, BYE, SAVE, LOAD, OPEN, FREE = 1, 2, 3, 4, 5, 6
+OPS = {EVAL: "EVAL", BYE: "BYE", SAVE: "SAVE", LOAD: "LOAD", OPEN: "OPEN", FREE: "FREE"}
+STATUS_OPS = (SAVE, LOAD, OPEN, FREE)  # the ops answered with one u32 status
 
 TOPK_MAX = 256
+TOPK_LOGITS = 0xFFFFFFFF  # EVAL's topk asking for the whole logits row of the final position
 NO_TOKEN = 0xFFFFFFFF
 NONCE_BYTES = 32
 PROOF_BYTES = 32
@@ -81,12 +117,18 @@ STATUS_NO_SNAPSHOT = 1  # LOAD of an index nothing was saved to (or saved by ano
 STATUS_BAD_INDEX = 2  # index >= the worker's --snapshots
 STATUS_COUNT_MISMATCH = 3  # the live token count is not what the slot holds
 STATUS_DOWNSTREAM = 4  # a later stage answered with a non-zero status
+STATUS_NO_SLOT = 5  # OPEN: every slot of the stage is held by some connection
+STATUS_SLOT_NOT_OPEN = 6  # SAVE/LOAD/FREE of a slot this connection has not opened
+STATUS_SNAPSHOTS_FULL = 7  # SAVE: every snapshot entry is held by other connections
 STATUS_TEXT = {
     STATUS_OK: "ok",
     STATUS_NO_SNAPSHOT: "no such snapshot",
     STATUS_BAD_INDEX: "snapshot index out of range",
     STATUS_COUNT_MISMATCH: "live token count does not match the slot",
     STATUS_DOWNSTREAM: "a later stage refused",
+    STATUS_NO_SLOT: "every slot is held by another connection",
+    STATUS_SLOT_NOT_OPEN: "the slot is not open on this connection",
+    STATUS_SNAPSHOTS_FULL: "every snapshot entry is held by other connections",
 }
 
 
@@ -141,7 +183,7 @@ class Hello:
     def unpack(cls, buf: bytes) -> "Hello":
         magic, *rest = HELLO.unpack(buf)
         if magic != MAGIC:
-            raise QkpError("magic", f"expected {MAGIC:#010x} (qkp4), got {magic:#010x}")
+            raise QkpError("magic", f"expected {MAGIC:#010x} (qkp5), got {magic:#010x}")
         hello = cls(*rest)
         hello.check()
         return hello
@@ -169,13 +211,16 @@ class Hello:
 
     def eval_reply_bytes(self, n: int, topk: int) -> int:
         """Reply to an EVAL from a stage that answers with ids (the last stage, or a chain)."""
+        if topk == TOPK_LOGITS:
+            return 4 * n + 4 * self.n_vocab
         return 4 * n + PAIR.itemsize * topk
 
 
 @dataclass(frozen=True)
 class Header:
-    """Frame header. EVAL: `n` token ids then `n` rows for positions [base, base + n);
-    SAVE/LOAD: `n` = snapshot index, `topk` = live token count; BYE: nothing."""
+    """Frame header. EVAL: `n` token ids then `n` rows for positions [base, base + n), `topk`
+    what the reply carries (0, 1..TOPK_MAX pairs, or TOPK_LOGITS); SAVE/LOAD: `n` = snapshot
+    index, `topk` = live token count; OPEN/FREE: only `slot`; BYE: nothing."""
 
     op: int
     slot: int
@@ -207,11 +252,12 @@ def check_header(h: Header, limits: Hello, *, answers_topk: bool) -> None:
             raise QkpError("n", f"expected 1..{limits.max_rows} rows, got {h.n}")
         if h.base > limits.n_ctx - h.n:
             raise QkpError("base", f"positions {h.base}+{h.n} run past n_ctx={limits.n_ctx}")
-        if h.topk > TOPK_MAX:
-            raise QkpError("topk", f"expected at most {TOPK_MAX}, got {h.topk}")
+        if h.topk > TOPK_MAX and h.topk != TOPK_LOGITS:
+            raise QkpError("topk", f"expected at most {TOPK_MAX} or {TOPK_LOGITS:#x} (the logits "
+                           f"row), got {h.topk}")
         if h.topk and not answers_topk:
             raise QkpError("topk", f"expected 0 on a stage that is not the last, got {h.topk}")
-    else:  # SAVE / LOAD: n is the snapshot index (answered by status), topk the token count
+    elif h.op in (SAVE, LOAD):  # n: the snapshot index (answered by status), topk: token count
         if h.topk > limits.n_ctx:
             raise QkpError("topk", f"live token count {h.topk} is over n_ctx={limits.n_ctx}")
 
@@ -243,7 +289,11 @@ def read_frame(recv_exact: RecvExact, limits: Hello, *, answers_topk: bool,
     return Frame(h, tokens, rows.reshape(h.n, limits.n_hc, limits.n_embd))
 
 
-def pack_eval_reply(ids: np.ndarray, candidates: list[tuple[int, float]], topk: int) -> bytes:
+def pack_eval_reply(ids: np.ndarray, candidates: list[tuple[int, float]], topk: int,
+                    logits: np.ndarray | None = None) -> bytes:
+    """The last stage's EVAL reply: ids, then `topk` pairs, or (TOPK_LOGITS) the `logits` row."""
+    if topk == TOPK_LOGITS:
+        return np.asarray(ids, dtype="<u4").tobytes() + np.asarray(logits, dtype="<f4").tobytes()
     pairs = np.empty(topk, dtype=PAIR)
     pairs["id"] = NO_TOKEN
     pairs["logit"] = -np.inf
@@ -253,8 +303,11 @@ def pack_eval_reply(ids: np.ndarray, candidates: list[tuple[int, float]], topk: 
 
 
 def unpack_eval_reply(buf: bytes, n: int, topk: int) -> tuple[np.ndarray, np.ndarray]:
-    """-> (ids uint32 [n], pairs PAIR [topk]); `buf` is exactly eval_reply_bytes(n, topk)."""
+    """-> (ids uint32 [n], pairs PAIR [topk]), or with TOPK_LOGITS (ids, logits float32
+    [n_vocab]); `buf` is exactly eval_reply_bytes(n, topk)."""
     ids = np.frombuffer(buf, dtype="<u4", count=n)
+    if topk == TOPK_LOGITS:
+        return ids, np.frombuffer(buf, dtype="<f4", offset=4 * n)
     pairs = np.frombuffer(buf, dtype=PAIR, count=topk, offset=4 * n)
     return ids, pairs
 
@@ -283,7 +336,7 @@ def read_client_hello(conn: "Conn", token: str | None, exact: bool) -> int:
     its `Hello` (a middle stage first makes sure its own next stage is there)."""
     magic, flags = CLIENT_HELLO.unpack(bytes(conn.recv_exact(CLIENT_HELLO.size)))
     if magic != MAGIC:
-        raise QkpError("magic", f"expected {MAGIC:#010x} (qkp4), got {magic:#010x}")
+        raise QkpError("magic", f"expected {MAGIC:#010x} (qkp5), got {magic:#010x}")
     if flags & ~KNOWN_FLAGS:
         raise QkpError("flags", f"unknown bits {flags & ~KNOWN_FLAGS:#x}")
     if bool(flags & FLAG_EXACT) != exact:
