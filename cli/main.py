@@ -267,7 +267,6 @@ def generate(
 
 def _generate(eng, prompt, n, params, rng, seed, nothink, system, ctx) -> None:
     from ds4.core.chat import encode_prompt
-    from ds4.pipeline import next_token
 
     tok = eng.tokenizer
     with library_errors():

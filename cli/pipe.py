@@ -5,8 +5,8 @@
     ds4 generate -m model.gguf --split-next host:9000 --layers 0:1 -p "..."
 
 cli/main.py registers the worker with `register(app)`; `generate` opens its engine with
-`open_split_engine(...)` when --split-next is given and draws every token with
-`ds4.pipeline.next_token(session, params, rng)` (works for split and unsplit sessions).
+`open_split_engine(...)` when --split-next is given and draws every token with the session's
+`sample(n, params, rng, stop)` (the same loop, and the same tokens, for split and unsplit).
 `python -m cli.pipe pipe-worker ...` runs the same command without cli/main.py.
 """
 
@@ -51,9 +51,10 @@ def open_split_engine(model: Path | None, backend: str, numerics: str, split_nex
     """The head of a pipeline split, for `generate --split-next HOST:PORT --layers 0:A`.
 
     Returns a `ds4.pipeline.SplitEngine` (`.session(ctx)`, `.tokenizer`, `.config`, `.close()`);
-    its sessions have `sync`, `eval`, `tokens` and `next_token(params, rng)`. `sampling` (the
-    command's SamplingParams) decides how many candidates the last stage returns, so pass the
-    parameters `next_token` will be called with. `connect` checks the chain now, so a refused
+    its sessions have `sync`, `eval`, `tokens`, `sample(n, params, rng, stop)` and
+    `next_token(params, rng)`. `sampling` (the command's SamplingParams) decides what the last
+    stage returns after the prompt (its argmax, top-k candidates or the logits row), so pass the
+    parameters the session will sample with. `connect` checks the chain now, so a refused
     hello is an error before the prompt is prefilled. Failures end the command with one
     `error:` line (exit code 1), like every other library error.
     """
@@ -87,7 +88,8 @@ def pipe_worker(
     numerics: NumericsOption = "ds4",
     slots: Annotated[int, typer.Option(
         "--slots", metavar="N", callback=check_range(1, 4096),
-        help="Sequences this stage holds at once (must cover the head's).")] = 1,
+        help="Sequences this stage holds at once, in total over every head connected to it "
+             "(each session takes one; a head beyond that is refused, not queued).")] = 1,
     ctx: CtxOption = 4096,
     snapshots: Annotated[int, typer.Option(
         "--snapshots", metavar="N", callback=check_range(0, 1 << 16),

@@ -13,14 +13,15 @@ side is `SplitEngine`, which runs layers [0, a) locally and looks like an `Engin
 What crosses a link: the mHC state rows (n_hc × n_embd float32 per token) and the token ids
 (the hash-routed layers pick experts by token id). A prefill streams one frame per chunk as each
 chunk's local layers finish, at most two frames in flight; the last stage answers with the greedy
-id after every position and, when the head samples (temperature > 0), the top-k candidates of
-the final position, from which the head samples with its own seeded generator.
+id after every position and, when the head samples (temperature > 0), what sampling reads of the
+final position: its top_k candidates (top_k in 1..256), else its whole logits row. The head
+samples with `ds4.core.sampling.sample` and its own seeded generator, so a split run draws the
+same uniforms from the same vector as an unsplit run: token-identical for every sampler and
+seed. `SplitSession.sample(n, params, rng, stop)` is `Session.sample`'s loop.
 
-Sampling from candidates: with top_k in 1..256 the head samples exactly what an unsplit engine
-samples. Without top_k the head asks for the 256 best; the default min-p path is still exact
-when every token within min-p of the best is among them, while the top_p path normalises over
-the 256 best only (the unsplit engine normalises over the whole vocabulary). A seed reproduces a
-split run either way.
+Sessions own worker slots: each session OPENs its slot on the engine's connection, the worker
+binds it to one of its `--slots` (the total over all heads) or refuses when all are held, and
+closing the session (or the connection) gives it back (qkp.py's docstring has the protocol).
 
 Failure: any socket or protocol error poisons the link. The request in progress fails with a
 `PipelineError` (a RuntimeError: the CLI prints it as one error line); the link reconnects on the
@@ -37,13 +38,14 @@ import socket
 import threading
 import time
 from collections import deque
+from collections.abc import Container, Iterator
 from dataclasses import dataclass
 from queue import Queue
 
 import numpy as np
 
 from .core.graph import chunk_bounds, run_layers
-from .core.sampling import SamplingParams, argmax, sample, top_candidates
+from .core.sampling import GREEDY, Rng, SamplingParams, argmax, sample, top_candidates
 from .core.state import FILL, SessionLayout, layer_state_shapes
 from .engine import Engine, Session, Snapshot, check_tokens, common_prefix
 from .wire import qkp
@@ -89,13 +91,24 @@ def parse_addr(text: str) -> tuple[str, int]:
 
 
 def topk_for(params: SamplingParams | None) -> int:
-    """How many candidates the last stage must return for the head to sample with `params`."""
+    """What the last stage must return of the final position for the head to sample with
+    `params` exactly as `ds4.core.sampling.sample` samples the whole vector: nothing (greedy:
+    its argmax), the top_k candidates (top_k in 1..TOPK_MAX: the sampler reads only those), or
+    the whole logits row (qkp.TOPK_LOGITS: the min-p path, top-p and larger top_k read
+    tokens anywhere in the vocabulary)."""
     if params is None:
         return 0
     p = params.normalized()
     if float(np.float32(p.temperature)) <= 0.0:
         return 0
-    return p.top_k if 0 < p.top_k <= qkp.TOPK_MAX else qkp.TOPK_MAX
+    return p.top_k if 0 < p.top_k <= qkp.TOPK_MAX else qkp.TOPK_LOGITS
+
+
+def covers(have: int, need: int) -> bool:
+    """Whether a reply asked with topk `have` holds what sampling needing `need` reads."""
+    if need == 0 or have == qkp.TOPK_LOGITS:
+        return True
+    return need != qkp.TOPK_LOGITS and have >= need
 
 
 def next_token(session, params: SamplingParams, rng) -> int:
@@ -784,13 +797,18 @@ class SplitSnapshot:
     pairs: np.ndarray | None
     topk: int
     generation: int
+    row: np.ndarray | None = None
 
 
 class SplitSession:
-    """One sequence on a split engine; the `Session` API plus `next_token` and worker snapshots.
+    """One sequence on a split engine; the `Session` API (`sync`, `eval`, `sample`, `greedy`,
+    `logits`) plus `next_token` and worker snapshots.
 
-    `logits` is only the candidates' part of the vector (-inf elsewhere): the full vector never
-    leaves the last stage. `greedy` is the last stage's argmax, `next_token(params, rng)` samples.
+    What the last stage returns of the final position follows `sampling` (the session's, else
+    the engine's; `sample()` sets it): its argmax only when greedy, the top_k candidates, or
+    the whole logits row (`topk_for`). `logits` is that row, or the candidates with -inf
+    elsewhere. Asking for more than the last reply holds replays the sequence once with the new
+    parameters (exact, but a prefill's cost): set `sampling` before `sync` to avoid it.
     """
 
     def __init__(self, split: SplitEngine, slot: int, layout: SessionLayout,
@@ -806,6 +824,7 @@ class SplitSession:
         self._broken = False
         self._greedy: int | None = None
         self._pairs: np.ndarray | None = None
+        self._row: np.ndarray | None = None  # the final position's logits (topk TOPK_LOGITS)
         self._topk = 0
         self._closed = False
 
@@ -831,26 +850,57 @@ class SplitSession:
     @property
     def logits(self) -> np.ndarray:
         self.greedy  # noqa: B018 -- raises before the first token
+        if self._row is not None:
+            return self._row
         if not self._topk:
             raise RuntimeError("a split session has no logits on a greedy run (only the last "
-                               "stage's argmax): use next_token(), or give the session sampling "
-                               "parameters with temperature > 0")
+                               "stage's argmax): use next_token() or sample(), or give the "
+                               "session sampling parameters with temperature > 0")
         vec = np.full(self.split.config.n_vocab, -np.inf, dtype=np.float32)
         vec[self._pairs["id"]] = self._pairs["logit"]
         return vec
 
     def next_token(self, params: SamplingParams, rng) -> int:
-        """Sample the next token the way `ds4.core.sampling.sample` does, from what the last
-        stage returned: its greedy id at temperature 0, else its top-k candidates."""
+        """The next token, drawn as `ds4.core.sampling.sample(logits, params, rng)` draws it
+        from the unsplit vector: the last stage's argmax at temperature 0, else `sample` over
+        what it returned (the top_k candidates or the whole row; see `topk_for`)."""
         greedy = self.greedy
         need = topk_for(params)
+        if not covers(self._topk, need):
+            self._replay(params)
+            greedy = self.greedy
         if need == 0:
             return greedy
-        if self._topk < need:
-            raise PipelineError(f"sampling needs the last stage's {need} best candidates, but "
-                                f"the last request asked for {self._topk}: set the session's "
-                                "sampling (or the engine's) before sync/eval")
         return sample(self.logits, params, rng)
+
+    def sample(self, n: int, params: SamplingParams = GREEDY, rng: Rng | None = None,
+               stop: Container[int] = ()) -> Iterator[int]:
+        """`Session.sample` for a split session: up to n tokens, each drawn with `params` and
+        `rng` exactly as the unsplit session draws them and evaluated before it is yielded;
+        ends after a token in `stop` (evaluated too) or when the context is full. The session's
+        `sampling` becomes `params`, so every step asks the last stage for what they need."""
+        if float(np.float32(params.temperature)) > 0.0 and rng is None:
+            raise ValueError("sample: a temperature above 0 needs an rng (ds4.core.sampling.Rng)")
+        self.sampling = params
+        n = min(int(n), self.ctx - len(self._tokens))
+        while n > 0:
+            token = self.next_token(params, rng)
+            self.eval(token)
+            n -= 1
+            yield token
+            if token in stop:
+                return
+
+    def _replay(self, params: SamplingParams) -> None:
+        """Evaluate the held tokens again from position 0, asking for what `params` need."""
+        log.info("pipeline: replaying %d tokens: sampling needs more of the last stage's reply "
+                 "than the session's sampling asked for", len(self._tokens))
+        tokens = self.tokens
+        with self.split.lock:
+            self.sampling = params
+            self._begin()
+            self._reset()
+            self._advance(tokens, 0)
 
     # ---- requests ----
 
@@ -870,7 +920,7 @@ class SplitSession:
     def _reset(self) -> None:
         self._local = Session(self.split.engine, self.layout)
         self._tokens, self._generation = [], None
-        self._greedy, self._pairs, self._topk = None, None, 0
+        self._greedy, self._pairs, self._row, self._topk = None, None, None, 0
 
     def sync(self, tokens) -> None:
         """Make the session hold exactly `tokens`, reusing the common prefix the chain holds."""
@@ -884,7 +934,7 @@ class SplitSession:
                 self._reset()
                 return
             common = common_prefix(self._tokens, tokens)
-            if common == len(tokens) == len(self._tokens) and self._topk >= self._want_topk():
+            if common == len(tokens) == len(self._tokens) and covers(self._topk, self._want_topk()):
                 return
             if common < len(self._tokens) or common == len(tokens):
                 self._reset()  # compressor frontiers cannot be un-run: start again at 0
@@ -948,15 +998,19 @@ class SplitSession:
             self._lose()
             link.drop()  # replies may still be owed on this connection
             raise
-        ids, pairs = reply
+        ids, payload = reply
         greedy = int(ids[-1])
         if greedy >= split.config.n_vocab:
             self._lose()
             raise PipelineError("the last stage found no finite logit for the next token")
-        keep = (pairs["id"] < split.config.n_vocab) & np.isfinite(pairs["logit"])
         self._tokens = tokens
         self._generation = link.generation
-        self._greedy, self._pairs, self._topk = greedy, pairs[keep].copy(), topk
+        self._greedy, self._topk = greedy, topk
+        if topk == qkp.TOPK_LOGITS:
+            self._row, self._pairs = payload.astype(np.float32), None
+        else:
+            keep = (payload["id"] < split.config.n_vocab) & np.isfinite(payload["logit"])
+            self._row, self._pairs = None, payload[keep].copy()
 
     def _lose(self) -> None:
         self._reset()
@@ -983,7 +1037,8 @@ class SplitSession:
                                     f"({qkp.STATUS_TEXT.get(status, status)})")
             snap = SplitSnapshot(index, list(self._tokens), self._local.snapshot(), self._greedy,
                                  None if self._pairs is None else self._pairs.copy(), self._topk,
-                                 split.link.generation)
+                                 split.link.generation,
+                                 None if self._row is None else self._row.copy())
             split._snapshots[index] = snap
             return snap
 
@@ -1005,6 +1060,7 @@ class SplitSession:
             self._generation = split.link.generation
             self._greedy, self._topk = snap.greedy, snap.topk
             self._pairs = None if snap.pairs is None else snap.pairs.copy()
+            self._row = None if snap.row is None else snap.row.copy()
             self._broken = False
 
     def _status(self, op: int, index: int, count: int) -> int:

@@ -27,7 +27,7 @@ from typer.testing import CliRunner
 import ds4
 from ds4.core.sampling import GREEDY, Rng, SamplingParams
 from ds4.core.tiny import make_tiny
-from ds4.pipeline import PipelineError, PipelineRefused, SplitEngine, next_token
+from ds4.pipeline import PipelineError, PipelineRefused, SplitEngine, next_token, topk_for
 from ds4.wire import qkp
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -191,16 +191,53 @@ def test_sampling_on_the_head_reproduces_a_seed(model_path, workers, unsplit):
         split = generate(eng.session(ctx=CTX), PROMPT_A, 12, params, seed=5)
     assert split == generate(unsplit.session(ctx=CTX), PROMPT_A, 12, params, seed=5)
     assert split != generate(unsplit.session(ctx=CTX), PROMPT_A, 12, GREEDY)
-    wide = SamplingParams(temperature=1.0)  # top_k 0: the 256 best candidates
-    with head(model_path, workers["after"], 4, sampling=wide, auth_token=TOKEN) as eng:
+
+
+SAMPLERS = {
+    "default": SamplingParams(),  # T 1, min-p 0.05
+    "hot-min-p": SamplingParams(temperature=1.5),  # more than 256 tokens pass min-p
+    "top-p": SamplingParams(top_p=0.95, min_p=0.0),  # the nucleus is wider than 256
+    "top-k-40": SamplingParams(temperature=0.8, top_k=40),
+    "top-k-300": SamplingParams(top_k=300, min_p=0.0),
+}
+
+
+def _survivors(logits, params) -> int:
+    """Tokens with exp((l - l_max) / T) >= min_p: what the min-p path draws from."""
+    x = logits.astype(np.float64)
+    return int((np.exp((x - x.max()) / params.temperature) >= params.min_p).sum())
+
+
+@pytest.mark.parametrize("where,a", [("inside", 2), ("chain", 1)], ids=["2-stage", "3-stage"])
+def test_split_sampling_is_token_identical_to_unsplit(model_path, workers, unsplit, where, a):
+    """Every sampler, several seeds: SplitSession.sample yields what Session.sample yields,
+    and the rng ends in the same state."""
+    cold = unsplit.session(ctx=CTX)
+    cold.sync(PROMPT_A)
+    assert _survivors(cold.logits, SAMPLERS["hot-min-p"]) > qkp.TOPK_MAX  # the case exercised
+    with head(model_path, workers[where], a) as eng:
         s = eng.session(ctx=CTX)
-        runs = [generate(s, PROMPT_B, 10, wide, seed=11) for _ in range(2)]
-        assert runs[0] == runs[1]
-        assert len(s.candidates) == 256 and s.candidates[0][1] >= s.candidates[-1][1]
-        with pytest.raises(PipelineError, match="candidates"):
-            s.sampling = GREEDY
-            s.eval(3)
-            s.next_token(wide, Rng(1))
+        for name, params in SAMPLERS.items():
+            for seed in ((1, 2) if where == "inside" else (3,)):
+                want_rng, got_rng = Rng(seed), Rng(seed)
+                ref = unsplit.session(ctx=CTX)
+                ref.sync(PROMPT_A)
+                want = list(ref.sample(N_GEN, params, want_rng))
+                s.sampling = params
+                s.sync(PROMPT_A)
+                got = list(s.sample(N_GEN, params, got_rng))
+                assert got == want, (name, seed)
+                assert got_rng.state == want_rng.state and s.tokens == ref.tokens
+                if topk_for(params) == qkp.TOPK_LOGITS:
+                    assert np.array_equal(s.logits, ref.logits)
+        # a session synced greedily and then sampled replays once, and stays exact
+        s.sampling = GREEDY
+        s.sync(PROMPT_B)
+        ref = unsplit.session(ctx=CTX)
+        ref.sync(PROMPT_B)
+        params = SAMPLERS["top-p"]
+        assert list(s.sample(4, params, Rng(7))) == list(ref.sample(4, params, Rng(7)))
+        assert next_token(s, params, Rng(8)) == next_token(ref, params, Rng(8))
 
 
 def test_two_slots_interleaved_each_match_unsplit(model_path, workers, reference):
@@ -546,16 +583,21 @@ def test_cli_generate_split_next_equals_unsplit(model_path, logs):
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
     base = [sys.executable, "-m", "cli.main", "generate", "-m", str(model_path), "-p", "hello",
             "-n", "6", "--temp", "0"]
+    # the default sampler (min-p 0.05) at T 1.5 draws from more than 256 tokens of this model
+    sampled = base[:-2] + ["-n", "12", "--temp", "1.5", "--seed", "5"]
+    runs = {}
     try:
-        split = subprocess.run(base + ["--split-next", worker.addr, "--layers", "0:3"], cwd=ROOT,
-                               env=env, capture_output=True, text=True, timeout=120)
-        whole = subprocess.run(base, cwd=ROOT, env=env, capture_output=True, text=True, timeout=120)
+        for name, argv in (("greedy", base), ("sampled", sampled)):
+            runs[name] = [subprocess.run(argv + extra, cwd=ROOT, env=env, capture_output=True,
+                                         text=True, timeout=120)
+                          for extra in (["--split-next", worker.addr, "--layers", "0:3"], [])]
     finally:
         worker.kill()
-    assert split.returncode == 0, split.stderr
-    assert whole.returncode == 0, whole.stderr
-    assert split.stdout == whole.stdout and len(whole.stdout.strip()) > 0
-    assert "generated: 6 tokens" in split.stderr
+    for name, (split, whole) in runs.items():
+        assert split.returncode == 0, split.stderr
+        assert whole.returncode == 0, whole.stderr
+        assert split.stdout == whole.stdout and len(whole.stdout.strip()) > 0, name
+    assert "generated: 6 tokens" in runs["greedy"][0].stderr
     bad = subprocess.run(base + ["--layers", "0:3"], cwd=ROOT, env=env, capture_output=True,
                          text=True, timeout=60)
     assert bad.returncode == 1 and "--layers is only used with --split-next" in bad.stderr
