@@ -347,6 +347,7 @@ class Worker:
         self._conns: set[socket.socket] = set()
         self._conns_lock = threading.Lock()
         self._owners = itertools.count(1)  # one owner id per connection: its slots, its snapshots
+        self._last_refused = None
         self._thread: threading.Thread | None = None
 
     # ---- lifecycle ----
@@ -481,7 +482,8 @@ class Worker:
         stage = self.stage
         if h.op == qkp.OPEN:
             status = stage.open(owner, h.slot)
-            if status == qkp.STATUS_NO_SLOT:
+            if status == qkp.STATUS_NO_SLOT and self._last_refused != owner:
+                self._last_refused = owner  # once per connection: a head asks a few times
                 log.warning("qkp: refused an OPEN: all %d slots are held (--slots is the total "
                             "over all connections)", len(stage.slots))
             return status
