@@ -109,7 +109,7 @@ def pipe_worker(
         help="Close a client connection that sends no frame for this long.")] = 3600.0,
     verbose: Annotated[bool, typer.Option("--verbose", "-v", help="Log every connection.")] = False,
 ) -> None:
-    """Serve layers A:B of a model as one pipeline stage (qkp4, wire.md §1)."""
+    """Serve layers A:B of a model as one pipeline stage (qkp5: wire.md §1 and ds4/wire/qkp.py)."""
     from ds4.pipeline import serve
 
     logging.basicConfig(stream=sys.stderr, level=logging.INFO if verbose else logging.WARNING,

@@ -1,4 +1,4 @@
-"""Pipeline split: one model served as contiguous layer ranges over qkp4 (wire.md §1).
+"""Pipeline split: one model served as contiguous layer ranges over qkp5 (ds4/wire/qkp.py).
 
 The worker side is a `Stage` (layers [a, b) of one model, per-slot state and snapshots) behind a
 `Worker` (the TCP server; a middle stage forwards every frame to its own next stage). The head
@@ -250,7 +250,7 @@ class Stage:
             if not self.last:
                 return np.ascontiguousarray(be.to_numpy(X), dtype="<f4")
             # the greedy id after every position, as the spec says; the final position's
-            # logits also give the top-k candidates
+            # logits also give the top-k candidates or the whole row
             logits = np.asarray(be.to_numpy(be.output_logits(
                 X, w.output_hc, w.output_norm, w.output)), dtype=np.float32)
             ids = np.empty(h.n, dtype="<u4")

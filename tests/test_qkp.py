@@ -86,7 +86,8 @@ def test_header_checks_name_the_field(hdr, field):
 
 
 def test_header_limits_accept_edges():
-    for hdr in [(1, 1, 8, 56, 256), (1, 0, 1, 63, 0), (1, 0, 1, 0, U32), (5, 1, U32, U32, U32), (2, U32, U32, U32, U32), (3, 1, U32, 0, 64)]:
+    for hdr in [(1, 1, 8, 56, 256), (1, 0, 1, 63, 0), (1, 0, 1, 0, U32), (5, 1, U32, U32, U32),
+                (6, 0, 0, 0, 0), (2, U32, U32, U32, U32), (3, 1, U32, 0, 64)]:
         qkp.check_header(qkp.Header(*hdr), LIMITS, answers_topk=True)
     with pytest.raises(qkp.QkpError, match="topk"):  # topk only where it can be answered
         qkp.check_header(qkp.Header(1, 0, 1, 0, 1), LIMITS, answers_topk=False)
