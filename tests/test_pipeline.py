@@ -350,6 +350,32 @@ def test_concurrent_heads_each_match_unsplit(model_path, logs, unsplit):
         w.kill()
 
 
+def test_a_chain_refuses_a_head_when_its_last_stage_is_full(model_path, reference):
+    """A head on a 3-stage chain whose last stage's one slot is held by a head connected to it
+    directly: refused, and the middle stage gives back the slot it had granted."""
+    from ds4.pipeline import Stage, Worker
+
+    def stage(a, b):
+        return Stage(ds4.Engine.open(model_path, layers=range(a, b)), slots=1, ctx=CTX, max_rows=6)
+
+    last = Worker(stage(3, 5), io_timeout=10.0).start()
+    mid = Worker(stage(1, 3), next_addr=("127.0.0.1", last.port), io_timeout=10.0).start()
+    try:
+        with SplitEngine.open(model_path, f"127.0.0.1:{last.port}", "0:3") as direct, \
+                SplitEngine.open(model_path, f"127.0.0.1:{mid.port}", "0:1") as chained:
+            s = direct.session(ctx=CTX)
+            s.sync(PROMPT_A)
+            t = chained.session(ctx=CTX)
+            with pytest.raises(PipelineRefused, match="no free slot"):
+                t.sync(PROMPT_A)
+            assert all(x.owner is None for x in mid.stage.slots)  # given back
+            s.close()  # FREE: the last stage's slot is free again
+            assert generate(t, PROMPT_A) == reference["A"]
+    finally:
+        mid.stop()
+        last.stop()
+
+
 def test_snapshot_restores_a_prefix_on_every_stage(model_path, workers, unsplit):
     prefix, rest = PROMPT_A[:14], [5, 77, 300]
     cold = unsplit.session(ctx=CTX)
