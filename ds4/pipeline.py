@@ -214,11 +214,6 @@ class Stage:
             for index in self._snap_of.pop(owner, {}).values():
                 self.snapshots[index] = None
 
-    def owned(self, owner) -> tuple[int, int]:
-        """(slots, snapshot entries) the owner holds."""
-        with self.lock:
-            return len(self._slot_of.get(owner, {})), len(self._snap_of.get(owner, {}))
-
     def _slot(self, owner, local: int) -> _Slot | None:
         index = self._slot_of.get(owner, {}).get(local)
         return None if index is None else self.slots[index]
