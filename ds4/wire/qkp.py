@@ -30,8 +30,8 @@ payload, each answered in order:
 Changes from qkp4 (hence the magic "qkp5"):
 * Slots belong to connections. `slot` in a frame is the connection's own slot number
   (0..n_slots-1); OPEN binds it to one of the stage's `n_slots` slots taken from the free pool,
-  FREE (or the connection closing) gives it back. `n_slots` is the stage's total across all
-  connections. An OPEN when every slot is held by some connection is answered with
+  FREE (or the connection closing) gives it back. `n_slots` (in the hello) is the stage's total
+  across all connections, not what is free now: a client learns that from OPEN. An OPEN when every slot is held by some connection is answered with
   STATUS_NO_SLOT (the head turns it into an error saying so): a refusal, never a wait or a
   steal. An EVAL naming a slot this connection has not opened is a protocol violation: the
   stage closes the connection (an EVAL reply has no status field) and nothing is computed.
