@@ -611,14 +611,21 @@ def test_cli_generate_split_next_equals_unsplit(model_path, logs):
             "-n", "6", "--temp", "0"]
     # the default sampler (min-p 0.05) at T 1.5 draws from more than 256 tokens of this model
     sampled = base[:-2] + ["-n", "12", "--temp", "1.5", "--seed", "5"]
+    split_args = ["--split-next", worker.addr, "--layers", "0:3"]
     runs = {}
     try:
         for name, argv in (("greedy", base), ("sampled", sampled)):
             runs[name] = [subprocess.run(argv + extra, cwd=ROOT, env=env, capture_output=True,
                                          text=True, timeout=120)
-                          for extra in (["--split-next", worker.addr, "--layers", "0:3"], [])]
+                          for extra in (split_args, [])]
+        with head(model_path, worker, 3) as holder:  # takes the worker's one slot (--slots 1)
+            holder.session(ctx=CTX).sync([1, 2, 3])
+            full = subprocess.run(base + split_args, cwd=ROOT, env=env, capture_output=True,
+                                  text=True, timeout=120)
     finally:
         worker.kill()
+    assert full.returncode == 1 and "error:" in full.stderr and "no free slot" in full.stderr
+    assert full.stdout == "" and "Traceback" not in full.stderr
     for name, (split, whole) in runs.items():
         assert split.returncode == 0, split.stderr
         assert whole.returncode == 0, whole.stderr
