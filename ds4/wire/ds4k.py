@@ -433,6 +433,8 @@ class Receiver:
                     result.append(m)
                 done.set()
             except DS4KError as e:
+                if done.is_set():
+                    return  # dropped because the wait is over, not for what it sent
                 log.warning("DS4K %s: dropped: %s", peer, e.reason)
                 with self._lock:
                     self.failures.append(DS4KError(f"rejected the transfer from {peer}: {e.reason}",

@@ -81,7 +81,7 @@ MAX_FRAME_BYTES = 1 << 31
 SMALL_SEND = 1 << 17
 # A receive buffer starts at most this large and doubles as bytes arrive: a peer that announces
 # a large frame and stalls costs this much, not the announced size.
-GROW_FROM = 64 << 10
+GROW_FROM = 16 << 10
 
 CLIENT_HELLO = struct.Struct("<II")
 HELLO = struct.Struct("<10IQ")
