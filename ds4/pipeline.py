@@ -33,6 +33,7 @@ from __future__ import annotations
 import logging
 import os
 import socket
+import ssl
 import threading
 from collections import deque
 from dataclasses import dataclass
@@ -510,6 +511,10 @@ class _Link:
                 f"the next stage at {self.addr} closed the connection during the hello: {why}, "
                 f"or it runs numerics other than this head's ({numerics}), or it cannot reach "
                 "its own next stage; its log says which") from None
+        except ssl.SSLError as e:
+            conn.close()
+            raise PipelineRefused(f"TLS with the next stage at {self.addr} failed: {e} (does it "
+                                  "require a client certificate, --tls-cert/--tls-key?)") from None
         except (qkp.QkpError, OSError) as e:
             conn.close()
             raise PipelineRefused(f"the next stage at {self.addr} sent a bad hello: {e}") from None

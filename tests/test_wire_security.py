@@ -15,6 +15,7 @@ import io
 import json
 import os
 import socket
+import ssl
 import struct
 import sys
 import tempfile
@@ -437,3 +438,73 @@ def test_max_conns_closes_the_rest(model_path):
         for s in socks:
             s.close()
         w.stop()
+
+
+# ---- TLS -------------------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def certs(tmp_path_factory):
+    """A self-signed certificate for 127.0.0.1 (its own CA), made with the openssl tool."""
+    import shutil
+    import subprocess
+
+    if shutil.which("openssl") is None:
+        pytest.skip("the openssl command is not installed")
+    d = tmp_path_factory.mktemp("tls")
+    subprocess.run(["openssl", "req", "-x509", "-newkey", "ec", "-pkeyopt",
+                    "ec_paramgen_curve:prime256v1", "-nodes", "-keyout", str(d / "key.pem"),
+                    "-out", str(d / "cert.pem"), "-days", "2", "-subj", "/CN=127.0.0.1",
+                    "-addext", "subjectAltName=IP:127.0.0.1"], check=True, capture_output=True)
+    return d
+
+
+def test_qkp_and_ds4k_over_tls(certs, model_path, head_engine, payload, tmp_path):
+    from ds4.wire import tls
+
+    # qkp with mutual TLS (the worker requires a client certificate), DS4K with a server one
+    files = tls.TlsFiles(certs / "cert.pem", certs / "key.pem", certs / "cert.pem")
+    server, client = tls.server_context(files), tls.client_context(files)
+    stage = Stage(ds4.Engine.open(model_path, layers=range(3, 5)), ctx=64, max_rows=8)
+    w = Worker(stage, io_timeout=5.0, auth_token="tok", tls_server=server).start()
+    try:
+        with SplitEngine(head_engine, ("127.0.0.1", w.port), auth_token="tok", tls=client) as split:
+            s = split.session(ctx=64)
+            s.sync(PROMPT)
+            whole = ds4.Engine.open(model_path).session(ctx=64)
+            whole.sync(PROMPT)
+            assert s.greedy == int(np.argmax(whole.logits))
+        plain = SplitEngine(head_engine, ("127.0.0.1", w.port), auth_token="tok", io_timeout=1.0)
+        with pytest.raises(PipelineRefused):  # a client without TLS gets nowhere
+            plain.connect()
+        no_cert = tls.client_context(tls.TlsFiles(ca=certs / "cert.pem"))
+        anonymous = SplitEngine(head_engine, ("127.0.0.1", w.port), auth_token="tok", tls=no_cert)
+        with pytest.raises(PipelineRefused, match="TLS with the next stage"):
+            anonymous.connect()
+        untrusting = ssl.create_default_context()  # the system's CAs never signed it
+        with pytest.raises(ssl.SSLCertVerificationError):
+            qkp.Conn.connect("127.0.0.1", w.port, 2.0, tls=untrusting)
+    finally:
+        w.stop()
+    server = tls.server_context(tls.TlsFiles(certs / "cert.pem", certs / "key.pem"))
+    client = tls.client_context(tls.TlsFiles(ca=certs / "cert.pem"))
+    r = ds4k.Receiver(0, timeout=T_OUT, tls=server)
+    out: dict = {}
+    t = threading.Thread(target=lambda: out.update(m=r.receive(tmp_path / "p", T_OUT, max_failures=1)))
+    t.start()
+    ds4k.send_payload(payload, "127.0.0.1", r.port, timeout=T_OUT, tls=client)
+    t.join(T_OUT)
+    r.close()
+    assert (tmp_path / "p").read_bytes() == payload
+
+
+def test_tls_files_are_checked():
+    from ds4.wire import tls
+
+    with pytest.raises(ValueError, match="needs its certificate and key"):
+        tls.server_context(tls.TlsFiles(ca="ca.pem"))
+    with pytest.raises(ValueError, match="got only --tls-cert"):
+        tls.client_context(tls.TlsFiles(cert="c.pem"))
+    with pytest.raises(ValueError, match="cannot load"):
+        tls.server_context(tls.TlsFiles("missing.pem", "missing.pem"))
+    assert tls.server_context(None) is None and tls.client_context(tls.TlsFiles()) is None
