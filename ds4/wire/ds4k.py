@@ -353,7 +353,8 @@ def send_payload(src, host: str, port: int, *, fingerprint=None, auth_token: str
                             f"{reason}", status, reason) from None
         except socket.timeout:
             raise DS4KError("timed out sending the payload", INCOMPLETE) from None
-        status, reason = _read_reply(sock, "the receiver's reply")
+        status, reason = _read_reply(sock, "the receiver's reply",
+                                     Deadline(timeout, "the receiver's final reply"))
         if status != OK:
             raise DS4KError(f"receiver failed the transfer ({STATUS_NAMES.get(status, status)}): "
                             f"{reason}", status, reason)
@@ -422,13 +423,14 @@ class Receiver:
             raise DS4KError(f"destination directory does not exist: {out_path.parent}", IO_ERROR)
         deadline = Deadline(accept_timeout, "receiving a payload")
         self.failures = []
-        done = threading.Event()
+        done = threading.Event()  # the wait is over: a payload landed, or too many failed
+        landed = threading.Event()  # set under the landing lock: nobody else may land now
         result: list[Manifest] = []
-        active: dict[socket.socket, threading.Thread] = {}
+        active: dict[socket.socket, dict] = {}  # accepted socket -> {"sock": what to shut down}
 
-        def serve(conn: socket.socket, peer: str) -> None:
+        def serve(conn: socket.socket, peer: str, holder: dict) -> None:
             try:
-                m = self._serve_one(conn, peer, out_path, done)
+                m = self._serve_one(conn, peer, out_path, landed, holder)
                 with self._lock:
                     result.append(m)
                 done.set()
@@ -445,8 +447,9 @@ class Receiver:
                 with self._lock:
                     active.pop(conn, None)
                 with contextlib.suppress(OSError):
-                    conn.close()
+                    holder["sock"].close()
 
+        threads: list[threading.Thread] = []
         try:
             while not done.is_set():
                 if deadline.expired:
@@ -457,24 +460,27 @@ class Receiver:
                 except socket.timeout:
                     continue
                 peer = f"{addr[0]}:{addr[1]}"
+                holder = {"sock": conn}
                 with self._lock:
                     full = len(active) >= self.max_conns
                     if not full:
-                        t = threading.Thread(target=serve, args=(conn, peer), daemon=True,
-                                             name=f"ds4k-{peer}")
-                        active[conn] = t
+                        active[conn] = holder
                 if full:
                     log.warning("DS4K %s: refused: %d connections are open", peer, self.max_conns)
                     conn.close()
                     continue
+                t = threading.Thread(target=serve, args=(conn, peer, holder), daemon=True,
+                                     name=f"ds4k-{peer}")
+                threads.append(t)
                 t.start()
         finally:
+            done.set()
             with self._lock:
-                others = list(active.items())
-            for conn, t in others:  # the payload landed (or time is up): drop the rest
+                others = [h["sock"] for h in active.values()]
+            for sock in others:  # the payload landed (or time is up): drop the rest
                 with contextlib.suppress(OSError):
-                    conn.shutdown(socket.SHUT_RDWR)
-            for conn, t in others:
+                    sock.shutdown(socket.SHUT_RDWR)
+            for t in threads:
                 t.join(self.timeout + 1)
         if result:
             return result[0]
@@ -486,22 +492,22 @@ class Receiver:
                             f"connection(s) failed, the last: {last.reason}", last.status, last.reason)
         raise DS4KError(f"no sender connected within {accept_timeout:g} s", INCOMPLETE)
 
-    def _serve_one(self, conn: socket.socket, peer: str, out_path: Path,
-                   done: threading.Event) -> Manifest:
+    def _serve_one(self, conn: socket.socket, peer: str, out_path: Path, landed: threading.Event,
+                   holder: dict) -> Manifest:
         """One connection, start to end; DS4KError (after telling the sender) on failure."""
-        conn.settimeout(self.timeout)
+        conn.settimeout(self.timeout)  # bounds the TLS handshake too
         try:
             try:
                 if self.tls is not None:
-                    conn = self.tls.wrap_socket(conn, server_side=True)
-                return self._serve(conn, out_path, done)
+                    conn = holder["sock"] = self.tls.wrap_socket(conn, server_side=True)
+                return self._serve(conn, out_path, landed)
             except (OSError, ssl.SSLError) as e:  # the connection failed outside the payload
                 raise DS4KError(f"connection error: {e}", INCOMPLETE) from None
         except DS4KError as e:
             _send_reply(conn, e.status, e.reason)
             raise
 
-    def _serve(self, conn: socket.socket, out_path: Path, done: threading.Event) -> Manifest:
+    def _serve(self, conn: socket.socket, out_path: Path, landed: threading.Event) -> Manifest:
         deadline = Deadline(self.timeout, "the DS4K hello")
         me = auth.ServerAuth(self.auth_token, PROTOCOL) if self.auth_token else None
         nonce = me.nonce if me else auth.new_nonce()
@@ -532,13 +538,14 @@ class Receiver:
         except ValueError as e:
             raise DS4KError(str(e)) from None
         self._check_manifest(manifest, out_path)
-        if done.is_set() or not self._landing.acquire(blocking=False):
+        if not self._landing.acquire(blocking=False):
             raise DS4KError("busy: another sender's payload is landing here", REFUSED)
         try:
-            if done.is_set():
+            if landed.is_set():
                 raise DS4KError("this receiver already has its payload", REFUSED)
             _send_reply(conn, OK)
             self._land(conn, manifest, out_path)
+            landed.set()  # before the lock is released: no second payload replaces this one
         finally:
             self._landing.release()
         _send_reply(conn, OK)
