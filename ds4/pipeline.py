@@ -506,7 +506,7 @@ class _Link:
             conn.close()
             numerics = "exact" if self.exact else "ds4"
             why = ("it refused the auth token" if self.token else
-                   "it may require an auth token (--auth-token / DS4_WIRE_TOKEN)")
+                   "it may require an auth token (--auth-token-file / DS4_WIRE_TOKEN)")
             raise PipelineRefused(
                 f"the next stage at {self.addr} closed the connection during the hello: {why}, "
                 f"or it runs numerics other than this head's ({numerics}), or it cannot reach "

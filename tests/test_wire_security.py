@@ -281,6 +281,29 @@ def test_a_dripping_sender_is_dropped_at_the_deadline(where):
     assert "did not" in r["reason"] and "within" in r["reason"], r
 
 
+def test_a_frame_must_arrive_within_one_io_timeout(model_path):
+    """The token ids 0.7 s after the header and the rows 0.7 s later: each part within the
+    1 s io timeout, the frame as a whole not, so the worker drops it without an answer."""
+    stage = Stage(ds4.Engine.open(model_path, layers=range(3, 5)), ctx=64, max_rows=8)
+    w = Worker(stage, io_timeout=1.0).start()
+    try:
+        conn = qkp.Conn.connect("127.0.0.1", w.port, 5.0)
+        hello = qkp.client_handshake(conn, None, False)
+        rows = np.zeros((1, hello.n_hc, hello.n_embd), "<f4").tobytes()
+        conn.send(qkp.Header(qkp.EVAL, 0, 1, 0, 0).pack())
+        time.sleep(0.7)
+        conn.send(np.array([1], "<u4").tobytes())
+        time.sleep(0.7)
+        with contextlib.suppress(OSError):
+            conn.send(rows)
+        with pytest.raises(qkp.QkpClosed) as e:
+            conn.recv_exact(1, timeout=3.0)
+        assert e.value.field == "eof"  # closed, not answered
+        conn.close()
+    finally:
+        w.stop()
+
+
 def test_a_bad_and_a_stalled_connection_do_not_end_the_receiver(payload, tmp_path):
     r = ds4k.Receiver(0, timeout=5.0)
     out: dict = {}
@@ -388,6 +411,30 @@ def test_any_record_header_is_refused_with_a_reason_or_read(header, tail):
     assert (status == ds4k.OK) == ok, (status, reason)
     if not ok:
         assert reason and isinstance(res["e"], ds4k.DS4KError)
+
+
+@settings(max_examples=30, deadline=None)
+@given(st.one_of(st.binary(max_size=60),
+                 st.builds(lambda v, f, rest: ds4k.HELLO.pack(ds4k.MAGIC, v, f, 0, rest),
+                           st.sampled_from([1, 2, 3]), st.sampled_from([0, 1, 2, 3]),
+                           st.binary(min_size=32, max_size=32))),
+       st.booleans())
+def test_any_receiver_hello_is_refused_before_model_data_or_accepted(hello, with_token):
+    """A sender facing any hello sends model data (a manifest) only to a well-formed DS4K v2
+    receiver that does not need a token it lacks, or that proves the one it has."""
+    imp = Impostor(greeting=hello)
+    imp.start()
+    m = ds4k.Manifest(None, 100, "0" * 64, 1, 64, 2, 0)
+    try:
+        sock = ds4k.open_transfer("127.0.0.1", imp.port, m, auth_token="tok" if with_token else None,
+                                  timeout=0.3)
+        sock.close()
+        accepted = True
+    except ds4k.DS4KError:
+        accepted = False
+    got = imp.finish()
+    assert not accepted  # an impostor never sends verdicts: the client must give up
+    assert m.encode() not in got  # and the manifest never left
 
 
 @settings(max_examples=100, deadline=None)
