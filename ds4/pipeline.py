@@ -334,6 +334,7 @@ class Worker:
                     self._conns.add(sock)
             conn = qkp.Conn(sock, self.io_timeout, peer)
             flags = qkp.read_client_hello(conn, self.auth_token, self.stage.exact)
+            conn.trusted = self.auth_token is not None  # it proved the token
             if self.next_addr is not None:
                 down = self._connect_next(flags)
                 relay = _Relay(conn, down, self.stage.hello)

@@ -471,6 +471,31 @@ def test_stalled_strangers_cost_little_worker_memory(model_path):
     assert r["bytes_per_connection"] <= MAX_IDLE_STRANGER_BYTES, r
 
 
+@pytest.mark.parametrize("trusted", [False, True])
+def test_receive_buffers_grow_with_the_bytes_until_the_peer_is_trusted(trusted):
+    """A 2 MiB read of which 100 bytes came: a stranger's connection holds about GROW_FROM,
+    one that proved the token the whole buffer (tracemalloc's peak while it waits)."""
+    import tracemalloc
+
+    a, b = socket.socketpair()
+    conn = qkp.Conn(b, 0.5, "peer")
+    conn.trusted = trusted
+    a.sendall(bytes(100))
+    tracemalloc.start()
+    try:
+        with pytest.raises(qkp.QkpClosed, match="100 of 2097152 bytes"):
+            conn.recv_exact(2 << 20)
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+        a.close()
+        conn.close()
+    if trusted:
+        assert peak >= 2 << 20
+    else:
+        assert peak <= 2 * qkp.GROW_FROM
+
+
 def test_max_conns_closes_the_rest(model_path):
     stage = Stage(ds4.Engine.open(model_path, layers=range(3, 5)), ctx=64, max_rows=8)
     w = Worker(stage, io_timeout=5.0, max_conns=2).start()

@@ -17,7 +17,7 @@ The proofs are `ds4.wire.auth`'s (HMAC-SHA256 keyed by the token, protocol b"4pk
 it travels): the worker proves the token before the head sends anything of the model, so a
 listener without the token gets no token ids and no rows, and the head fails with a clear error.
 
-then frames: a 20-byte `Header` {op, slot, n, base, topk} plus the op's payload (see `Header`).
+Then frames: a 20-byte `Header` {op, slot, n, base, topk} plus the op's payload (see `Header`).
 
 Choices this module makes where the spec leaves room (all ours, all local to qkp4):
 * Both ends prove the token (`ds4.wire.auth`). A worker that has a token refuses a client
@@ -25,8 +25,9 @@ Choices this module makes where the spec leaves room (all ours, all local to qkp
   cannot prove one and closes a connection that asks for it; a client that has a token
   refuses a stage that cannot prove it (`AuthRefused`).
 * Deadlines: the whole hello, and a frame's payload once its header arrived, must come within
-  the connection's io timeout however the bytes trickle in (`ds4.wire.deadline`). Buffers grow
-  as bytes arrive, so a stalled frame costs at most `GROW_FROM` bytes, not its announced size.
+  the connection's io timeout however the bytes trickle in (`ds4.wire.deadline`). Until a peer
+  has proven the token (`Conn.trusted`), buffers grow as bytes arrive, so a stalled frame costs
+  at most about `GROW_FROM` bytes, not its announced size.
 * flags bit1 (`FLAG_EXACT`) says the client runs "exact" numerics (clear: "ds4" numerics). Both
   ends of a link must compute the same function, and the hello has no other room to say so; a
   worker refuses a client whose numerics differ from its own.
@@ -379,6 +380,9 @@ class Conn:
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         sock.settimeout(timeout)
         self._tls = isinstance(sock, ssl.SSLSocket)
+        # A peer that proved the token gets whole buffers at once; any other one only as much
+        # as it has sent (a buffer that doubles from GROW_FROM).
+        self.trusted = False
         self._poll = select.poll()
         self._poll.register(sock, select.POLLIN)
 
@@ -406,7 +410,7 @@ class Conn:
         limit = Deadline(self.timeout if timeout is None else timeout)
         if deadline is not None and deadline.at < limit.at:
             limit = deadline
-        buf = bytearray(min(n, GROW_FROM))
+        buf = bytearray(n if self.trusted else min(n, GROW_FROM))
         got = 0
         while got < n:
             left = limit.left()
