@@ -226,6 +226,30 @@ def test_impostor_receiver_gets_no_payload(payload):
     assert struct.unpack_from("<3I", got) == (ds4k.MAGIC, ds4k.VERSION, ds4k.FLAG_AUTH)
 
 
+def test_cli_kv_send_refuses_an_impostor(model_path, payload, tmp_path):
+    """`ds4 kv-send --auth-token-file` to a listener without the token: exit 1, a clear error,
+    no "sent", and the listener got nothing."""
+    from typer.testing import CliRunner
+    import typer
+
+    from cli.kv import register
+
+    app = typer.Typer()
+    register(app)
+    src, tok = tmp_path / "s.dsv4", tmp_path / "token"
+    src.write_bytes(payload)
+    tok.write_text("s3cret")
+    tok.chmod(0o600)
+    imp = Impostor(greeting=ds4k.HELLO.pack(ds4k.MAGIC, ds4k.VERSION, 0, 0, bytes(32)))
+    imp.start()
+    r = CliRunner().invoke(app, ["kv-send", str(src), f"127.0.0.1:{imp.port}", "-m", str(model_path),
+                                 "--auth-token-file", str(tok), "--io-timeout", "2"],
+                           env={"COLUMNS": "200"})
+    assert r.exit_code == 1 and "does not prove the auth token" in r.stderr, r.output
+    assert "sent" not in r.stdout
+    assert imp.finish() == b""
+
+
 def test_ds4k_auth_bytes_follow_the_layout(payload, tmp_path):
     """A hand-written sender that follows ds4k.py's steps 1-5 with proofs from the layout."""
     r = ds4k.Receiver(0, auth_token="tok", timeout=T_OUT)
