@@ -281,10 +281,13 @@ class Worker:
                     sock, addr = self._sock.accept()
                 except socket.timeout:
                     continue
-                except OSError:
+                except OSError as e:
                     if self._stop.is_set():
                         break
-                    raise
+                    # out of file descriptors, an aborted connection: the worker goes on
+                    log.warning("qkp: accept failed: %s", e)
+                    self._stop.wait(0.05)
+                    continue
                 with self._conns_lock:
                     full = len(self._conns) >= self.max_conns
                     if not full:

@@ -84,6 +84,8 @@ CHUNK = 1 << 20
 # (after the first io timeout) is dropped. Loopback and LAN transfers run at hundreds of MB/s.
 DEFAULT_MIN_RATE = 1 << 20
 DEFAULT_MAX_CONNS = 16
+ACCEPT_POLL = 0.2  # how often the accept loop looks at its deadline and at "done"
+ACCEPT_POLL_MIN = 0.01
 
 # reply status codes
 OK = 0
@@ -454,10 +456,14 @@ class Receiver:
             while not done.is_set():
                 if deadline.expired:
                     break
-                self.sock.settimeout(min(0.2, deadline.left()))
+                self.sock.settimeout(max(ACCEPT_POLL_MIN, min(ACCEPT_POLL, deadline.left())))
                 try:
                     conn, addr = self.sock.accept()
                 except socket.timeout:
+                    continue
+                except OSError as e:  # out of file descriptors, an aborted connection: go on
+                    log.warning("DS4K: accept failed: %s", e)
+                    time.sleep(ACCEPT_POLL_MIN)
                     continue
                 peer = f"{addr[0]}:{addr[1]}"
                 holder = {"sock": conn}
