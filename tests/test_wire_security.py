@@ -356,6 +356,47 @@ def test_a_bad_and_a_stalled_connection_do_not_end_the_receiver(payload, tmp_pat
     assert len(r.failures) == 1 and "record magic" in r.failures[0].reason
 
 
+def test_cli_kv_recv_outlives_a_bad_connection(model_path, payload, tmp_path):
+    """`ds4 kv-recv`: a garbage connection is one warning line; the real sender's payload lands."""
+    import select
+    import subprocess
+
+    src = tmp_path / "s.dsv4"
+    src.write_bytes(payload)
+    dest = tmp_path / "in"
+    dest.mkdir()
+    code = "import typer; from cli.kv import register; app = typer.Typer(); register(app); app()"
+    p = subprocess.Popen([sys.executable, "-c", code, "kv-recv", "0", "--out", str(dest / "r.dsv4"),
+                          "-m", str(model_path), "--wait", "60"], cwd=ROOT, text=True,
+                         stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                         env={**os.environ, "PYTHONPATH": str(ROOT), "COLUMNS": "200",
+                              "DS4_WIRE_TOKEN": ""})
+    try:
+        port, seen = None, ""
+        deadline = time.monotonic() + 60
+        while port is None and time.monotonic() < deadline:
+            if select.select([p.stderr], [], [], 1.0)[0]:
+                line = p.stderr.readline()
+                seen += line
+                if line.startswith("listening on "):
+                    port = int(line.rsplit(":", 1)[1])
+                elif not line:
+                    break
+        assert port, seen
+        with socket.create_connection(("127.0.0.1", port), timeout=T_OUT) as bad:
+            bad.recv(ds4k.HELLO.size)
+            bad.sendall(bytes(16))
+            assert ds4k._read_reply(bad, "reply")[0] == ds4k.BAD_RECORD
+        ds4k.send_payload(src, "127.0.0.1", port, fingerprint=ds4.Engine.open(model_path).model.fingerprint,
+                          timeout=T_OUT)
+        out, err = p.communicate(timeout=60)
+    finally:
+        p.kill()
+    assert p.returncode == 0, err
+    assert "received" in out and err.count("warning:") == 1 and "record magic" in err
+    assert (dest / "r.dsv4").read_bytes() == payload
+
+
 def test_a_refused_manifest_gets_its_reason_and_the_receiver_waits(payload, tmp_path):
     r = ds4k.Receiver(0, timeout=5.0, fingerprint=bytes(32))
     out: dict = {}
