@@ -152,8 +152,8 @@ def read_token_file(path: str | os.PathLike) -> tuple[str, str | None]:
 def resolve_token(*, token_file: str | os.PathLike | None = None, argv_token: str | None = None,
                   environ=None) -> tuple[str | None, list[str]]:
     """The shared secret and the warnings to print: from `--auth-token-file`, else from
-    `DS4_WIRE_TOKEN`, else from `--auth-token` (on the command line every local user can read
-    it in the process list, hence a warning). Giving both the file and the argv token is an
+    `--auth-token` (on the command line every local user can read it in the process list, hence
+    a warning), else from `DS4_WIRE_TOKEN`. Giving both the file and the argv token is an
     error: one of them would be silently ignored."""
     environ = os.environ if environ is None else environ
     warnings: list[str] = []
