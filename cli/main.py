@@ -25,7 +25,9 @@ from ds4.core.chat import DEFAULT_SYSTEM
 from ds4.core.tiny import EXPERT_MIXES, PRESETS
 
 from . import bench, kv, pipe
-from .pipe import AuthTokenOption, LayersOption, SplitNextOption, open_split_engine
+from .pipe import LayersOption, SplitNextOption, open_split_engine
+from .wire_options import (AuthTokenFileOption, AuthTokenOption, IoTimeoutOption, TlsCaOption,
+                           TlsCertOption, TlsKeyOption)
 from .common import (CLIError, rate, stream_reply, err, human_bytes, library_errors, open_engine, out, print_error,
                      print_field, progress_callback, resolve_model)
 from .options import (MAX_SEED, BackendOption, CtxOption, MinPOption, ModelArgument, ModelOption,
@@ -231,7 +233,12 @@ def generate(
     numerics: NumericsOption = "ds4",
     split_next: SplitNextOption = None,
     layers: LayersOption = None,
+    auth_token_file: AuthTokenFileOption = None,
     auth_token: AuthTokenOption = None,
+    io_timeout: IoTimeoutOption = 120.0,
+    tls_cert: TlsCertOption = None,
+    tls_key: TlsKeyOption = None,
+    tls_ca: TlsCaOption = None,
 ) -> None:
     """Generate a reply to one prompt, streaming the text to stdout (stats go to stderr).
 
@@ -251,7 +258,9 @@ def generate(
 
     if split_next:
         eng = open_split_engine(model, backend, numerics, split_next, layers, ctx=ctx,
-                                sampling=params, auth_token=auth_token)
+                                sampling=params, auth_token=auth_token,
+                                auth_token_file=auth_token_file, io_timeout=io_timeout,
+                                tls_files=(tls_cert, tls_key, tls_ca))
     elif layers:
         with library_errors():
             raise CLIError("--layers is only used with --split-next")

@@ -35,6 +35,7 @@ import itertools
 import logging
 import os
 import socket
+import ssl
 import threading
 import time
 from collections import deque
@@ -49,6 +50,7 @@ from .core.sampling import GREEDY, Rng, SamplingParams, argmax, sample, top_cand
 from .core.state import FILL, SessionLayout, layer_state_shapes
 from .engine import Engine, Session, Snapshot, check_tokens, common_prefix
 from .wire import qkp
+from .wire.deadline import Deadline
 
 log = logging.getLogger("ds4.pipeline")
 
@@ -57,6 +59,7 @@ DEFAULT_IO_TIMEOUT = 120.0
 DEFAULT_IDLE_TIMEOUT = 3600.0
 DEFAULT_CONNECT_TIMEOUT = 10.0
 OPEN_RETRY_PAUSES = (0.05, 0.1, 0.2, 0.4, 0.8)  # seconds between OPENs a full worker refused
+DEFAULT_MAX_CONNS = 64
 
 
 class PipelineError(RuntimeError):
@@ -325,9 +328,12 @@ class Worker:
     def __init__(self, stage: Stage, *, host: str = "127.0.0.1", port: int = 0,
                  auth_token: str | None = None, next_addr: str | tuple[str, int] | None = None,
                  io_timeout: float = DEFAULT_IO_TIMEOUT, idle_timeout: float = DEFAULT_IDLE_TIMEOUT,
-                 connect_timeout: float = DEFAULT_CONNECT_TIMEOUT):
+                 connect_timeout: float = DEFAULT_CONNECT_TIMEOUT,
+                 max_conns: int = DEFAULT_MAX_CONNS, tls_server=None, tls_client=None):
         if next_addr is not None and stage.last:
             raise ValueError("next: the last stage has no next stage")
+        if max_conns < 1:
+            raise ValueError(f"max_conns: expected at least 1, got {max_conns}")
         self.stage = stage
         self.host = host
         self.auth_token = auth_token or None
@@ -335,6 +341,9 @@ class Worker:
         self.io_timeout = io_timeout
         self.idle_timeout = idle_timeout
         self.connect_timeout = connect_timeout
+        self.max_conns = max_conns
+        self.tls_server = tls_server  # ssl.SSLContext for clients of this stage, or None
+        self.tls_client = tls_client  # ssl.SSLContext for the link to the next stage, or None
         self._sock = socket.create_server((host, port), reuse_port=False)
         self._sock.settimeout(0.2)
         self.port = self._sock.getsockname()[1]
@@ -344,6 +353,7 @@ class Worker:
         self._owners = itertools.count(1)  # one owner id per connection: its slots, its snapshots
         self._last_refused = None
         self._thread: threading.Thread | None = None
+        self.refused_conns = 0  # connections closed at once because max_conns were open
 
     # ---- lifecycle ----
 
@@ -354,12 +364,23 @@ class Worker:
                     sock, addr = self._sock.accept()
                 except socket.timeout:
                     continue
-                except OSError:
+                except OSError as e:
                     if self._stop.is_set():
                         break
-                    raise
+                    # out of file descriptors, an aborted connection: the worker goes on
+                    log.warning("qkp: accept failed: %s", e)
+                    self._stop.wait(0.05)
+                    continue
                 with self._conns_lock:
-                    self._conns.add(sock)
+                    full = len(self._conns) >= self.max_conns
+                    if not full:
+                        self._conns.add(sock)
+                if full:  # nothing allocated for it: closed before its hello is read
+                    self.refused_conns += 1
+                    log.warning("qkp %s:%s: refused: %d connections are open (--max-conns)",
+                                addr[0], addr[1], self.max_conns)
+                    sock.close()
+                    continue
                 threading.Thread(target=self._serve_conn, args=(sock, addr), daemon=True,
                                  name=f"qkp-{addr[0]}:{addr[1]}").start()
         finally:
@@ -387,12 +408,20 @@ class Worker:
     def _serve_conn(self, sock: socket.socket, addr) -> None:
         peer = f"{addr[0]}:{addr[1]}"
         owner = next(self._owners)
-        conn = qkp.Conn(sock, self.io_timeout, peer)
         down: qkp.Conn | None = None
         relay: _Relay | None = None
         clean = False
+        conn = None
         try:
+            if self.tls_server is not None:
+                sock.settimeout(self.io_timeout)  # bounds the TLS handshake too
+                raw, sock = sock, self.tls_server.wrap_socket(sock, server_side=True)
+                with self._conns_lock:  # stop() must reach the socket that owns the fd now
+                    self._conns.discard(raw)
+                    self._conns.add(sock)
+            conn = qkp.Conn(sock, self.io_timeout, peer)
             flags = qkp.read_client_hello(conn, self.auth_token, self.stage.exact)
+            conn.trusted = self.auth_token is not None  # it proved the token
             if self.next_addr is not None:
                 down = self._connect_next(flags)
                 relay = _Relay(conn, down, self.stage.hello)
@@ -414,7 +443,10 @@ class Worker:
                 if not clean:
                     down.shutdown()  # the relay must not wait for replies nobody will take
                 relay.finish()
-            conn.close()
+            if conn is not None:
+                conn.close()
+            else:
+                sock.close()
             if down is not None:
                 down.close()
             self.stage.release(owner)  # after the relay: nothing of this connection runs now
@@ -424,7 +456,8 @@ class Worker:
     def _connect_next(self, flags: int) -> qkp.Conn:
         host, port = self.next_addr
         try:
-            down = qkp.Conn.connect(host, port, self.io_timeout, self.connect_timeout)
+            down = qkp.Conn.connect(host, port, self.io_timeout, self.connect_timeout,
+                                    tls=self.tls_client)
         except OSError as e:
             raise qkp.QkpError("next", f"cannot reach the next stage at {host}:{port}: {e}") from None
         try:
@@ -444,8 +477,10 @@ class Worker:
         answers_topk = stage.last or down is not None
         while not self._stop.is_set():
             header = conn.recv_exact(qkp.HEADER.size, timeout=self.idle_timeout)
-            frame = qkp.read_frame(conn.recv_exact, stage.hello, answers_topk=answers_topk,
-                                   header=header)
+            # the rest of the frame, however it trickles in, within one io timeout
+            deadline = Deadline(self.io_timeout, f"a frame from {conn.peer}")
+            frame = qkp.read_frame(lambda n: conn.recv_exact(n, deadline=deadline), stage.hello,
+                                   answers_topk=answers_topk, header=header)
             h = frame.header
             if h.op == qkp.BYE:
                 if relay is not None:
@@ -537,9 +572,10 @@ class _Link:
     next request. `generation` counts successful connects; worker-side state belongs to one."""
 
     def __init__(self, addr: tuple[str, int], *, token: str | None, exact: bool, check,
-                 io_timeout: float, connect_timeout: float):
+                 io_timeout: float, connect_timeout: float, tls=None):
         self.host, self.port = addr
         self.token, self.exact, self.check = token, exact, check
+        self.tls = tls
         self.io_timeout, self.connect_timeout = io_timeout, connect_timeout
         self.conn: qkp.Conn | None = None
         self.hello: qkp.Hello | None = None
@@ -560,7 +596,8 @@ class _Link:
 
     def _connect(self) -> None:
         try:
-            conn = qkp.Conn.connect(self.host, self.port, self.io_timeout, self.connect_timeout)
+            conn = qkp.Conn.connect(self.host, self.port, self.io_timeout, self.connect_timeout,
+                                    tls=self.tls)
         except OSError as e:
             raise PipelineError(f"cannot reach the next stage at {self.addr}: "
                                 f"{e.strerror or e}") from None
@@ -570,15 +607,22 @@ class _Link:
         except qkp.HelloRefused as e:
             conn.close()
             raise PipelineRefused(f"the next stage at {self.addr} does not fit this head: {e}") from None
+        except qkp.AuthRefused as e:
+            conn.close()
+            raise PipelineRefused(f"refused the next stage at {self.addr}: {e}") from None
         except (qkp.QkpClosed, ConnectionError):  # closed, or reset with our bytes unread
             conn.close()
             numerics = "exact" if self.exact else "ds4"
             why = ("it refused the auth token" if self.token else
-                   "it may require an auth token (--auth-token / DS4_WIRE_TOKEN)")
+                   "it may require an auth token (--auth-token-file / DS4_WIRE_TOKEN)")
             raise PipelineRefused(
                 f"the next stage at {self.addr} closed the connection during the hello: {why}, "
                 f"or it runs numerics other than this head's ({numerics}), or it cannot reach "
                 "its own next stage; its log says which") from None
+        except ssl.SSLError as e:
+            conn.close()
+            raise PipelineRefused(f"TLS with the next stage at {self.addr} failed: {e} (does it "
+                                  "require a client certificate, --tls-cert/--tls-key?)") from None
         except (qkp.QkpError, OSError) as e:
             conn.close()
             raise PipelineRefused(f"the next stage at {self.addr} sent a bad hello: {e}") from None
@@ -635,7 +679,7 @@ class SplitEngine:
                  snapshots: int = 0, auth_token: str | None = None,
                  sampling: SamplingParams | None = None, ctx: int | None = None,
                  io_timeout: float = DEFAULT_IO_TIMEOUT,
-                 connect_timeout: float = DEFAULT_CONNECT_TIMEOUT):
+                 connect_timeout: float = DEFAULT_CONNECT_TIMEOUT, tls=None):
         cfg = engine.config
         if engine.layers.start != 0 or engine.layers.stop >= cfg.n_layer:
             raise ValueError(f"layers: the head runs layers 0:A with A < {cfg.n_layer}, got "
@@ -651,7 +695,7 @@ class SplitEngine:
         token = auth_token if auth_token is not None else os.environ.get("DS4_WIRE_TOKEN")
         self.link = _Link(addr, token=token or None, exact=engine.numerics == "exact",
                           check=self._check_hello, io_timeout=io_timeout,
-                          connect_timeout=connect_timeout)
+                          connect_timeout=connect_timeout, tls=tls)
         self.lock = threading.RLock()
         self._free = list(range(slots))
         self._snapshots: dict[int, SplitSnapshot] = {}

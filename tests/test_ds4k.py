@@ -62,7 +62,7 @@ class Landing(threading.Thread):
 
     def run(self):
         try:
-            self.result = self.receiver.receive(self.out, accept_timeout=T_OUT)
+            self.result = self.receiver.receive(self.out, accept_timeout=T_OUT, max_failures=1)
         except BaseException as e:  # noqa: BLE001 - handed to the test
             self.result = e
 
@@ -127,11 +127,11 @@ def test_auth_token(eng, payload, tmp_path):
     r = receiver(eng, auth_token="s3cret")
     land = Landing(r, tmp_path / "s.dsv4")
     land.start()
-    with pytest.raises(DS4KError, match="wrong auth token") as e:
+    with pytest.raises(DS4KError, match="did not prove the auth token") as e:  # it checks first
         send_payload(payload, "127.0.0.1", r.port, fingerprint=eng.model.fingerprint,
                      auth_token="guess", timeout=T_OUT)
     assert e.value.status == ds4k.AUTH_FAILED
-    assert_rejected(land, ds4k.AUTH_FAILED, ["wrong auth token"], tmp_path)
+    assert_rejected(land, ds4k.INCOMPLETE, ["auth proof"], tmp_path)
 
     r = receiver(eng, auth_token="s3cret")
     land = Landing(r, tmp_path / "s.dsv4")
@@ -260,19 +260,27 @@ def test_an_over_limit_payload_is_refused_before_it_is_sent(eng, payload, tmp_pa
 
 
 def _raw_client(port: int, record: bytes) -> tuple[int, str]:
+    """Send `record` after the hello; the first refusal (or the last OK) the receiver answers."""
     with socket.create_connection(("127.0.0.1", port), timeout=T_OUT) as c:
         hello = ds4k._recv_exact(c, ds4k.HELLO.size, "hello")
         assert struct.unpack_from("<I", hello)[0] == ds4k.MAGIC
         c.sendall(record)
-        return ds4k._read_reply(c, "reply")
+        status, reason = ds4k._read_reply(c, "reply")  # the verdict on the record header
+        if status == ds4k.OK:
+            status, reason = ds4k._read_reply(c, "reply")  # the verdict on the manifest
+        return status, reason
 
 
 @pytest.mark.parametrize("record, status, words", [
-    (struct.pack("<4I", 0xDEADBEEF, 1, 0, 2) + b"{}", ds4k.BAD_RECORD, ["record magic"]),
+    (struct.pack("<4I", 0xDEADBEEF, 2, 0, 2) + b"{}", ds4k.BAD_RECORD, ["record magic"]),
     (struct.pack("<4I", ds4k.MAGIC, 9, 0, 2) + b"{}", ds4k.BAD_RECORD, ["record version"]),
-    (struct.pack("<4I", ds4k.MAGIC, 1, 0, 1 << 20), ds4k.BAD_RECORD, ["manifest_bytes", "limit"]),
-    (struct.pack("<4I", ds4k.MAGIC, 1, 0, 3) + b"{x]", ds4k.BAD_RECORD, ["JSON"]),
-    (struct.pack("<4I", ds4k.MAGIC, 1, 0, 2) + b"{}", ds4k.BAD_RECORD, ["payload_bytes"]),
+    (struct.pack("<4I", ds4k.MAGIC, 2, 0, 1 << 20), ds4k.BAD_RECORD, ["manifest_bytes", "limit"]),
+    (struct.pack("<4I", ds4k.MAGIC, 2, 0, 3) + b"{x]", ds4k.BAD_RECORD, ["JSON"]),
+    (struct.pack("<4I", ds4k.MAGIC, 2, 0, 2) + b"{}", ds4k.BAD_RECORD, ["payload_bytes"]),
+    (struct.pack("<4I", ds4k.MAGIC, 2, 0, 4000) + b"[" * 4000, ds4k.BAD_RECORD,
+     ["nested 4000 deep", "flat JSON object"]),
+    (struct.pack("<4I", ds4k.MAGIC, 2, 1, 2) + bytes(32) + b"{}", ds4k.AUTH_FAILED,
+     ["has no auth token"]),
 ])
 def test_malformed_records_are_rejected(eng, tmp_path, record, status, words):
     r = receiver(eng)
@@ -386,7 +394,7 @@ def test_cli_kv_send_and_kv_recv(cli, eng, model_path, payload, tmp_path):
     # A refused transfer: both ends exit 1 with the reason, and nothing lands.
     os.unlink(dest / "r.dsv4")
     p, port = spawn(tmp_path, "kv-recv", 0, "--out", dest / "r.dsv4", "-m", model_path,
-                    "--max-kv-bytes", "1K")
+                    "--max-kv-bytes", "1K", "--wait", 3)
     r = cli("kv-send", src, f"127.0.0.1:{port}", "-m", model_path)
     rc, out, err = finish(p)
     assert r.exit_code == 1 and rc == 1

@@ -111,7 +111,10 @@ def workers(model_path, logs):
     common = ("--max-rows", "6", "--io-timeout", "20")
     last35 = WorkerProc(model_path, "3:5", "--slots", "2", "--snapshots", "2", *common, log_dir=logs)
     last25 = WorkerProc(model_path, "2:5", "--ctx", "256", *common, log_dir=logs)
-    last45 = WorkerProc(model_path, "4:5", "--auth-token", TOKEN, *common, log_dir=logs)
+    token_file = logs / "token"
+    token_file.write_text(TOKEN + "\n")
+    token_file.chmod(0o600)
+    last45 = WorkerProc(model_path, "4:5", "--auth-token-file", str(token_file), *common, log_dir=logs)
     procs = [last35, last25, last45]
     try:
         start_all(*procs)
@@ -508,7 +511,7 @@ def test_hello_refusals(model_path, other_model, workers):
     cases = [
         (dict(model=other_model, worker=after, a=4, auth_token=TOKEN), "fingerprint"),
         (dict(model=model_path, worker=after, a=2, auth_token=TOKEN), "contiguous"),
-        (dict(model=model_path, worker=after, a=4, auth_token="wrong"), "refused the auth token"),
+        (dict(model=model_path, worker=after, a=4, auth_token="wrong"), "did not prove the auth token"),
         (dict(model=model_path, worker=after, a=4, auth_token=""), "require an auth token"),
         (dict(model=model_path, worker=inside, a=2, numerics="exact"), "numerics"),
         (dict(model=model_path, worker=inside, a=2, slots=2), "slots"),

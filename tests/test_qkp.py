@@ -205,20 +205,41 @@ def test_auth_and_numerics_in_the_hello():
     assert hello == LIMITS and res["flags"] == qkp.FLAG_AUTH
     hello, res = _handshake(None, None, True, True)
     assert hello == LIMITS and res["flags"] == qkp.FLAG_EXACT
-    hello, res = _handshake(None, "unused")  # a stage without a token ignores a proof
-    assert hello == LIMITS
-    for server_token, client_token, why in [("s3cret", "wrong", "wrong auth token"),
-                                            ("s3cret", None, "sent no proof")]:
-        hello, res = _handshake(server_token, client_token)
-        assert isinstance(hello, qkp.QkpClosed)  # the stage just closes
-        assert res["error"].field == "auth" and why in str(res["error"])
+    hello, res = _handshake(None, "unused")  # a stage without a token cannot prove one
+    assert isinstance(hello, qkp.AuthRefused) and "did not prove the auth token" in str(hello)
+    assert res["error"].field == "auth" and "has none" in str(res["error"])
+    # a wrong token: the client sees the stage's proof fail first and sends nothing more
+    hello, res = _handshake("s3cret", "wrong")
+    assert isinstance(hello, qkp.AuthRefused) and "did not prove" in str(hello)
+    assert isinstance(res["error"], qkp.QkpClosed)
+    hello, res = _handshake("s3cret", None)
+    assert isinstance(hello, qkp.QkpClosed)  # the stage just closes
+    assert res["error"].field == "auth" and "sent no proof" in str(res["error"])
     hello, res = _handshake(None, None, server_exact=False, client_exact=True)
     assert isinstance(hello, qkp.QkpClosed) and res["error"].field == "flags"
 
 
-def test_proof_is_bound_to_the_nonce():
-    assert qkp.auth_proof("t", b"a" * 32) != qkp.auth_proof("t", b"b" * 32)
-    assert len(qkp.auth_proof("t", b"a" * 32)) == qkp.PROOF_BYTES
+def test_hello_auth_bytes_follow_the_layout():
+    """The hello with a token, byte for byte as the qkp.py docstring and auth.py lay it out."""
+    import hashlib
+    import hmac
+
+    client, server = _pair()
+    t = threading.Thread(target=lambda: qkp.client_handshake(client, "tok", False), daemon=True)
+    t.start()
+    first = bytes(server.recv_exact(8 + 32))
+    assert first[:8] == struct.pack("<II", 0x716B7035, 1)
+    cn, sn = first[8:], bytes(range(32))
+    sp = hmac.new(b"tok", b"ds4 wire auth v2 server\0" + b"5pkq" + cn + sn, hashlib.sha256).digest()
+    server.send(sn + sp)
+    cp = bytes(server.recv_exact(32))
+    assert cp == hmac.new(b"tok", b"ds4 wire auth v2 client\0" + b"5pkq" + cn + sn,
+                          hashlib.sha256).digest()
+    server.send(LIMITS.pack())
+    t.join(5)
+    assert not t.is_alive()
+    client.close()
+    server.close()
 
 
 @pytest.mark.parametrize("field,kw", [
@@ -455,11 +476,8 @@ def test_hostile_hellos_are_closed(worker, good, data):
         pass
     got = _drain(conn)
     magic, flags = struct.unpack("<II", data[:8]) if len(data) >= 8 else (None, None)
-    if magic != qkp.MAGIC or flags & ~qkp.FLAG_AUTH:  # bad magic, unknown bits, other numerics
-        assert got == b""
-    elif flags & qkp.FLAG_AUTH:
-        assert len(got) >= qkp.NONCE_BYTES  # the nonce; the hello only after a whole proof
-        assert len(got) == qkp.NONCE_BYTES or got[32:80] == worker.stage.hello.pack()
+    if magic != qkp.MAGIC or flags:  # bad magic, unknown bits, other numerics, a token
+        assert got == b""  # this worker has no token: it cannot prove one and says nothing
     else:
         assert got[:48] == worker.stage.hello.pack()
     conn.close()
