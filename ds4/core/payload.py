@@ -14,6 +14,26 @@ Version 2 is written (its body is version 1's, as upstream ds4 emits it); versio
 read, and a version-2 payload may carry the 16-byte MTP-statistics tail of spec §4.2 (read and
 dropped: ds4 keeps no MTP state, so a re-saved payload is the tail-less version 2).
 
+Identity trailer (ours; written by default, `identity=False` writes the bare body). After the
+v1/v2 body (and its MTP tail, if any) a file may end with:
+
+    offset from the trailer's start   size  field
+    0                                 n     model name: UTF-8 file name of the GGUF (n ≤ 255)
+    n                                 32    model fingerprint (SHA-256, wire.md common rules)
+    n + 32                            32    SHA-256 of the body: every byte before the trailer
+    n + 64                            8     u64 body_bytes (the trailer starts there)
+    n + 72                            4     u32 name_bytes = n
+    n + 76                            4     u32 trailer version = 1
+    n + 80                            4     u32 trailer_bytes = n + 88
+    n + 84                            4     u32 magic 0x49345344 (b"DS4I")
+
+It is found from the end of the file (the last 4 bytes are the magic and body_bytes +
+trailer_bytes is the file size), so the header and the body are unchanged: a reader that takes
+the payload's size from its header (ds4's `ds4_session_payload_bytes`, a KVC entry's
+payload_bytes, or `nbytes=body_bytes` here) reads the body as before. Loading refuses a trailer
+that names another model (naming both) or whose SHA-256 does not match the body; a bare payload
+loads as before. A payload with no tokens is refused on load as on save.
+
 Loading parses and validates everything into host buffers first (sizes are checked before
 anything is allocated or read) and only then writes the session, so a rejected payload leaves the
 session exactly as it was. The error messages are ds4's (`ds4_session_load_payload`).
@@ -22,16 +42,17 @@ session exactly as it was. The error messages are ds4's (`ds4_session_load_paylo
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import io
 import os
 import struct
-import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO, Iterator
 
 import numpy as np
 
+from .atomic import atomic_file, fsync_dir  # noqa: F401 - fsync_dir is used by ds4k
 from .config import CSA, ModelConfig
 from .state import FILL, SessionLayout, layer_state_shapes
 
@@ -55,6 +76,19 @@ E_INDEX_ROWS = "KV checkpoint has invalid indexer row count"
 E_TRAILING = "KV checkpoint has trailing payload bytes"
 E_MISSING = "KV checkpoint is missing payload bytes"
 E_TOKEN = "KV checkpoint has an invalid token id"
+E_EMPTY = "KV checkpoint holds no tokens"
+E_MODEL = "KV checkpoint was saved from another model"
+E_CHECKSUM = "KV checkpoint is corrupt"
+E_IDENTITY = "KV checkpoint has a malformed identity trailer"
+
+# The identity trailer (ours, after the v1/v2 body): see the module docstring.
+IDENTITY_MAGIC = 0x49345344  # b"DS4I"
+IDENTITY_VERSION = 1
+# fingerprint, body SHA-256, u64 body_bytes, u32 name_bytes, u32 version, u32 trailer_bytes, magic
+IDENTITY_FOOTER = struct.Struct("<32s32sQIIII")
+IDENTITY_FOOTER_BYTES = IDENTITY_FOOTER.size  # 88
+MAX_MODEL_NAME_BYTES = 255
+DIGEST_BYTES = 32  # SHA-256
 
 
 class PayloadError(ValueError):
@@ -158,6 +192,116 @@ def session_payload_bytes(cfg: ModelConfig, layout: SessionLayout, n_tokens: int
     return payload_bytes(cfg, n_tokens, raw_live(layout, n_tokens))
 
 
+# ---- identity trailer ---------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class ModelRef:
+    """Which model a payload belongs to: its fingerprint (wire.md) and file name (for messages)."""
+
+    fingerprint: bytes
+    name: str = ""
+
+    @classmethod
+    def of(cls, model) -> "ModelRef | None":
+        """The ref of a GGUFModel (None for an object without a fingerprint)."""
+        fp = getattr(model, "fingerprint", None)
+        if not isinstance(fp, (bytes, bytearray)) or len(fp) != DIGEST_BYTES:
+            return None
+        path = getattr(model, "path", None)
+        return cls(bytes(fp), Path(path).name if path is not None else "")
+
+    def describe(self) -> str:
+        name = f"{self.name} " if self.name else ""
+        return f"{name}(fingerprint {self.fingerprint.hex()[:16]}…)"
+
+
+@dataclass(frozen=True)
+class Identity:
+    """A parsed identity trailer."""
+
+    model: ModelRef
+    sha256: bytes  # of the body: every byte before the trailer
+    body_bytes: int
+
+    @property
+    def trailer_bytes(self) -> int:
+        return len(_name_bytes(self.model.name)) + IDENTITY_FOOTER_BYTES
+
+    def pack(self) -> bytes:
+        name = _name_bytes(self.model.name)
+        return name + IDENTITY_FOOTER.pack(self.model.fingerprint, self.sha256, self.body_bytes,
+                                           len(name), IDENTITY_VERSION,
+                                           len(name) + IDENTITY_FOOTER_BYTES, IDENTITY_MAGIC)
+
+
+def _name_bytes(name: str) -> bytes:
+    b = name.encode("utf-8")[:MAX_MODEL_NAME_BYTES]
+    return b.decode("utf-8", "ignore").encode("utf-8")  # never a split character
+
+
+def parse_identity(end: bytes, total: int) -> Identity | None:
+    """The identity trailer at the end of a `total`-byte payload, given its last bytes (at least
+    the footer plus the longest name, or all of them); None when it ends without one."""
+    if len(end) < IDENTITY_FOOTER_BYTES or total < IDENTITY_FOOTER_BYTES:
+        return None
+    fp, digest, body, n_name, version, n_trailer, magic = IDENTITY_FOOTER.unpack(
+        end[-IDENTITY_FOOTER_BYTES:])
+    if magic != IDENTITY_MAGIC:
+        return None
+    if version != IDENTITY_VERSION:
+        raise _fail(E_IDENTITY, f"version: expected {IDENTITY_VERSION}, got {version}")
+    if n_name > MAX_MODEL_NAME_BYTES:
+        raise _fail(E_IDENTITY, f"name_bytes: expected at most {MAX_MODEL_NAME_BYTES}, got {n_name}")
+    if n_trailer != n_name + IDENTITY_FOOTER_BYTES:
+        raise _fail(E_IDENTITY, f"trailer_bytes: expected {n_name + IDENTITY_FOOTER_BYTES}, "
+                                f"got {n_trailer}")
+    if body + n_trailer != total or body < HEADER_BYTES:
+        raise _fail(E_IDENTITY, f"body_bytes: expected {total - n_trailer} (the file has {total} "
+                                f"bytes), got {body}")
+    if len(end) < n_trailer:
+        raise ValueError("parse_identity: pass at least the whole trailer")
+    try:
+        name = end[len(end) - n_trailer: len(end) - IDENTITY_FOOTER_BYTES].decode("utf-8")
+    except UnicodeDecodeError:
+        raise _fail(E_IDENTITY, "the model name is not UTF-8") from None
+    return Identity(ModelRef(fp, name), digest, body)
+
+
+_TRAILER_MAX = MAX_MODEL_NAME_BYTES + IDENTITY_FOOTER_BYTES
+
+
+def read_identity(src, nbytes: int | None = None) -> Identity | None:
+    """The identity trailer of a payload (bytes, a path or a seekable stream, whose position is
+    kept); None for a bare v1/v2 payload or a stream that cannot seek."""
+    if isinstance(src, (bytes, bytearray, memoryview)):
+        data = memoryview(src).cast("B")
+        total = len(data) if nbytes is None else min(nbytes, len(data))
+        return parse_identity(bytes(data[max(0, total - _TRAILER_MAX): total]), total)
+    if isinstance(src, (str, os.PathLike)):
+        with open(src, "rb") as f:
+            return read_identity(f, nbytes)
+    try:
+        pos = src.tell()
+        end = src.seek(0, os.SEEK_END) if nbytes is None else pos + nbytes
+    except (AttributeError, OSError, io.UnsupportedOperation):
+        return None
+    try:
+        total = end - pos
+        start = max(pos, end - _TRAILER_MAX)
+        src.seek(start)
+        got = src.read(end - start)
+        return parse_identity(got, total) if len(got) == end - start else None
+    finally:
+        src.seek(pos)
+
+
+def check_model(ident: Identity | None, model: ModelRef | None) -> None:
+    """Refuse a payload whose trailer names another model than `model`."""
+    if ident is not None and model is not None and ident.model.fingerprint != model.fingerprint:
+        raise _fail(E_MODEL, f"the file was saved from {ident.model.describe()}, this is "
+                             f"{model.describe()}")
+
+
 # ---- reading ------------------------------------------------------------------------------------
 
 @dataclass
@@ -172,6 +316,7 @@ class Payload:
     layers: list[dict[str, np.ndarray]] = field(default_factory=list)  # file-order blocks
     mtp_tail: tuple[int, float, int] | None = None
     nbytes: int = 0
+    identity: Identity | None = None
 
 
 class _Source:
@@ -179,6 +324,7 @@ class _Source:
 
     def __init__(self, f: IO[bytes], limit: int | None):
         self.f, self.limit, self.pos = f, limit, 0
+        self.digest = None  # a hashlib object fed every byte read, when set
 
     def read(self, n: int, what: str) -> bytes:
         if self.limit is not None and self.pos + n > self.limit:
@@ -191,7 +337,10 @@ class _Source:
             chunks.append(b)
             got += len(b)
         self.pos += n
-        return chunks[0] if len(chunks) == 1 else b"".join(chunks)
+        data = chunks[0] if len(chunks) == 1 else b"".join(chunks)
+        if self.digest is not None:
+            self.digest.update(data)
+        return data
 
     def array(self, dtype: str, shape: tuple[int, ...], what: str) -> np.ndarray:
         count = int(np.prod(shape, dtype=np.int64))
@@ -210,7 +359,10 @@ class _Source:
             chunks.append(b)
             got += len(b)
         self.pos += got
-        return b"".join(chunks)
+        data = b"".join(chunks)
+        if self.digest is not None:
+            self.digest.update(data)
+        return data
 
 
 @contextlib.contextmanager
@@ -231,6 +383,8 @@ def check_header(h: Header, cfg: ModelConfig, layout: SessionLayout | None = Non
     if h.magic != MAGIC or h.version not in VERSIONS:
         raise _fail(E_VERSION, f"magic {h.magic:#010x}, version {h.version} (expected "
                                f"{MAGIC:#010x}, version 1 or 2)")
+    if h.n_tokens == 0:
+        raise _fail(E_EMPTY, "n_tokens is 0 (a session is saved after at least one token)")
     ctx = layout.ctx if layout is not None else min(h.ctx, cfg.context_length)
     if h.ctx > ctx or h.n_tokens >= ctx:
         raise _fail(E_FIT, f"saved ctx {h.ctx} with {h.n_tokens} tokens, current ctx {ctx}")
@@ -296,12 +450,18 @@ def _read_tail(s: _Source, h: Header) -> tuple[int, float, int] | None:
 
 
 def read_payload(src, cfg: ModelConfig, layout: SessionLayout | None = None,
-                 nbytes: int | None = None) -> Payload:
+                 nbytes: int | None = None, model: ModelRef | None = None) -> Payload:
     """Parse and validate a whole payload (bytes, a path or a binary stream) into host arrays.
 
     `layout` is the session it is meant for (None: check it against itself only); `nbytes` the
-    size the caller says it has (None: the data runs to the end of the bytes/file/stream)."""
-    with _open_source(src, nbytes) as s:
+    size the caller says it has (None: the data runs to the end of the bytes/file/stream);
+    `model` the model it must come from when its identity trailer names one. A trailer's
+    checksum is verified over the whole body (a stream must be seekable to carry a trailer)."""
+    ident = read_identity(src, nbytes)
+    check_model(ident, model)
+    with _open_source(src, ident.body_bytes if ident else nbytes) as s:
+        if ident is not None:
+            s.digest = hashlib.sha256()
         h, tokens, logits, n_comp, n_index = _read_prefix(s, cfg, layout)
         layers = []
         for il in range(cfg.n_layer):
@@ -310,12 +470,31 @@ def read_payload(src, cfg: ModelConfig, layout: SessionLayout | None = None,
                 blocks[name] = s.array("<f4", shape, f"layer {il} {name}")
             layers.append(blocks)
         tail = _read_tail(s, h)
-        return Payload(h, tokens, logits, n_comp, n_index, layers, tail, s.pos)
+        size = s.pos
+        if ident is not None:
+            _check_digest(s.digest.digest(), ident)
+            s.limit = None
+            s.digest = None
+            s.read(ident.trailer_bytes, "the identity trailer")  # leave a stream after it
+            size += ident.trailer_bytes
+        return Payload(h, tokens, logits, n_comp, n_index, layers, tail, size, ident)
 
 
-def check_payload(src, cfg: ModelConfig | None = None, nbytes: int | None = None) -> Header:
-    """The cheap check a receiver makes: the header (and, given the model, every count and the
-    exact size) without reading the tensor data."""
+def _check_digest(got: bytes, ident: Identity) -> None:
+    if got != ident.sha256:
+        raise _fail(E_CHECKSUM, f"the SHA-256 of its {ident.body_bytes} body bytes is "
+                                f"{got.hex()[:16]}…, the trailer says {ident.sha256.hex()[:16]}…")
+
+
+def check_payload(src, cfg: ModelConfig | None = None, nbytes: int | None = None,
+                  model: ModelRef | None = None) -> Header:
+    """The cheap check a receiver makes: the header (and, given the model, every count, the
+    exact size and the identity trailer's model) without reading the tensor data."""
+    if cfg is not None:
+        ident = read_identity(src, nbytes)
+        check_model(ident, model)
+        if ident is not None:
+            nbytes = ident.body_bytes
     with _open_source(src, nbytes) as s:
         if cfg is None:
             h = Header.unpack(s.read(HEADER_BYTES, "the header"))
@@ -324,6 +503,8 @@ def check_payload(src, cfg: ModelConfig | None = None, nbytes: int | None = None
             return h
         h, _, _, n_comp, n_index = _read_prefix(s, cfg, None)
         want = payload_bytes(cfg, h.n_tokens, h.raw_live, n_comp, n_index)
+        if nbytes is None and isinstance(src, (str, os.PathLike)):
+            nbytes = os.path.getsize(src)
         if nbytes is not None:
             tail = MTP_TAIL_BYTES if h.version >= 2 and nbytes == want + MTP_TAIL_BYTES else 0
             if nbytes < want:
@@ -342,8 +523,21 @@ def _check_whole_model(session) -> None:
                            f"{eng.layers.start}:{eng.layers.stop} of {eng.config.n_layer}")
 
 
-def write_session(session, f: IO[bytes], version: int = VERSION) -> int:
-    """Write the session's payload to a binary stream; returns the bytes written."""
+class _HashingWriter:
+    """Forwards writes to a stream and feeds them to a SHA-256."""
+
+    def __init__(self, f: IO[bytes]):
+        self.f, self.digest = f, hashlib.sha256()
+
+    def write(self, b: bytes) -> int:
+        self.digest.update(b)
+        return self.f.write(b)
+
+
+def write_session(session, f: IO[bytes], version: int = VERSION, identity: bool = True) -> int:
+    """Write the session's payload to a binary stream; returns the bytes written. With
+    `identity`, the model's fingerprint and the body's SHA-256 follow in the identity trailer
+    (without it: the bare body upstream ds4 writes)."""
     if version not in VERSIONS:
         raise ValueError(f"version: expected 1 or 2, got {version}")
     _check_whole_model(session)
@@ -352,6 +546,9 @@ def write_session(session, f: IO[bytes], version: int = VERSION) -> int:
     if not tokens:
         raise PayloadError("the session holds no tokens yet: nothing to save")
     T = len(tokens)
+    model = ModelRef.of(getattr(session.engine, "model", None)) if identity else None
+    if model is not None:
+        f = _HashingWriter(f)
     h = Header.for_session(cfg, layout, T, version)
     n_comp, n_index = row_counts(cfg, T)
     f.write(h.pack())
@@ -372,43 +569,19 @@ def write_session(session, f: IO[bytes], version: int = VERSION) -> int:
             b = np.ascontiguousarray(a, dtype="<f4").tobytes()
             f.write(b)
             written += len(b)
+    if model is not None:
+        trailer = Identity(model, f.digest.digest(), written).pack()
+        f.f.write(trailer)
+        written += len(trailer)
     return written
 
 
-@contextlib.contextmanager
-def atomic_file(path: str | os.PathLike) -> Iterator[IO[bytes]]:
-    """A temporary file beside `path` that becomes `path` (fsynced, renamed) only if the block
-    finishes; on any error it is removed and `path` is left as it was."""
-    path = Path(path)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".part", dir=path.parent or ".")
-    try:
-        with os.fdopen(fd, "wb") as f:
-            yield f
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        with contextlib.suppress(OSError):
-            os.unlink(tmp)
-        raise
-    fsync_dir(path.parent)
-
-
-def fsync_dir(d: str | os.PathLike) -> None:
-    with contextlib.suppress(OSError):  # not every platform/filesystem can fsync a directory
-        fd = os.open(d, os.O_RDONLY)
-        try:
-            os.fsync(fd)
-        finally:
-            os.close(fd)
-
-
-def save_session(session, dest, version: int = VERSION) -> int:
+def save_session(session, dest, version: int = VERSION, identity: bool = True) -> int:
     """`Session.save_payload`: to a binary stream, or atomically to a path."""
     if isinstance(dest, (str, os.PathLike)):
         with atomic_file(dest) as f:
-            return write_session(session, f, version)
-    return write_session(session, dest, version)
+            return write_session(session, f, version, identity)
+    return write_session(session, dest, version, identity)
 
 
 def host_state(p: Payload, cfg: ModelConfig, layout: SessionLayout, il: int) -> dict[str, np.ndarray]:
@@ -434,7 +607,7 @@ def load_session(session, src, nbytes: int | None = None) -> tuple[list[int], np
     before the session is touched."""
     _check_whole_model(session)
     cfg, layout, be = session.engine.config, session.layout, session.engine.backend
-    p = read_payload(src, cfg, layout, nbytes)
+    p = read_payload(src, cfg, layout, nbytes, ModelRef.of(getattr(session.engine, "model", None)))
     try:
         for il, st in session.states.items():
             arrays = host_state(p, cfg, layout, il)
