@@ -295,6 +295,23 @@ def read_identity(src, nbytes: int | None = None) -> Identity | None:
         src.seek(pos)
 
 
+def verify_digest(src, ident: Identity) -> None:
+    """Hash a payload's body (bytes or a path) against its trailer; raises PayloadError."""
+    h = hashlib.sha256()
+    if isinstance(src, (bytes, bytearray, memoryview)):
+        h.update(memoryview(src).cast("B")[: ident.body_bytes])
+    else:
+        with open(src, "rb") as f:
+            left = ident.body_bytes
+            while left and (b := f.read(min(left, _HASH_CHUNK))):
+                h.update(b)
+                left -= len(b)
+    _check_digest(h.digest(), ident)
+
+
+_HASH_CHUNK = 1 << 20
+
+
 def check_model(ident: Identity | None, model: ModelRef | None) -> None:
     """Refuse a payload whose trailer names another model than `model`."""
     if ident is not None and model is not None and ident.model.fingerprint != model.fingerprint:

@@ -28,6 +28,11 @@ Connection, sender = client, receiver = server; integers little-endian:
 
 Step 3 refines wire.md's single reply: a refused manifest (model, size, auth) is answered
 before the payload is streamed. Every blocking read has a timeout; a dead peer is an error.
+
+A sender that has the payload still to make (`ds4 prefill --send-kv`) first probes the receiver
+(`probe_receiver`: connect, read and check the hello, close) so that a dead or wrong peer fails
+before the work, not after it; the receiver takes a connection that closes without sending a
+byte for such a probe and waits for the next one.
 """
 
 from __future__ import annotations
@@ -60,6 +65,7 @@ MAX_MANIFEST_BYTES = 64 << 10
 MAX_REASON_BYTES = 4 << 10
 DEFAULT_MAX_BYTES = 16 << 30  # a real-model session of ~1.2M tokens; --max-kv-bytes raises it
 DEFAULT_TIMEOUT = 120.0
+PROBE_CONNECT_TIMEOUT = 10.0  # how long a probe retries a refused connection (a starting receiver)
 CHUNK = 1 << 20
 
 # reply status codes
@@ -73,6 +79,10 @@ IO_ERROR = 6  # the receiver could not write the file
 
 STATUS_NAMES = {OK: "ok", BAD_RECORD: "bad record", AUTH_FAILED: "authentication failed",
                 REFUSED: "refused", INCOMPLETE: "incomplete", CORRUPT: "corrupt", IO_ERROR: "I/O error"}
+
+
+class _Probed(Exception):
+    """The peer read the hello and closed without a record: `probe_receiver`."""
 
 
 class DS4KError(RuntimeError):
@@ -203,19 +213,35 @@ def _connect(host: str, port: int, timeout: float, connect_timeout: float) -> so
             raise DS4KError(f"cannot connect to {host}:{port}: {e.strerror or e}") from None
 
 
+def _check_hello(sock: socket.socket, host: str, port: int, auth_token: str | None) -> bytes:
+    """Read the receiver's hello; returns its nonce."""
+    magic, version, flags, _, nonce = HELLO.unpack(_recv_exact(sock, HELLO.size, "the receiver's hello"))
+    if magic != MAGIC or version != VERSION:
+        raise DS4KError(f"{host}:{port} is not a DS4K v{VERSION} receiver "
+                        f"(magic {magic:#010x}, version {version})")
+    if flags & FLAG_AUTH and not auth_token:
+        raise DS4KError(f"{host}:{port} requires an auth token (--auth-token / DS4_WIRE_TOKEN)",
+                        AUTH_FAILED)
+    return nonce
+
+
+def probe_receiver(host: str, port: int, *, auth_token: str | None = None,
+                   timeout: float = DEFAULT_TIMEOUT,
+                   connect_timeout: float | None = None) -> None:
+    """Connect, check the receiver's hello and close without a record: raises DS4KError when
+    nothing listens there, it is not a DS4K receiver, or it wants a token we do not have."""
+    wait = PROBE_CONNECT_TIMEOUT if connect_timeout is None else connect_timeout
+    with _connect(host, port, timeout, wait) as sock:
+        _check_hello(sock, host, port, auth_token)
+
+
 def open_transfer(host: str, port: int, manifest: Manifest, *, auth_token: str | None = None,
                   timeout: float = DEFAULT_TIMEOUT, connect_timeout: float | None = None) -> socket.socket:
     """Steps 1–3: connect, prove the token, send the manifest; returns the socket once the
     receiver accepts it (raises DS4KError with its reason otherwise)."""
     sock = _connect(host, port, timeout, timeout if connect_timeout is None else connect_timeout)
     try:
-        magic, version, flags, _, nonce = HELLO.unpack(_recv_exact(sock, HELLO.size, "the receiver's hello"))
-        if magic != MAGIC or version != VERSION:
-            raise DS4KError(f"{host}:{port} is not a DS4K v{VERSION} receiver "
-                            f"(magic {magic:#010x}, version {version})")
-        if flags & FLAG_AUTH and not auth_token:
-            raise DS4KError(f"{host}:{port} requires an auth token (--auth-token / DS4_WIRE_TOKEN)",
-                            AUTH_FAILED)
+        nonce = _check_hello(sock, host, port, auth_token)
         m = manifest.encode()
         out = RECORD.pack(MAGIC, VERSION, FLAG_AUTH if auth_token else 0, len(m))
         if auth_token:
@@ -302,27 +328,38 @@ class Receiver:
         out_path = Path(out_path)
         if not out_path.parent.is_dir():
             raise DS4KError(f"destination directory does not exist: {out_path.parent}", IO_ERROR)
-        self.sock.settimeout(accept_timeout)
-        try:
-            conn, peer = self.sock.accept()
-        except socket.timeout:
-            raise DS4KError(f"no sender connected within {accept_timeout:g} s", INCOMPLETE) from None
-        with conn:
-            conn.settimeout(self.timeout)
+        deadline = None if accept_timeout is None else time.monotonic() + accept_timeout
+        while True:  # until a sender sends a record (probes only read the hello)
+            self.sock.settimeout(None if deadline is None else max(deadline - time.monotonic(), 1e-3))
             try:
+                conn, peer = self.sock.accept()
+            except socket.timeout:
+                raise DS4KError(f"no sender connected within {accept_timeout:g} s", INCOMPLETE) from None
+            with conn:
+                conn.settimeout(self.timeout)
                 try:
-                    return self._serve(conn, out_path)
-                except OSError as e:  # the connection failed outside the payload stream
-                    raise DS4KError(f"connection error: {e}", INCOMPLETE) from None
-            except DS4KError as e:
-                _send_reply(conn, e.status, e.reason)
-                raise DS4KError(f"rejected the transfer from {peer[0]}:{peer[1]}: {e.reason}",
-                                e.status, e.reason) from None
+                    try:
+                        return self._serve(conn, out_path)
+                    except _Probed:
+                        continue
+                    except OSError as e:  # the connection failed outside the payload stream
+                        raise DS4KError(f"connection error: {e}", INCOMPLETE) from None
+                except DS4KError as e:
+                    _send_reply(conn, e.status, e.reason)
+                    raise DS4KError(f"rejected the transfer from {peer[0]}:{peer[1]}: {e.reason}",
+                                    e.status, e.reason) from None
 
     def _serve(self, conn: socket.socket, out_path: Path) -> Manifest:
         nonce = secrets.token_bytes(32)
         conn.sendall(HELLO.pack(MAGIC, VERSION, FLAG_AUTH if self.auth_token else 0, 0, nonce))
-        magic, version, flags, n = RECORD.unpack(_recv_exact(conn, RECORD.size, "the record header"))
+        try:
+            first = conn.recv(RECORD.size)
+        except socket.timeout:
+            raise DS4KError("timed out waiting for the record header", INCOMPLETE) from None
+        if not first:
+            raise _Probed
+        head = first + _recv_exact(conn, RECORD.size - len(first), "the record header")
+        magic, version, flags, n = RECORD.unpack(head)
         if magic != MAGIC:
             raise DS4KError(f"record magic: expected {MAGIC:#010x}, got {magic:#010x}")
         if version != VERSION:
