@@ -82,14 +82,19 @@ def fsync_dir(d: str | os.PathLike) -> None:
 
 
 @contextlib.contextmanager
-def atomic_file(path: str | os.PathLike, mode: str = "wb") -> Iterator[IO]:
+def atomic_file(path: str | os.PathLike, mode: str = "wb", private: bool = True) -> Iterator[IO]:
     """A temporary file beside `path` that becomes `path` (fsynced, renamed) only if the block
-    finishes; on any error or signal it is removed and `path` is left as it was."""
+    finishes; on any error or signal it is removed and `path` is left as it was. `private`
+    keeps the temporary file's owner-only mode; otherwise the umask decides, as for open()."""
     path = Path(path)
     with signals_unwind():
         fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=PART_SUFFIX,
                                    dir=path.parent if str(path.parent) else ".")
         try:
+            if not private:
+                umask = os.umask(0)
+                os.umask(umask)
+                os.chmod(fd, 0o666 & ~umask)
             with os.fdopen(fd, mode, **({} if "b" in mode else {"newline": ""})) as f:
                 yield f
                 f.flush()
