@@ -3,6 +3,9 @@
     with atomic_file("out.dsv4") as f:     # a temporary `.out.dsv4.*.part` beside the target,
         f.write(data)                      # fsynced and renamed when the block finishes
 
+    with atomic_path("model.gguf") as tmp: # the same, for writers that open a file by name
+        writer(tmp)
+
     with temp_dir("ds4-kv-") as d:         # removed on return, error, SIGTERM, SIGINT or SIGHUP
         ...
 
@@ -82,10 +85,11 @@ def fsync_dir(d: str | os.PathLike) -> None:
 
 
 @contextlib.contextmanager
-def atomic_file(path: str | os.PathLike, mode: str = "wb", private: bool = True) -> Iterator[IO]:
-    """A temporary file beside `path` that becomes `path` (fsynced, renamed) only if the block
-    finishes; on any error or signal it is removed and `path` is left as it was. `private`
-    keeps the temporary file's owner-only mode; otherwise the umask decides, as for open()."""
+def atomic_path(path: str | os.PathLike, private: bool = True) -> Iterator[Path]:
+    """The name of an empty temporary file beside `path` (for writers that open files by name)
+    that becomes `path` (fsynced, renamed) only if the block finishes; on any error or signal it
+    is removed and `path` is left as it was. `private` keeps the owner-only mode; otherwise the
+    umask decides, as for open()."""
     path = Path(path)
     with signals_unwind():
         fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=PART_SUFFIX,
@@ -95,16 +99,27 @@ def atomic_file(path: str | os.PathLike, mode: str = "wb", private: bool = True)
                 umask = os.umask(0)
                 os.umask(umask)
                 os.chmod(fd, 0o666 & ~umask)
-            with os.fdopen(fd, mode, **({} if "b" in mode else {"newline": ""})) as f:
-                yield f
-                f.flush()
-                os.fsync(f.fileno())
+            os.close(fd)
+            yield Path(tmp)
+            fd = os.open(tmp, os.O_RDONLY)
+            try:
+                os.fsync(fd)  # whoever wrote it, through whichever descriptor
+            finally:
+                os.close(fd)
             os.replace(tmp, path)
         except BaseException:
             with contextlib.suppress(OSError):
                 os.unlink(tmp)
             raise
         fsync_dir(path.parent)
+
+
+@contextlib.contextmanager
+def atomic_file(path: str | os.PathLike, mode: str = "wb", private: bool = True) -> Iterator[IO]:
+    """`atomic_path` opened for writing in `mode` ("wb" or "w", closed before the rename)."""
+    with atomic_path(path, private) as tmp:
+        with open(tmp, mode, **({} if "b" in mode else {"newline": ""})) as f:
+            yield f
 
 
 @contextlib.contextmanager
