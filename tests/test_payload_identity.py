@@ -229,3 +229,31 @@ def _swallow(f, *a):
         f(*a)
     except (DS4KError, OSError):  # the test closes the receiver under it
         pass
+
+
+def test_the_receiver_checks_the_files_model_not_only_the_manifest(models, saved, tmp_path):
+    a, b = models
+    path, _ = saved
+    out: dict = {}
+    with Receiver(0, fingerprint=b.model.fingerprint, config=b.config, timeout=T_OUT) as r:
+        def land():
+            try:
+                r.receive(tmp_path / "r.dsv4", T_OUT)
+            except DS4KError as e:
+                out["e"] = e
+        t = threading.Thread(target=land, daemon=True)
+        t.start()
+        with pytest.raises(DS4KError, match=pl.E_MODEL):  # a manifest that claims model b
+            ds4k.send_payload(path, "127.0.0.1", r.port, fingerprint=b.model.fingerprint,
+                              timeout=T_OUT)
+        t.join(T_OUT)
+    assert out["e"].status == ds4k.CORRUPT and "a.gguf" in out["e"].reason
+    assert os.listdir(tmp_path) == []
+
+
+def test_decode_refuses_another_models_file(cli, models, saved):
+    a, b = models
+    path, _ = saved
+    r = cli("decode", "-m", b.model.path, "--load-kv", path, "-n", 2)
+    assert r.exit_code == 1 and pl.E_MODEL in r.stderr, r.output
+    assert "a.gguf" in r.stderr and "b.gguf" in r.stderr and "Traceback" not in r.output

@@ -52,7 +52,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from ..core.config import ModelConfig
-from ..core.payload import HEADER_BYTES, PayloadError, check_payload, fsync_dir
+from ..core.payload import HEADER_BYTES, ModelRef, PayloadError, check_payload, fsync_dir
 
 MAGIC = 0x4B345344  # b"DS4K"
 VERSION = 1
@@ -381,6 +381,11 @@ class Receiver:
         _send_reply(conn, OK)
         return manifest
 
+    def _model_ref(self) -> ModelRef | None:
+        """This receiver's model, for the payload's identity trailer (the file, not only the
+        sender's manifest, must name it)."""
+        return None if self.fingerprint is None else ModelRef(bytes.fromhex(self.fingerprint))
+
     def _check_manifest(self, m: Manifest, out_path: Path) -> None:
         if self.fingerprint is not None and m.fingerprint != self.fingerprint:
             got = "no model fingerprint" if m.fingerprint is None else f"model {m.fingerprint[:16]}…"
@@ -425,7 +430,7 @@ class Receiver:
                                     f"(received {digest[:16]}…, manifest {m.sha256[:16]}…)", CORRUPT)
                 f.flush()
                 try:
-                    hdr = check_payload(tmp, self.config, m.payload_bytes)
+                    hdr = check_payload(tmp, self.config, m.payload_bytes, self._model_ref())
                 except (PayloadError, OSError) as e:
                     raise DS4KError(f"not a valid payload for this model: {e}", CORRUPT) from None
                 if (hdr.n_tokens, hdr.ctx, hdr.version) != (m.n_tokens, m.ctx, m.version):
