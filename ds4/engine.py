@@ -273,7 +273,7 @@ class Session:
     def save_payload(self, dest, version: int = 2, identity: bool = True) -> int:
         """Write the DSV4 session payload (spec §4.1) to a binary stream, or atomically to a
         path; returns its size in bytes. `identity`: end it with the model's fingerprint and a
-        SHA-256 of the body (ds4/core/payload.py), which loading checks; False writes the bare
+        SHA-256 of the body (ds4/core/payload_identity.py), which loading checks; False writes the bare
         body that upstream ds4 reads."""
         from .core.payload import save_session
 
