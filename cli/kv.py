@@ -145,15 +145,17 @@ def prefill(
                       soft_wrap=True)
         else:
             from ds4.core.atomic import temp_dir
-            from ds4.wire.ds4k import send_payload
+            from ds4.wire.ds4k import PROBE_CONNECT_TIMEOUT, send_payload
 
             with temp_dir(KV_TEMP_PREFIX) as tmp:
                 path = tmp / "session.dsv4"
                 size = session.save_payload(path)
                 with err.status(f"sending {human_bytes(size)} to {send_kv} ..."):
                     t0 = time.perf_counter()
+                    # the probe found the receiver: a refused connection now is not a slow start
                     send_payload(path, *dest, fingerprint=eng.model.fingerprint,
-                                 auth_token=auth_token, timeout=io_timeout)
+                                 auth_token=auth_token, timeout=io_timeout,
+                                 connect_timeout=PROBE_CONNECT_TIMEOUT)
                     t_send = time.perf_counter() - t0
             out.print(Text("sent ", style="green") + Text(send_kv, style="bold")
                       + Text(f" ({len(ids)} tokens, {human_bytes(size)}, {size:,} bytes, "
