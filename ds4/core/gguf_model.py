@@ -316,6 +316,8 @@ class _Reader(GGUFReader):
             raise ModelError(f"{self._where}: unknown array item type id {int(itype[0])}") from None
         nptype = self.gguf_scalar_to_np.get(item)
         if nptype is not None:  # numbers: one bounded view
+            self._check_count(count, np.dtype(nptype).itemsize, start,
+                              f"{self._where}: array count (of {item.name})")
             values = self._get(start, nptype, count)
             return _MIN_ARRAY_BYTES + int(values.nbytes), [itype, alen, values], [2], [gtype, item]
         min_bytes = _STRING_LEN_BYTES if item == GGUFValueType.STRING else _MIN_ARRAY_BYTES
