@@ -323,8 +323,9 @@ def _receive(port, path, host, fingerprint, config, limit, auth_token, io_timeou
     from ds4.wire.ds4k import Receiver
 
     # SIGTERM unwinds the receiver, which removes its partial file
-    with signals_unwind(), Receiver(port, host=host, fingerprint=fingerprint, config=config, max_bytes=limit,
-                  auth_token=auth_token, timeout=io_timeout) as r:
+    with signals_unwind(), Receiver(port, host=host, fingerprint=fingerprint, config=config,
+                                    max_bytes=limit, auth_token=auth_token,
+                                    timeout=io_timeout) as r:
         shown = f"[{r.host}]" if ":" in r.host else r.host
         err.print(Text(f"listening on {shown}:{r.port}", style="dim"), soft_wrap=True)
         return r.receive(path)

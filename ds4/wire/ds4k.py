@@ -214,7 +214,8 @@ def _connect(host: str, port: int, timeout: float, connect_timeout: float) -> so
 
 
 def _check_hello(sock: socket.socket, host: str, port: int, auth_token: str | None) -> bytes:
-    """Read the receiver's hello; returns its nonce."""
+    """Read the receiver's hello; returns its nonce. (open_transfer checks it the same way;
+    kept apart while the hello's auth changes land.)"""
     magic, version, flags, _, nonce = HELLO.unpack(_recv_exact(sock, HELLO.size, "the receiver's hello"))
     if magic != MAGIC or version != VERSION:
         raise DS4KError(f"{host}:{port} is not a DS4K v{VERSION} receiver "
@@ -241,7 +242,13 @@ def open_transfer(host: str, port: int, manifest: Manifest, *, auth_token: str |
     receiver accepts it (raises DS4KError with its reason otherwise)."""
     sock = _connect(host, port, timeout, timeout if connect_timeout is None else connect_timeout)
     try:
-        nonce = _check_hello(sock, host, port, auth_token)
+        magic, version, flags, _, nonce = HELLO.unpack(_recv_exact(sock, HELLO.size, "the receiver's hello"))
+        if magic != MAGIC or version != VERSION:
+            raise DS4KError(f"{host}:{port} is not a DS4K v{VERSION} receiver "
+                            f"(magic {magic:#010x}, version {version})")
+        if flags & FLAG_AUTH and not auth_token:
+            raise DS4KError(f"{host}:{port} requires an auth token (--auth-token / DS4_WIRE_TOKEN)",
+                            AUTH_FAILED)
         m = manifest.encode()
         out = RECORD.pack(MAGIC, VERSION, FLAG_AUTH if auth_token else 0, len(m))
         if auth_token:
