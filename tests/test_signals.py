@@ -195,3 +195,23 @@ def test_an_atomic_writer_stopped_mid_write(tmp_path, sig):
     # itself once the stack has unwound
     assert p.returncode == (128 + sig if sig == signal.SIGTERM else -sig), err
     assert os.listdir(out) == ["s.dsv4"] and (out / "s.dsv4").read_bytes() == b"old"
+
+
+def test_signals_unwind_raises_in_the_block_and_restores_the_handlers(tmp_path):
+    from ds4.core.atomic import Terminated, atomic_file, signals_unwind, temp_dir
+
+    seen = []
+    old = signal.signal(signal.SIGTERM, lambda s, f: seen.append(s))
+    try:
+        with pytest.raises(Terminated) as e:
+            with signals_unwind(), signals_unwind():  # nested: the outer one owns the handlers
+                with temp_dir("ds4-kv-") as d, atomic_file(tmp_path / "x.bin") as f:
+                    f.write(b"x")
+                    os.kill(os.getpid(), signal.SIGTERM)
+                    time.sleep(5)  # the signal arrives before this ends
+        assert e.value.code == 128 + signal.SIGTERM and "SIGTERM" in str(e.value)
+        assert not d.exists() and os.listdir(tmp_path) == []
+        os.kill(os.getpid(), signal.SIGTERM)  # outside the block: the caller's handler again
+        wait_for(lambda: seen == [signal.SIGTERM], "the caller's handler")
+    finally:
+        signal.signal(signal.SIGTERM, old)
