@@ -105,6 +105,8 @@ def bench(
         return
 
     with library_errors():
+        if overwrite and csv_path is None:
+            raise CLIError("--overwrite replaces a --csv FILE: give --csv")
         if step_incr is not None and step_mul is not None:
             raise CLIError("give --step-incr or --step-mul, not both")
         if ctx_max < ctx_start:
