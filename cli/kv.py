@@ -10,7 +10,6 @@ from __future__ import annotations
 import contextlib
 import logging
 import sys
-import tempfile
 import time
 from pathlib import Path
 from typing import Annotated, Optional
@@ -30,6 +29,7 @@ from .options import (MAX_SEED, BackendOption, CtxOption, MinPOption, ModelOptio
                       TopPOption, check_range)
 
 DEFAULT_IO_TIMEOUT = 120.0
+KV_TEMP_PREFIX = "ds4-kv-"  # a received or to-be-sent payload waits in such a temporary directory
 
 # ---- options ------------------------------------------------------------------------------------
 
@@ -119,6 +119,15 @@ def prefill(
     with library_errors():
         token = wire_token(auth_token, auth_token_file) if send_kv is not None else None
         tls = client_tls(tls_cert, tls_key, tls_ca) if send_kv is not None else None
+        # Where the payload goes is checked before the prefill, not after it: the probe runs
+        # the same hello and mutual proof as the transfer, so a dead host, a listener that is
+        # not a DS4K receiver and a token mismatch all fail here.
+        if save_kv is not None and not save_kv.resolve().parent.is_dir():
+            raise CLIError(f"--save-kv: directory does not exist: {save_kv.parent}")
+        if dest is not None:
+            from ds4.wire.ds4k import probe_receiver
+
+            probe_receiver(*dest, auth_token=token, timeout=io_timeout, tls=tls)
         if prompt_file is not None:
             prompt = prompt_file.read_text(encoding="utf-8")
         elif prompt == "-":
@@ -143,15 +152,18 @@ def prefill(
                       + Text(f" ({len(ids)} tokens, {human_bytes(size)}, {size:,} bytes)"),
                       soft_wrap=True)
         else:
-            from ds4.wire.ds4k import send_payload
+            from ds4.core.atomic import temp_dir
+            from ds4.wire.ds4k import PROBE_CONNECT_TIMEOUT, send_payload
 
-            with tempfile.TemporaryDirectory(prefix="ds4-kv-") as tmp:
-                path = Path(tmp) / "session.dsv4"
+            with temp_dir(KV_TEMP_PREFIX) as tmp:
+                path = tmp / "session.dsv4"
                 size = session.save_payload(path)
                 with err.status(f"sending {human_bytes(size)} to {send_kv} ..."):
                     t0 = time.perf_counter()
+                    # the probe found the receiver: a refused connection now is not a slow start
                     send_payload(path, *dest, fingerprint=eng.model.fingerprint,
-                                 auth_token=token, timeout=io_timeout, tls=tls)
+                                 auth_token=token, timeout=io_timeout, tls=tls,
+                                 connect_timeout=PROBE_CONNECT_TIMEOUT)
                     t_send = time.perf_counter() - t0
             out.print(Text("sent ", style="green") + Text(send_kv, style="bold")
                       + Text(f" ({len(ids)} tokens, {human_bytes(size)}, {size:,} bytes, "
@@ -212,9 +224,11 @@ def decode(
         tls = server_tls(tls_cert, tls_key, tls_ca) if recv_kv is not None else None
     eng = open_engine(model, backend, numerics)
     tok = eng.tokenizer
-    with library_errors(), tempfile.TemporaryDirectory(prefix="ds4-kv-") as tmp:
+    from ds4.core.atomic import temp_dir
+
+    with library_errors(), temp_dir(KV_TEMP_PREFIX) as tmp:
         if recv_kv is not None:
-            path = Path(tmp) / "session.dsv4"
+            path = tmp / "session.dsv4"
             _receive(recv_kv, path, host, eng.model.fingerprint, eng.config, limit, token,
                      io_timeout, wait, tls)
         else:
@@ -258,23 +272,34 @@ def kv_send(
     tls_key: TlsKeyOption = None,
     tls_ca: TlsCaOption = None,
 ) -> None:
-    """Send a saved session payload to another node (DS4K). The model names it in the manifest."""
+    """Send a saved session payload to another node (DS4K).
+
+    The manifest names the model the file names (its identity trailer); with -m the file is
+    also checked against that model. A bare payload (no trailer) is sent for the model of -m."""
     from ds4.core.gguf_model import GGUFModel
-    from ds4.core.payload import check_payload
+    from ds4.core.payload import ModelRef, check_payload, read_identity, verify_digest
     from ds4.wire.ds4k import send_payload
 
     host, port = _check_hostport(dest)
     with library_errors():
         token = wire_token(auth_token, auth_token_file)
         tls = client_tls(tls_cert, tls_key, tls_ca)
-        m = GGUFModel(resolve_model(model))
         if not file.is_file():
             raise CLIError(f"KV file not found: {file}")
         size = file.stat().st_size
-        check_payload(file, m.config, size)  # refuse locally what the receiver would refuse
+        ident = read_identity(file)
+        if model is not None or ident is None:
+            m = GGUFModel(resolve_model(model))
+            # refuse locally what the receiver would refuse, another model's file included
+            check_payload(file, m.config, size, ModelRef.of(m))
+        else:
+            check_payload(file)
+        if ident is not None:
+            verify_digest(file, ident)
+        fingerprint = ident.model.fingerprint if ident is not None else m.fingerprint
         with err.status(f"sending {human_bytes(size)} to {dest} ..."):
             t0 = time.perf_counter()
-            manifest = send_payload(file, host, port, fingerprint=m.fingerprint,
+            manifest = send_payload(file, host, port, fingerprint=fingerprint,
                                     auth_token=token, timeout=io_timeout, tls=tls)
             dt = time.perf_counter() - t0
     out.print(Text("sent ", style="green") + Text(str(file), style="bold")
@@ -331,6 +356,7 @@ class _WarnFailures(logging.Handler):
 
 
 def _receive(port, path, host, fingerprint, config, limit, token, io_timeout, wait, tls):
+    from ds4.core.atomic import signals_unwind
     from ds4.wire.ds4k import Receiver
 
     warn_exposed(host, token)
@@ -339,8 +365,10 @@ def _receive(port, path, host, fingerprint, config, limit, token, io_timeout, wa
     logger.addHandler(handler)
     propagate, logger.propagate = logger.propagate, False  # one line per failure, not two
     try:
-        with Receiver(port, host=host, fingerprint=fingerprint, config=config, max_bytes=limit,
-                      auth_token=token, timeout=io_timeout, tls=tls) as r:
+        # SIGTERM unwinds the receiver, which removes its partial file
+        with signals_unwind(), Receiver(port, host=host, fingerprint=fingerprint, config=config,
+                                        max_bytes=limit, auth_token=token, timeout=io_timeout,
+                                        tls=tls) as r:
             shown = f"[{r.host}]" if ":" in r.host else r.host
             err.print(Text(f"listening on {shown}:{r.port}", style="dim"), soft_wrap=True)
             return r.receive(path, wait)

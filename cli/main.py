@@ -21,6 +21,7 @@ from typer.core import TyperGroup
 from rich.table import Table
 from rich.text import Text
 
+from ds4.core.atomic import signals_unwind
 from ds4.core.chat import DEFAULT_SYSTEM
 from ds4.core.tiny import EXPERT_MIXES, PRESETS
 
@@ -47,7 +48,9 @@ class _Group(TyperGroup):
         if not standalone_mode:
             return super().main(args, prog_name, complete_var, standalone_mode=False, **extra)
         try:
-            rv = super().main(args, prog_name, complete_var, standalone_mode=False, **extra)
+            # SIGTERM / SIGHUP unwind like Ctrl-C, so no command leaves a temporary file behind
+            with signals_unwind():
+                rv = super().main(args, prog_name, complete_var, standalone_mode=False, **extra)
         except ClickException as e:
             ctx = getattr(e, "ctx", None)
             hint = f" (see '{ctx.command_path} --help')" if ctx is not None else ""

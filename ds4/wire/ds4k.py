@@ -35,6 +35,12 @@ Version 2 differs from version 1 (wire.md §3) in steps 2–4: both ends prove t
 receiver first, so a listener that does not know it learns nothing of the session. A refused
 manifest (model, size, auth) is answered before the payload is streamed.
 
+A probe is a record with `manifest_bytes` 0: steps 1–5 as above (the hello checked, the token
+proven both ways), then the receiver answers step 5 with status 0 and closes; it is not a
+failure and the receiver goes on waiting. A sender that has the payload still to make
+(`ds4 prefill --send-kv`) probes first (`probe_receiver`), so that a dead host, a listener that
+is not a DS4K receiver or a token mismatch fails before the work, not after it.
+
 Deadlines: steps 1–5 must finish within the io timeout, and the payload within the io timeout
 plus `payload_bytes / min_rate`, however the bytes trickle in. A receiver serves several
 connections at once (up to `max_conns`); a bad, refused or slow one is logged and dropped while
@@ -52,14 +58,14 @@ import shutil
 import socket
 import ssl
 import struct
-import tempfile
 import threading
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from ..core.config import ModelConfig
-from ..core.payload import HEADER_BYTES, PayloadError, check_payload, fsync_dir
+from ..core.atomic import atomic_path
+from ..core.payload import HEADER_BYTES, ModelRef, PayloadError, check_payload
 from . import auth
 from .deadline import Deadline
 
@@ -79,6 +85,7 @@ MAX_MANIFEST_DEPTH = 2  # the manifest is one flat object; a little room for a l
 MAX_REASON_BYTES = 4 << 10
 DEFAULT_MAX_BYTES = 16 << 30  # a real-model session of ~1.2M tokens; --max-kv-bytes raises it
 DEFAULT_TIMEOUT = 120.0
+PROBE_CONNECT_TIMEOUT = 10.0  # how long a probe retries a refused connection (a starting receiver)
 CHUNK = 1 << 20
 # The payload's deadline grows with its size at this floor rate: a sender slower than this
 # (after the first io timeout) is dropped. Loopback and LAN transfers run at hundreds of MB/s.
@@ -98,6 +105,13 @@ IO_ERROR = 6  # the receiver could not write the file
 
 STATUS_NAMES = {OK: "ok", BAD_RECORD: "bad record", AUTH_FAILED: "authentication failed",
                 REFUSED: "refused", INCOMPLETE: "incomplete", CORRUPT: "corrupt", IO_ERROR: "I/O error"}
+
+
+PROBE_MANIFEST_BYTES = 0  # a record announcing no manifest is a probe (a real one is never empty)
+
+
+class _Probed(Exception):
+    """The peer ran steps 1–5 with no manifest (`probe_receiver`) and was answered: not a failure."""
 
 
 class DS4KError(RuntimeError):
@@ -277,14 +291,15 @@ def _connect(host: str, port: int, timeout: float, connect_timeout: float,
         raise DS4KError(f"TLS with {host}:{port} failed: {e}") from None
 
 
-def open_transfer(host: str, port: int, manifest: Manifest, *, auth_token: str | None = None,
-                  timeout: float = DEFAULT_TIMEOUT, connect_timeout: float | None = None,
-                  tls: ssl.SSLContext | None = None) -> socket.socket:
-    """Steps 1–5: connect, prove the token both ways (the receiver first), send the manifest;
-    returns the socket once the receiver accepts it (raises DS4KError with its reason
-    otherwise). The whole exchange must finish within `timeout`."""
+def _handshake(host: str, port: int, manifest: bytes, *, auth_token: str | None,
+               timeout: float, connect_timeout: float,
+               tls: ssl.SSLContext | None) -> socket.socket:
+    """Steps 1–5 for `open_transfer` and `probe_receiver`: connect, check the receiver's hello,
+    prove the token both ways (the receiver first), send `manifest` (empty: a probe) and read
+    the receiver's verdict on it. Returns the socket once the verdict is status 0; raises
+    DS4KError with the reason otherwise. The whole exchange must finish within `timeout`."""
     where = f"{host}:{port}"
-    sock = _connect(host, port, timeout, timeout if connect_timeout is None else connect_timeout, tls)
+    sock = _connect(host, port, timeout, connect_timeout, tls)
     deadline = Deadline(timeout, f"the DS4K hello with {where}")
     try:
         magic, version, flags, _, server_nonce = HELLO.unpack(
@@ -298,9 +313,8 @@ def open_transfer(host: str, port: int, manifest: Manifest, *, auth_token: str |
         if auth_token and not flags & FLAG_AUTH:
             raise DS4KError(f"{where} does not prove the auth token (it has none, or it is not the "
                             "receiver you meant to reach); nothing was sent to it", AUTH_FAILED)
-        m = manifest.encode()
         me = auth.ClientAuth(auth_token, PROTOCOL) if auth_token else None
-        head = RECORD.pack(MAGIC, VERSION, FLAG_AUTH if me else 0, len(m))
+        head = RECORD.pack(MAGIC, VERSION, FLAG_AUTH if me else 0, len(manifest))
         sock.sendall(head + (me.nonce if me else b""))
         status, reason = _read_reply(sock, "the receiver's verdict on the record", deadline)
         if status != OK:
@@ -312,7 +326,7 @@ def open_transfer(host: str, port: int, manifest: Manifest, *, auth_token: str |
                 me.check_server(server_nonce, proof)
             except auth.AuthError as e:
                 raise DS4KError(f"{where}: {e}; nothing was sent to it", AUTH_FAILED) from None
-        sock.sendall((me.proof() if me else b"") + m)
+        sock.sendall((me.proof() if me else b"") + manifest)
         status, reason = _read_reply(sock, "the receiver's verdict on the manifest", deadline)
         if status != OK:
             raise DS4KError(f"receiver refused the payload ({STATUS_NAMES.get(status, status)}): "
@@ -327,6 +341,29 @@ def open_transfer(host: str, port: int, manifest: Manifest, *, auth_token: str |
     except BaseException:
         sock.close()
         raise
+
+
+def probe_receiver(host: str, port: int, *, auth_token: str | None = None,
+                   timeout: float = DEFAULT_TIMEOUT, connect_timeout: float | None = None,
+                   tls: ssl.SSLContext | None = None) -> None:
+    """Steps 1–5 with no manifest, then close: raises DS4KError when nothing listens there
+    (after retrying a refused connection for `connect_timeout`, default PROBE_CONNECT_TIMEOUT),
+    it is not a DS4K receiver, or the two ends do not share the token. The receiver counts a
+    probe as no failure and goes on waiting."""
+    wait = PROBE_CONNECT_TIMEOUT if connect_timeout is None else connect_timeout
+    _handshake(host, port, b"", auth_token=auth_token, timeout=timeout, connect_timeout=wait,
+               tls=tls).close()
+
+
+def open_transfer(host: str, port: int, manifest: Manifest, *, auth_token: str | None = None,
+                  timeout: float = DEFAULT_TIMEOUT, connect_timeout: float | None = None,
+                  tls: ssl.SSLContext | None = None) -> socket.socket:
+    """Steps 1–5: connect, prove the token both ways (the receiver first), send the manifest;
+    returns the socket once the receiver accepts it (raises DS4KError with its reason
+    otherwise). The whole exchange must finish within `timeout`."""
+    return _handshake(host, port, manifest.encode(), auth_token=auth_token, timeout=timeout,
+                      connect_timeout=timeout if connect_timeout is None else connect_timeout,
+                      tls=tls)
 
 
 def send_payload(src, host: str, port: int, *, fingerprint=None, auth_token: str | None = None,
@@ -436,6 +473,8 @@ class Receiver:
                 with self._lock:
                     result.append(m)
                 done.set()
+            except _Probed:
+                log.info("DS4K %s: answered a probe", peer)
             except DS4KError as e:
                 if done.is_set():
                     return  # dropped because the wait is over, not for what it sent
@@ -539,6 +578,9 @@ class Receiver:
                 me.check_client(_recv_exact(conn, PROOF_BYTES, "the auth proof", deadline))
             except auth.AuthError as e:
                 raise DS4KError(f"authentication failed: {e}", AUTH_FAILED) from None
+        if n == PROBE_MANIFEST_BYTES:
+            _send_reply(conn, OK)
+            raise _Probed
         try:
             manifest = Manifest.decode(_recv_exact(conn, n, "the manifest", deadline))
         except ValueError as e:
@@ -557,6 +599,11 @@ class Receiver:
         _send_reply(conn, OK)
         return manifest
 
+    def _model_ref(self) -> ModelRef | None:
+        """This receiver's model, for the payload's identity trailer (the file, not only the
+        sender's manifest, must name it)."""
+        return None if self.fingerprint is None else ModelRef(bytes.fromhex(self.fingerprint))
+
     def _check_manifest(self, m: Manifest, out_path: Path) -> None:
         if self.fingerprint is not None and m.fingerprint != self.fingerprint:
             got = "no model fingerprint" if m.fingerprint is None else f"model {m.fingerprint[:16]}…"
@@ -573,59 +620,58 @@ class Receiver:
                             f"needed, {free} free", REFUSED)
 
     def _land(self, conn: socket.socket, m: Manifest, out_path: Path) -> None:
-        fd, tmp = tempfile.mkstemp(prefix=f".{out_path.name}.", suffix=".part", dir=out_path.parent)
+        """Stream the payload to a temporary file beside out_path and rename it into place
+        only once the SHA-256, the header and the identity trailer check out."""
         try:
-            h = hashlib.sha256()
-            budget = self.timeout + m.payload_bytes / self.min_rate
-            deadline = Deadline(budget, "the payload")
-            with os.fdopen(fd, "wb") as f:
-                left, buf = m.payload_bytes, memoryview(bytearray(CHUNK))
-                while left:
-                    if deadline.expired:
-                        raise DS4KError(f"timed out: the payload did not arrive within {budget:g} s (the io "
-                                        f"timeout plus {self.min_rate:g} bytes/s): "
-                                        f"{m.payload_bytes - left} of {m.payload_bytes} payload "
-                                        "bytes received", INCOMPLETE)
-                    conn.settimeout(deadline.timeout(self.timeout))
-                    try:
-                        got = conn.recv_into(buf, min(left, CHUNK))
-                    except socket.timeout:
-                        if deadline.expired:
-                            continue  # reported above
-                        raise DS4KError(f"timed out after {self.timeout:g} s with "
-                                        f"{m.payload_bytes - left} of {m.payload_bytes} payload "
-                                        "bytes received", INCOMPLETE) from None
-                    except OSError as e:
-                        raise DS4KError(f"connection lost after {m.payload_bytes - left} of "
-                                        f"{m.payload_bytes} payload bytes: {e}", INCOMPLETE) from None
-                    if not got:
-                        raise DS4KError(f"the sender closed the connection after "
-                                        f"{m.payload_bytes - left} of {m.payload_bytes} payload "
-                                        "bytes", INCOMPLETE)
-                    h.update(buf[:got])
-                    f.write(buf[:got])
-                    left -= got
-                digest = h.hexdigest()
-                if digest != m.sha256:
-                    raise DS4KError(f"SHA-256 mismatch: the payload was corrupted in transit "
-                                    f"(received {digest[:16]}…, manifest {m.sha256[:16]}…)", CORRUPT)
+            with atomic_path(out_path) as tmp, open(tmp, "wb") as f:
+                self._stream(conn, m, f)
                 f.flush()
                 try:
-                    hdr = check_payload(tmp, self.config, m.payload_bytes)
+                    hdr = check_payload(tmp, self.config, m.payload_bytes, self._model_ref())
                 except (PayloadError, OSError) as e:
                     raise DS4KError(f"not a valid payload for this model: {e}", CORRUPT) from None
                 if (hdr.n_tokens, hdr.ctx, hdr.version) != (m.n_tokens, m.ctx, m.version):
                     raise DS4KError(f"the payload header (n_tokens {hdr.n_tokens}, ctx {hdr.ctx}, "
                                     f"version {hdr.version}) disagrees with the manifest", CORRUPT)
-                os.fsync(f.fileno())
-            os.replace(tmp, out_path)
-        except BaseException as e:
-            with contextlib.suppress(OSError):
-                os.unlink(tmp)
-            if isinstance(e, OSError):
-                raise DS4KError(f"cannot write {out_path}: {e}", IO_ERROR) from None
-            raise
-        fsync_dir(out_path.parent)
+        except OSError as e:
+            raise DS4KError(f"cannot write {out_path}: {e}", IO_ERROR) from None
+
+    def _stream(self, conn: socket.socket, m: Manifest, f) -> None:
+        """Exactly m.payload_bytes from the sender into f, within the payload's deadline, with
+        the SHA-256 checked against the manifest."""
+        h = hashlib.sha256()
+        budget = self.timeout + m.payload_bytes / self.min_rate
+        deadline = Deadline(budget, "the payload")
+        left, buf = m.payload_bytes, memoryview(bytearray(CHUNK))
+        while left:
+            if deadline.expired:
+                raise DS4KError(f"timed out: the payload did not arrive within {budget:g} s (the io "
+                                f"timeout plus {self.min_rate:g} bytes/s): "
+                                f"{m.payload_bytes - left} of {m.payload_bytes} payload "
+                                "bytes received", INCOMPLETE)
+            conn.settimeout(deadline.timeout(self.timeout))
+            try:
+                got = conn.recv_into(buf, min(left, CHUNK))
+            except socket.timeout:
+                if deadline.expired:
+                    continue  # reported above
+                raise DS4KError(f"timed out after {self.timeout:g} s with "
+                                f"{m.payload_bytes - left} of {m.payload_bytes} payload "
+                                "bytes received", INCOMPLETE) from None
+            except OSError as e:
+                raise DS4KError(f"connection lost after {m.payload_bytes - left} of "
+                                f"{m.payload_bytes} payload bytes: {e}", INCOMPLETE) from None
+            if not got:
+                raise DS4KError(f"the sender closed the connection after "
+                                f"{m.payload_bytes - left} of {m.payload_bytes} payload "
+                                "bytes", INCOMPLETE)
+            h.update(buf[:got])
+            f.write(buf[:got])
+            left -= got
+        digest = h.hexdigest()
+        if digest != m.sha256:
+            raise DS4KError(f"SHA-256 mismatch: the payload was corrupted in transit "
+                            f"(received {digest[:16]}…, manifest {m.sha256[:16]}…)", CORRUPT)
 
 
 def receive_payload(port: int, out_path: str | os.PathLike, *, host: str = "127.0.0.1",
