@@ -37,9 +37,9 @@ from collections import OrderedDict
 import numpy as np
 import torch
 
-from ...core.config import ModelConfig  # noqa: E402
-from ...core.gguf_model import Tensor  # noqa: E402
-from ...core.quants import IQ2XXS_GRID, IQ2XXS_KSIGNS, GGMLType, row_bytes  # noqa: E402
+from ...core.config import ARCH, ConfigError, ModelConfig  # noqa: E402
+from ...core.gguf_model import ModelError, Tensor  # noqa: E402
+from ...core.quants import IQ2XXS_GRID, IQ2XXS_KSIGNS, GGMLType, dequantize, row_bytes  # noqa: E402
 from ...core.rope import layer_inv_freq  # noqa: E402
 from ...core.sampling import unsorted_path  # noqa: E402
 from ..base import Backend  # noqa: E402
@@ -49,6 +49,37 @@ from .lanes import Lanes  # noqa: E402
 from .layout import device_layout, iq2_views, q2_views  # noqa: E402
 
 MM_MIN = 16  # tokens from which linear layers use the matrix-matrix kernels (tl.dot needs 16)
+
+
+# Small dense tensors the kernels index as float32 values (the compressor's position bias is
+# added per (window slot, lane), not multiplied as a matrix): stored as F16, BF16 or Q8_0 they are
+# turned into float32 at upload, exactly as the reference decodes them.
+_VALUE_ROLES = ("compressor_ape.weight",)
+
+
+# Rows of every matrix are decoded in units of this many values (a Q8_0 block; the K-quants'
+# sub-blocks divide it), so a row length must be a multiple of it.
+ROW_UNIT = 32
+
+
+def check_config(cfg: ModelConfig) -> None:
+    """Refuse, naming the dimension, what the kernels cannot run: they rotate and store the
+    head's values in (even, odd) pairs, so head dims must be even."""
+    for key, v in (("attention.key_length", cfg.head_dim),
+                   ("attention.indexer.key_length", cfg.indexer_head_dim)):
+        if v % 2:
+            raise ConfigError(f"{ARCH}.{key}: the triton backend needs an even head dimension, got {v}")
+
+
+# tl.dot's smallest inner dimension
+DOT_MIN = 16
+
+
+def _pad_dim(d: int) -> int:
+    """A dot's padded inner size for a dimension that tl.arange or tl.dot cannot span: 0 when d
+    is a power of two of at least DOT_MIN (no pad: the kernel's masks fold away), else the next
+    power of two, at least DOT_MIN."""
+    return 0 if d & (d - 1) == 0 and d >= DOT_MIN else max(DOT_MIN, _pow2(d))
 
 
 def _cdiv(a: int, b: int) -> int:
@@ -291,6 +322,7 @@ class TritonBackend(Backend):
                  cuda_graphs: bool | None = None, synthetic: bool = False, seed: int = 0,
                  dot_precision: str | None = None, max_graphs: int = 4):
         super().__init__(cfg, numerics)
+        check_config(cfg)
         if device is None:  # the CPU interpreter is for tests, and only when asked for by name
             if not self.runs_here() or K.INTERPRET:
                 raise RuntimeError("the triton backend needs an NVIDIA GPU (CUDA); its kernels also "
@@ -508,6 +540,11 @@ class TritonBackend(Backend):
     # ---- memory ---------------------------------------------------------------------------------
 
     def upload(self, tensor: Tensor) -> QWeight:
+        if (len(tensor.dims) > 1 and tensor.type != GGMLType.I32 and not tensor.name.endswith(_VALUE_ROLES)
+                and tensor.dims[0] % ROW_UNIT):
+            raise ModelError(f"{tensor.name}: the triton backend decodes rows in {ROW_UNIT}-value units; "
+                             f"expected a row length (dims[0]) that is a multiple of {ROW_UNIT}, got "
+                             f"{tensor.dims[0]} ({tensor.type.name})")
         if self.synthetic:
             from .synthetic import synthetic_bytes
 
@@ -517,6 +554,11 @@ class TritonBackend(Backend):
         else:
             host = torch.from_numpy(np.array(tensor.raw, dtype=np.uint8, copy=True).reshape(-1))
             u8 = host.to(self.dev) if self.dev.type != "cpu" else host
+        if tensor.name.endswith(_VALUE_ROLES) and tensor.type != GGMLType.F32:
+            # the kernels read these as plain float32 values, whatever type the file stores
+            values = dequantize(u8.cpu().numpy(), tensor.type).astype(np.float32)
+            u8 = torch.from_numpy(values.view(np.uint8)).to(self.dev)
+            return QWeight.place(tensor.name, GGMLType.F32, tensor.dims, u8)
         return QWeight.place(tensor.name, tensor.type, tensor.dims, u8)
 
     def alloc_state(self, shapes, fill):
@@ -1130,7 +1172,7 @@ class TritonBackend(Backend):
         self._launch(K.rope_kernel, (n, _cdiv(ROWS, BR)), src, out, nw, self._freq[il], self._pos, ROWS,
                      self.cfg.rms_eps, D=D, NROT=self.cfg.n_rot, BR=BR, NORM=norm, INVERSE=inverse,
                      QAT=qat, QS=float(np.float32(1.0 / np.sqrt(D))), LOGD=max(0, D.bit_length() - 1),
-                     num_warps=max(1, min(4, BR * D // 256)), nbytes=8 * n * ROWS * D)
+                     HDP=_pow2(D // 2), num_warps=max(1, min(4, BR * D // 256)), nbytes=8 * n * ROWS * D)
         return out
 
     @_op
@@ -1147,15 +1189,13 @@ class TritonBackend(Backend):
         n, D = kv.shape
         raw = st["raw"]
         self._launch(K.kv_store_kernel, (n,), kv, raw, self._pos, raw.shape[0], D=D, NN=self.cfg.n_nope,
-                     DS4=self.ds4_numerics, num_warps=4, nbytes=8 * n * D)
+                     DS4=self.ds4_numerics, DP=_pow2(D), num_warps=4, nbytes=8 * n * D)
 
     @_op
     def compressor(self, st, a, w, p0, il, indexer):
         cfg = self.cfg
         self._set_pos(p0)
         m = cfg.ratio(il)
-        if m & (m - 1):
-            raise ValueError(f"the triton backend needs power-of-two compress ratios, got {m}")
         d = cfg.indexer_head_dim if indexer else cfg.head_dim
         csa = m == 4
         C = (2 if csa else 1) * d
@@ -1169,14 +1209,15 @@ class TritonBackend(Backend):
         mode = (2 if indexer else 1) if self.ds4_numerics else 0
         ncand = 8 if csa else m
         if nwin > 0:
-            self._launch(K.comp_pool_kernel, (nwin,), kv_all, sc_all, w.ape.i16, skv, ssc, w.norm.vec,
+            self._launch(K.comp_pool_kernel, (nwin,), kv_all, sc_all, w.ape.f32, skv, ssc, w.norm.vec,
                          self._freq[il], self._pos, rows, n, cfg.rms_eps,
-                         M=m, D=d, C=C, NROT=cfg.n_rot, CSA=csa, NCAND=ncand, RB=min(ncand, 8),
-                         MODE=mode, QS=float(np.float32(1.0 / np.sqrt(d))), LOGD=max(0, d.bit_length() - 1), num_warps=4,
+                         M=m, D=d, C=C, NROT=cfg.n_rot, CSA=csa, NCAND=ncand, RB=min(_pow2(ncand), 8),
+                         MODE=mode, QS=float(np.float32(1.0 / np.sqrt(d))), LOGD=max(0, d.bit_length() - 1),
+                         HDP=_pow2(d // 2), num_warps=4,
                          nbytes=4 * nwin * 2 * ncand * d * 2)
         BC = min(_pow2(C), (64 if ncand <= 8 else 16) if not self.interpret else 1024)
-        self._launch(K.comp_update_kernel, (_cdiv(C, BC),), kv_all, sc_all, w.ape.i16, skv, ssc, self._pos, n,
-                     M=m, C=C, CSA=csa, NR=ncand, BC=BC, num_warps=4, nbytes=4 * 4 * ncand * C)
+        self._launch(K.comp_update_kernel, (_cdiv(C, BC),), kv_all, sc_all, w.ape.f32, skv, ssc, self._pos, n,
+                     M=m, C=C, CSA=csa, NR=ncand, BC=BC, NRP=_pow2(ncand), num_warps=4, nbytes=4 * 4 * ncand * C)
 
     @_op
     def indexer_select(self, st, qr, a, w, p0, il):
@@ -1207,7 +1248,7 @@ class TritonBackend(Backend):
         try:
             self._launch(K.idx_score_kernel, (n, _cdiv(cs, BC)), iq, hw, st["index"], scores, self._pos,
                          self._topk_counts, bkt, m, IH, cs, top_k, float(np.float32(np.sqrt(ID * IH))),
-                         IHP=max(16, _pow2(IH)), ID=ID, BC=BC, EXACT=self.ds4_numerics, HIST=hist, CAPB=capb,
+                         IHP=max(16, _pow2(IH)), ID=ID, BC=BC, EXACT=self.ds4_numerics, HIST=hist, CAPB=capb, IDP=_pad_dim(ID),
                          num_warps=4, nbytes=4 * n * (cs * ID + IH * ID + cs))
             if self.query_waits_index == "score":
                 self._hold_main()
@@ -1256,7 +1297,7 @@ class TritonBackend(Backend):
             self._launch(K.attn_kernel, (n, _cdiv(H, HBp), 1), *common, self._dummy_f, self._dummy_f, out,
                          H, W, raw.shape[0], max(m, 1), cfg.indexer_top_k, 1 << 30, qscale,
                          D=D, HB=HBp, BR=BR, COMP=comp, SEL=sel, SINGLE=True, KEXACT=self.ds4_numerics,
-                         F16=f16, num_warps=warps, num_stages=stages, nbytes=4 * n * (2 * H * D + (W + cfg.indexer_top_k) * D))
+                         F16=f16, DP=_pad_dim(D), num_warps=warps, num_stages=stages, nbytes=4 * n * (2 * H * D + (W + cfg.indexer_top_k) * D))
             return out
         if self._step is not None:
             ncomp = (cfg.indexer_top_k if sel else st["comp"].shape[0]) if comp else 0
@@ -1271,18 +1312,29 @@ class TritonBackend(Backend):
         self._launch(K.attn_kernel, (n, _cdiv(H, HB), S), *common, mo, lo, ao,
                      H, W, raw.shape[0], max(m, 1), cfg.indexer_top_k, RS, qscale,
                      D=D, HB=HB, BR=16, COMP=comp, SEL=sel, SINGLE=False, KEXACT=self.ds4_numerics,
-                     F16=f16, num_warps=8, nbytes=4 * ((W + ncomp) * D * _cdiv(H, HB) + 2 * S * H * D))
+                     F16=f16, DP=_pad_dim(D), num_warps=8, nbytes=4 * ((W + ncomp) * D * _cdiv(H, HB) + 2 * S * H * D))
         return _AttnParts(mo, lo, ao, S, sinks, il, n, H, D)
+
+    def _combine_pairs(self, D: int) -> int:
+        """Pairs of a head per attn_combine_kernel program."""
+        return min(_pow2(D // 2), self.combine_pairs)
+
+    def _combine_xq8(self, D: int) -> bool:
+        """Whether the merge can store its result in XQ8 form: every program's pairs are whole
+        32-value blocks of the head."""
+        BI = self._combine_pairs(D)
+        return (D // 2) % BI == 0 and (2 * BI) % 32 == 0
 
     def _combine(self, x: _AttnParts, rope_inverse: bool, xq=None):
         """The merged splits; with xq (buffers from _xq_new; 32-value blocks within a program's
         pairs) also in XQ8 form."""
         out = self._new((x.n, x.H, x.D))
-        BI = min(x.D // 2, self.combine_pairs)
-        if xq is not None and (2 * BI) % 32:
-            raise ValueError(f"attention merge in XQ8 form: expected 32-value blocks per program, got {2 * BI} values")
+        BI = self._combine_pairs(x.D)
+        if xq is not None and not self._combine_xq8(x.D):
+            raise ValueError(f"attention merge in XQ8 form: expected {BI}-pair programs of 32-value "
+                             f"blocks to tile the head's {x.D // 2} pairs")
         q = xq if xq is not None else (self._dummy_i, self._dummy_f, self._dummy_f)
-        self._launch(K.attn_combine_kernel, (x.n, x.H, x.D // 2 // BI), x.mo, x.lo, x.ao, x.sink.vec,
+        self._launch(K.attn_combine_kernel, (x.n, x.H, _cdiv(x.D // 2, BI)), x.mo, x.lo, x.ao, x.sink.vec,
                      self._freq[x.il], self._pos, out, x.H, *q, S=x.S, SP=_pow2(x.S), D=x.D, NROT=self.cfg.n_rot,
                      ROPE_INV=rope_inverse, BI=BI, XQ8=xq is not None, DEP=xq is not None and self._pdl("combine"),
                      num_warps=4, nbytes=4 * x.ao.numel() + 4 * out.numel() + (3 * out.numel() if xq else 0))
@@ -1402,7 +1454,7 @@ class TritonBackend(Backend):
         xq = self._xq_new(n, Kd)
         if isinstance(x, _Normed) and x.val is None and _pow2(Kd) == Kd:
             x.val = self._rms(x, xq, perm)
-        elif isinstance(x, _Combined) and x.val is None and perm:
+        elif isinstance(x, _Combined) and x.val is None and perm and self._combine_xq8(x.parts.D):
             x.val = self._combine(x.parts, rope_inverse=True, xq=xq)
         else:
             src = self._val(x)

@@ -1869,29 +1869,32 @@ def hc_post_kernel(y_ptr, y2_ptr, x_ptr, post_ptr, comb_ptr, out_ptr, E,
 def rope_kernel(x_ptr, out_ptr, nw_ptr, freq_ptr, pos_ptr, ROWS, eps,
                 D: tl.constexpr, NROT: tl.constexpr, BR: tl.constexpr,
                 NORM: tl.constexpr, INVERSE: tl.constexpr, QAT: tl.constexpr, QS: tl.constexpr,
-                LOGD: tl.constexpr):
+                LOGD: tl.constexpr, HDP: tl.constexpr):
     """Tail RoPE (adjacent pairs of the last NROT dims) of rows [n, ROWS, D] at positions p0 + t,
     optionally after a per-row RMSNorm (NORM 1 weighted, 2 unweighted) and followed by the
-    indexer's Hadamard + FP4 simulation (QAT)."""
+    indexer's Hadamard + FP4 simulation (QAT: D a power of two). HDP: D / 2 pairs padded to a
+    power of two (tl.arange's sizes), the pad masked."""
     t = tl.program_id(0)
     rb = tl.program_id(1)
     HD: tl.constexpr = D // 2
     r = rb * BR + tl.arange(0, BR)
     rm = r < ROWS
     base = (t * ROWS + r).to(tl.int64) * D
-    i = tl.arange(0, HD)
+    i = tl.arange(0, HDP)
+    im = i < HD
+    lm = rm[:, None] & im[None, :]
     pe = base[:, None] + 2 * i[None, :]
-    xe = tl.load(x_ptr + pe, mask=rm[:, None], other=0.0)
-    xo = tl.load(x_ptr + pe + 1, mask=rm[:, None], other=0.0)
+    xe = tl.load(x_ptr + pe, mask=lm, other=0.0)
+    xo = tl.load(x_ptr + pe + 1, mask=lm, other=0.0)
     if NORM != 0:
         rs = tl.sqrt_rn((tl.sum(xe * xe, axis=1) + tl.sum(xo * xo, axis=1)) / D + eps)[:, None]
         xe = xe / rs
         xo = xo / rs
         if NORM == 1:
-            xe = xe * tl.load(nw_ptr + 2 * i)[None, :]
-            xo = xo * tl.load(nw_ptr + 2 * i + 1)[None, :]
+            xe = xe * tl.load(nw_ptr + 2 * i, mask=im, other=0.0)[None, :]
+            xo = xo * tl.load(nw_ptr + 2 * i + 1, mask=im, other=0.0)[None, :]
     k = i - (D - NROT) // 2
-    km = k >= 0
+    km = (k >= 0) & im
     pos = tl.load(pos_ptr) + t
     theta = pos.to(tl.float32) * tl.load(freq_ptr + k, mask=km, other=0.0)
     c = _cos(theta)[None, :]
@@ -1904,20 +1907,25 @@ def rope_kernel(x_ptr, out_ptr, nw_ptr, freq_ptr, pos_ptr, ROWS, eps,
         y = _qat_rows(tl.reshape(tl.join(ne, no), [BR, D]), QS, LOGD)
         tl.store(out_ptr + base[:, None] + tl.arange(0, D)[None, :], y, mask=rm[:, None])
     else:
-        tl.store(out_ptr + pe, ne, mask=rm[:, None])
-        tl.store(out_ptr + pe + 1, no, mask=rm[:, None])
+        tl.store(out_ptr + pe, ne, mask=lm)
+        tl.store(out_ptr + pe + 1, no, mask=lm)
 
 
 @triton.jit
-def kv_store_kernel(kv_ptr, raw_ptr, pos_ptr, RAWCAP, D: tl.constexpr, NN: tl.constexpr, DS4: tl.constexpr):
-    """Push K=V rows into the raw ring at (p0 + t) % RAWCAP, FP8-simulated and f16-rounded (ds4)."""
+def kv_store_kernel(kv_ptr, raw_ptr, pos_ptr, RAWCAP, D: tl.constexpr, NN: tl.constexpr, DS4: tl.constexpr,
+                    DP: tl.constexpr):
+    """Push K=V rows into the raw ring at (p0 + t) % RAWCAP, FP8-simulated and f16-rounded (ds4).
+    DP: D padded to a power of two, the pad masked."""
     t = tl.program_id(0)
-    c = tl.arange(0, D)
-    x = tl.load(kv_ptr + t.to(tl.int64) * D + c[None, :])
+    c = tl.arange(0, DP)[None, :]
+    cm = c < D
+    x = tl.load(kv_ptr + t.to(tl.int64) * D + c, mask=cm, other=0.0)
     if DS4:
-        x = _f16_round(_fp8_rows(x, NN))
+        if NN > 0:
+            x = _fp8_rows(x, NN)
+        x = _f16_round(x)
     row = (tl.load(pos_ptr) + t) % RAWCAP
-    tl.store(raw_ptr + row.to(tl.int64) * D + c[None, :], x)
+    tl.store(raw_ptr + row.to(tl.int64) * D + c, x, mask=cm)
 
 
 # ------------------------------------------------------------------------------------------------
@@ -1936,8 +1944,9 @@ def _comp_src(q, p0, M: tl.constexpr, CSA: tl.constexpr):
 @triton.jit
 def _comp_cand(kv_ptr, sc_ptr, ape_ptr, skv_ptr, ssc_ptr, w, p0, r0, i,
                M: tl.constexpr, D: tl.constexpr, C: tl.constexpr, CSA: tl.constexpr,
-               RB: tl.constexpr, KV: tl.constexpr):
-    """Scores (ape included) and values of candidates r0..r0+RB of window w, even / odd dims."""
+               RB: tl.constexpr, KV: tl.constexpr, NCAND: tl.constexpr):
+    """Scores (ape included) and values of candidates r0..r0+RB of window w (those below NCAND),
+    even / odd dims."""
     r = r0 + tl.arange(0, RB)
     if CSA:  # rows 0..3: previous window, lane 0..D-1; rows 4..7: this window, lane D..2D-1
         q = 4 * w - 4 + r
@@ -1946,18 +1955,19 @@ def _comp_cand(kv_ptr, sc_ptr, ape_ptr, skv_ptr, ssc_ptr, w, p0, r0, i,
         q = w * M + r
         coff = r * 0
     inchunk = q >= p0
-    valid = q >= 0
+    valid = (q >= 0) & (r < NCAND)
     srow = _comp_src(q, p0, M, CSA)
     crow = tl.where(inchunk, q - p0, 0)
     col_e = coff[:, None] + 2 * i[None, :]
-    ld_c = (inchunk & valid)[:, None]
-    ld_s = ((~inchunk) & valid)[:, None]
+    im = (i < D // 2)[None, :]  # (the pairs' pad past D / 2)
+    ld_c = (inchunk & valid)[:, None] & im
+    ld_s = ((~inchunk) & valid)[:, None] & im
     qm = tl.where(valid, q % M, 0)[:, None]
     sc_e = tl.where(ld_c, tl.load(sc_ptr + crow[:, None] * C + col_e, mask=ld_c, other=0.0)
-                    + _ld_f16(ape_ptr, (qm * C + col_e) * 2, ld_c),
+                    + tl.load(ape_ptr + qm * C + col_e, mask=ld_c, other=0.0),
                     tl.load(ssc_ptr + srow[:, None] * C + col_e, mask=ld_s, other=float("-inf")))
     sc_o = tl.where(ld_c, tl.load(sc_ptr + crow[:, None] * C + col_e + 1, mask=ld_c, other=0.0)
-                    + _ld_f16(ape_ptr, (qm * C + col_e + 1) * 2, ld_c),
+                    + tl.load(ape_ptr + qm * C + col_e + 1, mask=ld_c, other=0.0),
                     tl.load(ssc_ptr + srow[:, None] * C + col_e + 1, mask=ld_s, other=float("-inf")))
     if KV:
         kv_e = tl.where(ld_c, tl.load(kv_ptr + crow[:, None] * C + col_e, mask=ld_c, other=0.0),
@@ -1975,22 +1985,24 @@ def comp_pool_kernel(kv_ptr, sc_ptr, ape_ptr, skv_ptr, ssc_ptr, nw_ptr, freq_ptr
                      n, eps,
                      M: tl.constexpr, D: tl.constexpr, C: tl.constexpr, NROT: tl.constexpr,
                      CSA: tl.constexpr, NCAND: tl.constexpr, RB: tl.constexpr, MODE: tl.constexpr,
-                     QS: tl.constexpr, LOGD: tl.constexpr):
+                     QS: tl.constexpr, LOGD: tl.constexpr, HDP: tl.constexpr):
     """One compressed row per program: the window w = p0 // M + program that closes inside the
     chunk (others exit). Candidates are the window's M positions (CSA: the previous window's
     first lane and this window's second lane, 8 rows), read from the chunk's projections or
     from the frontier state; per-dimension softmax pooling, RMSNorm, RoPE at the window's first
-    position, then MODE 1: FP8 + f16, MODE 2: Hadamard + FP4 + f16, MODE 0: none."""
+    position, then MODE 1: FP8 + f16, MODE 2: Hadamard + FP4 + f16 (D a power of two), MODE 0:
+    none. HDP: D / 2 pairs padded to a power of two, the pad masked."""
     p0 = tl.load(pos_ptr)
     w = p0 // M + tl.program_id(0)
     if w * M + M - 1 < p0 + n:
-        HD: tl.constexpr = D // 2
+        HD: tl.constexpr = HDP
         i = tl.arange(0, HD)
+        im = i < D // 2
         mx_e = tl.full([HD], float("-inf"), tl.float32)
         mx_o = tl.full([HD], float("-inf"), tl.float32)
         for r0 in range(0, NCAND, RB):
             sc_e, sc_o, _, _ = _comp_cand(kv_ptr, sc_ptr, ape_ptr, skv_ptr, ssc_ptr, w, p0, r0, i,
-                                          M, D, C, CSA, RB, False)
+                                          M, D, C, CSA, RB, False, NCAND)
             mx_e = tl.maximum(mx_e, tl.max(sc_e, axis=0))
             mx_o = tl.maximum(mx_o, tl.max(sc_o, axis=0))
         safe_e = tl.where(mx_e == float("-inf"), 0.0, mx_e)
@@ -2001,7 +2013,7 @@ def comp_pool_kernel(kv_ptr, sc_ptr, ape_ptr, skv_ptr, ssc_ptr, nw_ptr, freq_ptr
         ao = tl.zeros([HD], tl.float32)
         for r0 in range(0, NCAND, RB):
             sc_e, sc_o, kv_e, kv_o = _comp_cand(kv_ptr, sc_ptr, ape_ptr, skv_ptr, ssc_ptr, w, p0, r0, i,
-                                                M, D, C, CSA, RB, True)
+                                                M, D, C, CSA, RB, True, NCAND)
             pe = tl.exp(sc_e - safe_e[None, :])
             po = tl.exp(sc_o - safe_o[None, :])
             se += tl.sum(pe, axis=0)
@@ -2011,27 +2023,30 @@ def comp_pool_kernel(kv_ptr, sc_ptr, ape_ptr, skv_ptr, ssc_ptr, nw_ptr, freq_ptr
         xe = tl.where(se > 0, ae / tl.where(se > 0, se, 1.0), 0.0)[None, :]
         xo = tl.where(so > 0, ao / tl.where(so > 0, so, 1.0), 0.0)[None, :]
         rs = tl.sqrt_rn((tl.sum(xe * xe, axis=1) + tl.sum(xo * xo, axis=1)) / D + eps)[:, None]
-        xe = xe / rs * tl.load(nw_ptr + 2 * i)[None, :]
-        xo = xo / rs * tl.load(nw_ptr + 2 * i + 1)[None, :]
+        xe = xe / rs * tl.load(nw_ptr + 2 * i, mask=im, other=0.0)[None, :]
+        xo = xo / rs * tl.load(nw_ptr + 2 * i + 1, mask=im, other=0.0)[None, :]
         k = i - (D - NROT) // 2
-        km = (k >= 0)[None, :]
-        theta = (w * M).to(tl.float32) * tl.load(freq_ptr + k, mask=k >= 0, other=0.0)
+        km = ((k >= 0) & im)[None, :]
+        theta = (w * M).to(tl.float32) * tl.load(freq_ptr + k, mask=(k >= 0) & im, other=0.0)
         c = _cos(theta)[None, :]
         s = _sin(theta)[None, :]
         ne = tl.where(km, xe * c - xo * s, xe)
         no = tl.where(km, xe * s + xo * c, xo)
-        y = tl.reshape(tl.join(ne, no), [1, D])
+        y = tl.reshape(tl.join(ne, no), [1, 2 * HD])
         if MODE == 1:
-            y = _f16_round(_fp8_rows(y, D - NROT))
+            if D - NROT > 0:
+                y = _fp8_rows(y, D - NROT)
+            y = _f16_round(y)
         elif MODE == 2:
             y = _f16_round(_qat_rows(y, QS, LOGD))
-        tl.store(rows_ptr + w.to(tl.int64) * D + tl.arange(0, D)[None, :], y)
+        c = tl.arange(0, 2 * HD)[None, :]
+        tl.store(rows_ptr + w.to(tl.int64) * D + c, y, mask=c < D)
 
 
 @triton.jit
 def comp_update_kernel(kv_ptr, sc_ptr, ape_ptr, skv_ptr, ssc_ptr, pos_ptr, n,
                        M: tl.constexpr, C: tl.constexpr, CSA: tl.constexpr, NR: tl.constexpr,
-                       BC: tl.constexpr):
+                       BC: tl.constexpr, NRP: tl.constexpr):
     """The frontier after the chunk, as the reference leaves it: row (CSA: 4 +) q % M holds the
     last position q of the chunk with that residue (score includes ape); CSA rows 0..3 hold the
     last window closed in the chunk."""
@@ -2039,7 +2054,7 @@ def comp_update_kernel(kv_ptr, sc_ptr, ape_ptr, skv_ptr, ssc_ptr, pos_ptr, n,
     cb = tl.program_id(0)
     col = cb * BC + tl.arange(0, BC)
     cm = col < C
-    r = tl.arange(0, NR)
+    r = tl.arange(0, NRP)  # NR state rows padded to a power of two; the pad is never stored
     last = p0 + n - 1
     if CSA:
         rr = r % 4
@@ -2053,6 +2068,7 @@ def comp_update_kernel(kv_ptr, sc_ptr, ape_ptr, skv_ptr, ssc_ptr, pos_ptr, n,
         q = last - (((last - r) % M) + M) % M
         do = q >= p0
         old_row = r
+    do = do & (r < NR)
     inchunk = do & (q >= p0)
     fromold = do & (q < p0)
     crow = tl.where(inchunk, q - p0, 0)
@@ -2061,7 +2077,7 @@ def comp_update_kernel(kv_ptr, sc_ptr, ape_ptr, skv_ptr, ssc_ptr, pos_ptr, n,
     colx = col[None, :]
     kv_new = tl.load(kv_ptr + crow[:, None] * C + colx, mask=m_c, other=0.0)
     sc_new = tl.load(sc_ptr + crow[:, None] * C + colx, mask=m_c, other=0.0) + \
-        _ld_f16(ape_ptr, ((q % M)[:, None] * C + colx) * 2, m_c)
+        tl.load(ape_ptr + (q % M)[:, None] * C + colx, mask=m_c, other=0.0)
     kv_old = tl.load(skv_ptr + old_row[:, None] * C + colx, mask=m_o, other=0.0)
     sc_old = tl.load(ssc_ptr + old_row[:, None] * C + colx, mask=m_o, other=0.0)
     kv = tl.where(inchunk[:, None], kv_new, kv_old)
@@ -2078,12 +2094,13 @@ def comp_update_kernel(kv_ptr, sc_ptr, ape_ptr, skv_ptr, ssc_ptr, pos_ptr, n,
 @triton.jit
 def idx_score_kernel(iq_ptr, hw_ptr, keys_ptr, out_ptr, pos_ptr, cnt_ptr, bkt_ptr, M, IH, CS, TOPK, hscale,
                      IHP: tl.constexpr, ID: tl.constexpr, BC: tl.constexpr, EXACT: tl.constexpr,
-                     HIST: tl.constexpr = False, CAPB: tl.constexpr = 1):
+                     HIST: tl.constexpr = False, CAPB: tl.constexpr = 1, IDP: tl.constexpr = 0):
     """score[t, c] = Σ_h hw[t,h]·relu(iq[t,h]·k_c) over the rows c < (p0+t+1)//M.
     HIST (one query, more than TOPK rows visible): also count the scores' order-preserving keys
     by their top 8 bits (cnt_ptr[0, 256)) and their top 14 (cnt_ptr[256, 256 + 16384)), and put
     (key, row) in the bucket of the top 14 bits (bkt_ptr: keys [16384, CAPB], then rows; the
-    first CAPB of a bucket), for topk_one_kernel, which reads them and clears the counts."""
+    first CAPB of a bucket), for topk_one_kernel, which reads them and clears the counts.
+    IDP: ID padded to a power of two (0: ID is one), the pad zero in both operands."""
     t = tl.program_id(0)
     cb = tl.program_id(1)
     vis = (tl.load(pos_ptr) + t + 1) // M
@@ -2092,9 +2109,10 @@ def idx_score_kernel(iq_ptr, hw_ptr, keys_ptr, out_ptr, pos_ptr, cnt_ptr, bkt_pt
         cm = c < vis
         h = tl.arange(0, IHP)
         hm = h < IH
-        d = tl.arange(0, ID)
-        q = tl.load(iq_ptr + (t * IH + h[:, None]).to(tl.int64) * ID + d[None, :], mask=hm[:, None], other=0.0)
-        k = tl.load(keys_ptr + c[:, None].to(tl.int64) * ID + d[None, :], mask=cm[:, None], other=0.0)
+        d = tl.arange(0, ID if IDP == 0 else IDP)
+        dm = d[None, :] < ID
+        q = tl.load(iq_ptr + (t * IH + h[:, None]).to(tl.int64) * ID + d[None, :], mask=hm[:, None] & dm, other=0.0)
+        k = tl.load(keys_ptr + c[:, None].to(tl.int64) * ID + d[None, :], mask=cm[:, None] & dm, other=0.0)
         s = tl.maximum(_dot_f32(q, tl.trans(k), tl.zeros([IHP, BC], tl.float32), EXACT), 0.0)  # [IHP, BC]
         hw = tl.load(hw_ptr + t * IH + h, mask=hm, other=0.0) / hscale
         sc = tl.sum(hw[:, None] * s, axis=0) + 0.0  # + 0.0: -0.0 ties +0.0 as in the reference
@@ -2319,7 +2337,7 @@ def attn_kernel(q_ptr, raw_ptr, comp_ptr, sel_ptr, cnt_ptr, pos_ptr, sink_ptr,
                 H, W, RAWCAP, M, TOPK, RS, qscale,
                 D: tl.constexpr, HB: tl.constexpr, BR: tl.constexpr,
                 COMP: tl.constexpr, SEL: tl.constexpr, SINGLE: tl.constexpr, KEXACT: tl.constexpr,
-                F16: tl.constexpr = False):
+                F16: tl.constexpr = False, DP: tl.constexpr = 0):
     """Heads [hg·HB, +HB) of query t over its candidate rows [sp·RS, +RS): the raw window
     (positions max(0, p−W+1)..p, ring rows) then the visible (COMP) or selected (SEL) compressed
     rows. K = V. SINGLE: all rows in one program, sink included, normalised output; otherwise
@@ -2330,7 +2348,10 @@ def attn_kernel(q_ptr, raw_ptr, comp_ptr, sel_ptr, cnt_ptr, pos_ptr, sink_ptr,
     head by a power of two (_pow2_scale), the probabilities p <= 1 by 2^15, both undone exactly
     afterwards. That holds each term to 2^-22 of itself (of its head's largest q entry for q),
     as the tf32 pairs of the other path do, at twice their tensor-core rate and half their
-    shared memory."""
+    shared memory.
+
+    DP: D padded to a power of two (0: D is one); the pad is zero in q and in the rows, so it
+    adds nothing to a score, and is never stored."""
     t = tl.program_id(0)
     hg = tl.program_id(1)
     sp = tl.program_id(2)
@@ -2349,11 +2370,13 @@ def attn_kernel(q_ptr, raw_ptr, comp_ptr, sel_ptr, cnt_ptr, pos_ptr, sink_ptr,
     end = tl.minimum(R, start + RS)
     h = hg * HB + tl.arange(0, HB)
     hm = h < H
-    d = tl.arange(0, D)
-    q = tl.load(q_ptr + (t * H + h[:, None]).to(tl.int64) * D + d[None, :], mask=hm[:, None], other=0.0)
+    DA: tl.constexpr = D if DP == 0 else DP
+    d = tl.arange(0, DA)
+    dm = d[None, :] < D
+    q = tl.load(q_ptr + (t * H + h[:, None]).to(tl.int64) * D + d[None, :], mask=hm[:, None] & dm, other=0.0)
     m_i = tl.full([HB], _NEG, tl.float32)
     l_i = tl.zeros([HB], tl.float32)
-    acc = tl.zeros([HB, D], tl.float32)
+    acc = tl.zeros([HB, DA], tl.float32)
     if F16:
         q_s, q_inv = _pow2_scale(tl.max(tl.abs(q), axis=1))
         q_hi, q_lo = _hi_lo(q * q_s[:, None])
@@ -2371,7 +2394,7 @@ def attn_kernel(q_ptr, raw_ptr, comp_ptr, sel_ptr, cnt_ptr, pos_ptr, sink_ptr,
             rowp = tl.where(is_raw, raw_ptr + raw_row * D, comp_ptr + crow * D)
         else:
             rowp = raw_ptr + raw_row * D
-        k = tl.load(rowp[:, None] + d[None, :], mask=rm[:, None], other=0.0)
+        k = tl.load(rowp[:, None] + d[None, :], mask=rm[:, None] & dm, other=0.0)
         if F16:
             k16 = k.to(tl.float16)  # exact: the rows are f16 values
             s = (_dot16(q_hi, q_lo, k16, tl.zeros([HB, BR], tl.float32)) * q_inv[:, None]) / qscale
@@ -2396,12 +2419,12 @@ def attn_kernel(q_ptr, raw_ptr, comp_ptr, sel_ptr, cnt_ptr, pos_ptr, sink_ptr,
         f = tl.exp(m_i - mx)
         den = l_i * f + tl.exp(sink - mx)
         o = acc * (f / den)[:, None]
-        tl.store(ao_ptr + (t * H + h[:, None]).to(tl.int64) * D + d[None, :], o, mask=hm[:, None])
+        tl.store(ao_ptr + (t * H + h[:, None]).to(tl.int64) * D + d[None, :], o, mask=hm[:, None] & dm)
     else:
         pb = (t * nsp + sp) * H + h
         tl.store(mo_ptr + pb, m_i, mask=hm)
         tl.store(lo_ptr + pb, l_i, mask=hm)
-        tl.store(ao_ptr + pb[:, None].to(tl.int64) * D + d[None, :], acc, mask=hm[:, None])
+        tl.store(ao_ptr + pb[:, None].to(tl.int64) * D + d[None, :], acc, mask=hm[:, None] & dm)
 
 
 @triton.jit
@@ -2428,12 +2451,14 @@ def attn_combine_kernel(mo_ptr, lo_ptr, ao_ptr, sink_ptr, freq_ptr, pos_ptr, out
     f = tl.exp(ms - mx)
     den = tl.sum(ls * f, axis=0) + tl.exp(sink - mx)
     i = tl.program_id(2) * BI + tl.arange(0, BI)
+    im = i < D // 2  # (the last program's pairs past D / 2, where BI does not divide them)
     ab = ao_ptr + pb[:, None].to(tl.int64) * D + 2 * i[None, :]
-    xe = tl.sum(tl.load(ab, mask=spm[:, None], other=0.0) * f[:, None], axis=0) / den
-    xo = tl.sum(tl.load(ab + 1, mask=spm[:, None], other=0.0) * f[:, None], axis=0) / den
+    lm = spm[:, None] & im[None, :]
+    xe = tl.sum(tl.load(ab, mask=lm, other=0.0) * f[:, None], axis=0) / den
+    xo = tl.sum(tl.load(ab + 1, mask=lm, other=0.0) * f[:, None], axis=0) / den
     if ROPE_INV:
         k = i - (D - NROT) // 2
-        km = k >= 0
+        km = (k >= 0) & im
         pos = tl.load(pos_ptr) + t
         theta = pos.to(tl.float32) * tl.load(freq_ptr + k, mask=km, other=0.0)
         c = _cos(theta)
@@ -2443,8 +2468,8 @@ def attn_combine_kernel(mo_ptr, lo_ptr, ao_ptr, sink_ptr, freq_ptr, pos_ptr, out
         xe = ne
         xo = no
     ob = out_ptr + (t * H + h).to(tl.int64) * D + 2 * i
-    tl.store(ob, xe)
-    tl.store(ob + 1, xo)
+    tl.store(ob, xe, mask=im)
+    tl.store(ob + 1, xo, mask=im)
     if XQ8:
         NBLK: tl.constexpr = 2 * BI // 32
         hd = H * D
