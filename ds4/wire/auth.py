@@ -1,4 +1,4 @@
-"""Mutual proof of a shared secret, shared by every ds4 wire (qkp5, DS4K, and DS4T when it lands).
+"""Mutual proof of a shared secret, shared by every ds4 wire (qkp5, DS4K and DS4T).
 
 Both ends prove that they know the token before any model data moves: the server first, over a
 nonce the client chose, so a listener that does not know the token learns nothing but a nonce
@@ -14,9 +14,10 @@ Byte layout (HMAC-SHA256, key = the token as UTF-8, `||` = concatenation):
     client_proof  HMAC(token, b"ds4 wire auth v2 client\\0" || protocol || client_nonce || server_nonce)
 
 `protocol` is the wire's 4-byte magic as it travels (b"5pkq" for qkp5's little-endian u32,
-b"DS4K", b"DS4T"). Each wire decides where the nonces and proofs sit in its records (see
-qkp.py and ds4k.py); the order is always: both nonces exchanged, server proof checked by the
-client, then client proof checked by the server, then model data. Proofs are compared in
+b"DS4K", b"T4SD" for DS4T's 0x44533454). Each wire decides where the nonces and proofs sit in
+its records (see qkp.py, ds4k.py and ds4t.py; on DS4T the leader is the server); the order
+is always: both nonces exchanged, server proof checked by the client, then client proof
+checked by the server, then model data. Proofs are compared in
 constant time (`hmac.compare_digest`).
 
 What the proof does not do: it authenticates the two ends once, at the start; it does not
