@@ -6,6 +6,7 @@ to the terminal: stderr when stdout carries the CSV, stdout otherwise.
 
 from __future__ import annotations
 
+import contextlib
 import math
 import sys
 from pathlib import Path
@@ -16,7 +17,10 @@ from rich.console import Console
 from rich.table import Table
 from rich.text import Text
 
-from .common import CLIError, err, fail, human_bytes, library_errors, open_engine, out, progress_callback
+from ds4.core.atomic import atomic_file, signals_unwind
+
+from .common import (CLIError, err, fail, human_bytes, library_errors, open_engine, out,
+                     progress_callback, resolve_model)
 from .options import BackendName, ModelOption, NumericsOption, check_range
 
 HELP = """Measure prefill and generation tokens/s as the context grows.
@@ -69,7 +73,12 @@ def bench(
              "over the first one's.")] = None,
     csv_path: Annotated[Optional[Path], typer.Option(
         "--csv", metavar="FILE", dir_okay=False, show_default=False,
-        help="Write the CSV here instead of stdout.")] = None,
+        help="Write the CSV here instead of stdout. Rows are appended to an existing ds4 bench "
+             "CSV (each as it is measured) unless --overwrite.")] = None,
+    overwrite: Annotated[bool, typer.Option(
+        "--overwrite",
+        help="Replace an existing --csv FILE (the new file takes its place when the run "
+             "finishes; an interrupted run leaves the old one).")] = False,
     plot: Annotated[Optional[Path], typer.Option(
         "--plot", metavar="OUT.png", dir_okay=False, show_default=False,
         help="Draw tokens/s against context (prefill and generation panels) as a PNG.")] = None,
@@ -96,6 +105,8 @@ def bench(
         return
 
     with library_errors():
+        if overwrite and csv_path is None:
+            raise CLIError("--overwrite replaces a --csv FILE: give --csv")
         if step_incr is not None and step_mul is not None:
             raise CLIError("give --step-incr or --step-mul, not both")
         if ctx_max < ctx_start:
@@ -117,42 +128,24 @@ def bench(
         else:
             names = [_resolve(backend or "auto")]
 
+        _check_model(model, ctx_max, gen_tokens)  # before the CSV is touched
+        append = csv_path is not None and _appends_to(csv_path, overwrite)
+
     table_console = out if csv_path is not None else err
-    csv_file = None
-    try:
+    with contextlib.ExitStack() as stack:
+        stack.enter_context(signals_unwind())
         with library_errors():
-            csv_file = open(csv_path, "w", newline="") if csv_path is not None else None
-        sink = csv_file or _Stdout()
-        lib.write_csv_header(sink)
+            if csv_path is None:
+                sink = _Stdout()
+            elif append:
+                sink = stack.enter_context(open(csv_path, "a", newline=""))
+            else:
+                sink = stack.enter_context(atomic_file(csv_path, "w", private=False))
+        if not append:
+            lib.write_csv_header(sink)
         sink.flush()
-        runs: list[list] = []
-        for name in names:
-            eng = open_engine(model, name, numerics)
-            with library_errors():
-                need = ctx_max + gen_tokens
-                if need > eng.config.context_length:
-                    raise CLIError(f"--ctx-max {ctx_max} + --gen-tokens {gen_tokens} = {need} is "
-                                   f"more than the model's context_length {eng.config.context_length}")
-                seq = lib.bench_tokens(eng.tokenizer, ctx_max)
-                with progress_callback(f"bench {name}: {len(points)} frontiers up to {ctx_max}",
-                                       transient=True) as progress:
-                    done: list = []
-
-                    def on_row(row, progress=progress, done=done):
-                        lib.write_csv_rows([row], sink)  # a row as soon as it is measured
-                        sink.flush()
-                        done.append(row)
-                        progress(len(done), len(points))
-
-                    progress(0, len(points))
-                    rows = lib.run_bench(eng, seq, points, gen_tokens, prefill_cap=prefill_cap,
-                                         warmup=warmup, repeat=repeat, on_row=on_row)
-            runs.append(rows)
-            _print_run(table_console, rows)
-            del eng  # one engine (and its device memory) at a time
-    finally:
-        if csv_file is not None:
-            csv_file.close()
+        runs = _run_all(names, model, numerics, ctx_max, gen_tokens, points, prefill_cap, warmup,
+                        repeat, sink, table_console)
 
     if len(runs) > 1:
         _print_ratios(table_console, names, runs)
@@ -162,6 +155,66 @@ def bench(
         with library_errors():
             plot_bench(runs, plot)
         err.print(Text("wrote ", style="green") + Text(str(plot), style="bold"), soft_wrap=True)
+
+
+def _run_all(names, model, numerics, ctx_max, gen_tokens, points, prefill_cap, warmup, repeat,
+             sink, table_console) -> list[list]:
+    """Each backend in turn, a CSV row written as soon as it is measured."""
+    from ds4 import bench as lib
+
+    runs: list[list] = []
+    for name in names:
+        eng = open_engine(model, name, numerics)
+        with library_errors():
+            seq = lib.bench_tokens(eng.tokenizer, ctx_max)
+            with progress_callback(f"bench {name}: {len(points)} frontiers up to {ctx_max}",
+                                   transient=True) as progress:
+                done: list = []
+
+                def on_row(row, progress=progress, done=done):
+                    lib.write_csv_rows([row], sink)
+                    sink.flush()
+                    done.append(row)
+                    progress(len(done), len(points))
+
+                progress(0, len(points))
+                rows = lib.run_bench(eng, seq, points, gen_tokens, prefill_cap=prefill_cap,
+                                     warmup=warmup, repeat=repeat, on_row=on_row)
+        runs.append(rows)
+        _print_run(table_console, rows)
+        del eng  # one engine (and its device memory) at a time
+    return runs
+
+
+def _check_model(model: Path | None, ctx_max: int, gen_tokens: int) -> None:
+    """The model opens and holds the walk (raises CLIError / ModelError)."""
+    from ds4.core.gguf_model import GGUFModel
+
+    cfg = GGUFModel(resolve_model(model)).config
+    need = ctx_max + gen_tokens
+    if need > cfg.context_length:
+        raise CLIError(f"--ctx-max {ctx_max} + --gen-tokens {gen_tokens} = {need} is more than "
+                       f"the model's context_length {cfg.context_length}")
+
+
+def _appends_to(path: Path, overwrite: bool) -> bool:
+    """True for a non-empty ds4 bench CSV without --overwrite (rows are appended); False when
+    there is nothing there or it is to be replaced. Anything else is refused rather than
+    appended to or replaced without --overwrite."""
+    from ds4.bench import CSV_COLUMNS
+
+    if not path.resolve().parent.is_dir():
+        raise CLIError(f"--csv: directory does not exist: {path.parent}")
+    if path.exists() and not path.is_file():
+        raise CLIError(f"--csv {path}: not a regular file")
+    if overwrite or not path.exists() or path.stat().st_size == 0:
+        return False
+    with open(path, newline="") as f:
+        header = f.readline().rstrip("\r\n")
+    if header != ",".join(CSV_COLUMNS):
+        raise CLIError(f"--csv {path}: not a ds4 bench CSV (its first line is {header[:80]!r}, "
+                       f"expected {','.join(CSV_COLUMNS)!r}); pass --overwrite to replace it")
+    return True
 
 
 def _resolve(name: str) -> str:

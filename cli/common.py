@@ -153,15 +153,13 @@ def stream_reply(session, tokenizer, n: int, params, rng) -> tuple[int, str | No
 
     Stops at end-of-sentence, when the context is full, or on Ctrl-C. Returns (generated,
     why it stopped early or None, seconds). Works on a plain or a split (pipeline) session.
-    A plain session goes through `Session.sample`, which keeps a device that chooses tokens
-    itself busy between steps; the session then also holds the end-of-sentence token."""
-    from ds4.engine import Session
-
+    Both go through their `sample` (`Session.sample`, `SplitSession.sample`: the same tokens
+    for the same parameters and seed), which evaluates each token before yielding it, so the
+    session also holds the end-of-sentence token."""
     stream = tokenizer.stream_decoder()
     room = session.ctx - len(session.tokens)
     eos = tokenizer.eos_id
-    tokens = (session.sample(n, params, rng, stop={eos}) if isinstance(session, Session)
-              else _split_steps(session, min(n, room), params, rng))
+    tokens = session.sample(n, params, rng, stop={eos})
     generated, stop = 0, None
     t0 = time.perf_counter()
     try:
@@ -180,13 +178,3 @@ def stream_reply(session, tokenizer, n: int, params, rng) -> tuple[int, str | No
     if stop:
         err.print(Text(f"stopped: {stop}", style="yellow"))
     return generated, stop, seconds
-
-
-def _split_steps(session, n: int, params, rng) -> Iterator[int]:
-    """n tokens of a split (pipeline) session, each evaluated once the caller asks for the next."""
-    from ds4.pipeline import next_token
-
-    for _ in range(n):
-        token = next_token(session, params, rng)
-        yield token
-        session.eval(token)

@@ -8,8 +8,8 @@ anything. Transfers use DS4K (wire.md §3). `register(app)` adds the four comman
 from __future__ import annotations
 
 import contextlib
+import logging
 import sys
-import tempfile
 import time
 from pathlib import Path
 from typing import Annotated, Optional
@@ -21,11 +21,15 @@ from ds4.core.chat import DEFAULT_SYSTEM
 
 from .common import (CLIError, err, human_bytes, library_errors, open_engine, out, rate,
                      resolve_model, stream_reply)
+from .wire_options import (AuthTokenFileOption, AuthTokenOption, IoTimeoutOption, TlsCaOption,
+                           TlsCertOption, TlsKeyOption, client_tls, server_tls, warn, warn_exposed,
+                           wire_token)
 from .options import (MAX_SEED, BackendOption, CtxOption, MinPOption, ModelOption, NoThinkOption,
                       NumericsOption, SeedOption, SystemOption, TempOption, TokensOption, TopKOption,
                       TopPOption, check_range)
 
 DEFAULT_IO_TIMEOUT = 120.0
+KV_TEMP_PREFIX = "ds4-kv-"  # a received or to-be-sent payload waits in such a temporary directory
 
 # ---- options ------------------------------------------------------------------------------------
 
@@ -56,14 +60,10 @@ def _check_hostport(value: str | None):
         raise typer.BadParameter(str(e)) from None
 
 
-AuthTokenOption = Annotated[Optional[str], typer.Option(
-    "--auth-token", envvar="DS4_WIRE_TOKEN", show_envvar=True, show_default=False,
-    help="Shared secret both ends must know (proven with HMAC-SHA256 over a receiver nonce, "
-         "never sent in the clear).")]
-
-IoTimeoutOption = Annotated[float, typer.Option(
-    "--io-timeout", metavar="SECONDS", callback=check_range(0.0, lo_open=True),
-    help="Give up when the peer sends or accepts nothing for this long.")]
+WaitOption = Annotated[Optional[float], typer.Option(
+    "--wait", metavar="SECONDS", callback=check_range(0.0, lo_open=True), show_default="no limit",
+    help="Give up when no payload has landed after this long. A bad, refused or slow sender is "
+         "logged and dropped; the receiver keeps waiting for another until then.")]
 
 HostOption = Annotated[str, typer.Option(
     "--host", metavar="ADDR",
@@ -99,8 +99,12 @@ def prefill(
     ctx: CtxOption = 4096,
     backend: BackendOption = "auto",
     numerics: NumericsOption = "ds4",
+    auth_token_file: AuthTokenFileOption = None,
     auth_token: AuthTokenOption = None,
     io_timeout: IoTimeoutOption = DEFAULT_IO_TIMEOUT,
+    tls_cert: TlsCertOption = None,
+    tls_key: TlsKeyOption = None,
+    tls_ca: TlsCaOption = None,
 ) -> None:
     """Prefill a prompt (no generation) and save or send the session for another node to decode."""
     from ds4.core.chat import encode_prompt
@@ -113,6 +117,17 @@ def prefill(
                                  param_hint="'--save-kv' / '--send-kv'")
     dest = _check_hostport(send_kv) if send_kv is not None else None
     with library_errors():
+        token = wire_token(auth_token, auth_token_file) if send_kv is not None else None
+        tls = client_tls(tls_cert, tls_key, tls_ca) if send_kv is not None else None
+        # Where the payload goes is checked before the prefill, not after it: the probe runs
+        # the same hello and mutual proof as the transfer, so a dead host, a listener that is
+        # not a DS4K receiver and a token mismatch all fail here.
+        if save_kv is not None and not save_kv.resolve().parent.is_dir():
+            raise CLIError(f"--save-kv: directory does not exist: {save_kv.parent}")
+        if dest is not None:
+            from ds4.wire.ds4k import probe_receiver
+
+            probe_receiver(*dest, auth_token=token, timeout=io_timeout, tls=tls)
         if prompt_file is not None:
             prompt = prompt_file.read_text(encoding="utf-8")
         elif prompt == "-":
@@ -137,15 +152,18 @@ def prefill(
                       + Text(f" ({len(ids)} tokens, {human_bytes(size)}, {size:,} bytes)"),
                       soft_wrap=True)
         else:
-            from ds4.wire.ds4k import send_payload
+            from ds4.core.atomic import temp_dir
+            from ds4.wire.ds4k import PROBE_CONNECT_TIMEOUT, send_payload
 
-            with tempfile.TemporaryDirectory(prefix="ds4-kv-") as tmp:
-                path = Path(tmp) / "session.dsv4"
+            with temp_dir(KV_TEMP_PREFIX) as tmp:
+                path = tmp / "session.dsv4"
                 size = session.save_payload(path)
                 with err.status(f"sending {human_bytes(size)} to {send_kv} ..."):
                     t0 = time.perf_counter()
+                    # the probe found the receiver: a refused connection now is not a slow start
                     send_payload(path, *dest, fingerprint=eng.model.fingerprint,
-                                 auth_token=auth_token, timeout=io_timeout)
+                                 auth_token=token, timeout=io_timeout, tls=tls,
+                                 connect_timeout=PROBE_CONNECT_TIMEOUT)
                     t_send = time.perf_counter() - t0
             out.print(Text("sent ", style="green") + Text(send_kv, style="bold")
                       + Text(f" ({len(ids)} tokens, {human_bytes(size)}, {size:,} bytes, "
@@ -177,9 +195,14 @@ def decode(
     backend: BackendOption = "auto",
     numerics: NumericsOption = "ds4",
     host: HostOption = "127.0.0.1",
+    auth_token_file: AuthTokenFileOption = None,
     auth_token: AuthTokenOption = None,
     max_kv_bytes: MaxKvBytesOption = "16G",
     io_timeout: IoTimeoutOption = DEFAULT_IO_TIMEOUT,
+    wait: WaitOption = None,
+    tls_cert: TlsCertOption = None,
+    tls_key: TlsKeyOption = None,
+    tls_ca: TlsCaOption = None,
 ) -> None:
     """Continue a prefilled session (from a file or the network), streaming the text to stdout."""
     from ds4.core.payload import check_payload
@@ -196,13 +219,18 @@ def decode(
     params = SamplingParams(temperature=temp, top_k=top_k, top_p=top_p, min_p=min_p)
     rng = Rng(seed)
 
+    with library_errors():
+        token = wire_token(auth_token, auth_token_file) if recv_kv is not None else None
+        tls = server_tls(tls_cert, tls_key, tls_ca) if recv_kv is not None else None
     eng = open_engine(model, backend, numerics)
     tok = eng.tokenizer
-    with library_errors(), tempfile.TemporaryDirectory(prefix="ds4-kv-") as tmp:
+    from ds4.core.atomic import temp_dir
+
+    with library_errors(), temp_dir(KV_TEMP_PREFIX) as tmp:
         if recv_kv is not None:
-            path = Path(tmp) / "session.dsv4"
-            _receive(recv_kv, path, host, eng.model.fingerprint, eng.config, limit, auth_token,
-                     io_timeout)
+            path = tmp / "session.dsv4"
+            _receive(recv_kv, path, host, eng.model.fingerprint, eng.config, limit, token,
+                     io_timeout, wait, tls)
         else:
             path = load_kv
             if not path.is_file():
@@ -237,25 +265,42 @@ def kv_send(
         metavar="HOST:PORT", show_default=False, help="Where a `ds4 kv-recv` or "
         "`ds4 decode --recv-kv` listens.")],
     model: ModelOption = None,
+    auth_token_file: AuthTokenFileOption = None,
     auth_token: AuthTokenOption = None,
     io_timeout: IoTimeoutOption = DEFAULT_IO_TIMEOUT,
+    tls_cert: TlsCertOption = None,
+    tls_key: TlsKeyOption = None,
+    tls_ca: TlsCaOption = None,
 ) -> None:
-    """Send a saved session payload to another node (DS4K). The model names it in the manifest."""
+    """Send a saved session payload to another node (DS4K).
+
+    The manifest names the model the file names (its identity trailer); with -m the file is
+    also checked against that model. A bare payload (no trailer) is sent for the model of -m."""
     from ds4.core.gguf_model import GGUFModel
-    from ds4.core.payload import check_payload
+    from ds4.core.payload import ModelRef, check_payload, read_identity, verify_digest
     from ds4.wire.ds4k import send_payload
 
     host, port = _check_hostport(dest)
     with library_errors():
-        m = GGUFModel(resolve_model(model))
+        token = wire_token(auth_token, auth_token_file)
+        tls = client_tls(tls_cert, tls_key, tls_ca)
         if not file.is_file():
             raise CLIError(f"KV file not found: {file}")
         size = file.stat().st_size
-        check_payload(file, m.config, size)  # refuse locally what the receiver would refuse
+        ident = read_identity(file)
+        if model is not None or ident is None:
+            m = GGUFModel(resolve_model(model))
+            # refuse locally what the receiver would refuse, another model's file included
+            check_payload(file, m.config, size, ModelRef.of(m))
+        else:
+            check_payload(file)
+        if ident is not None:
+            verify_digest(file, ident)
+        fingerprint = ident.model.fingerprint if ident is not None else m.fingerprint
         with err.status(f"sending {human_bytes(size)} to {dest} ..."):
             t0 = time.perf_counter()
-            manifest = send_payload(file, host, port, fingerprint=m.fingerprint,
-                                    auth_token=auth_token, timeout=io_timeout)
+            manifest = send_payload(file, host, port, fingerprint=fingerprint,
+                                    auth_token=token, timeout=io_timeout, tls=tls)
             dt = time.perf_counter() - t0
     out.print(Text("sent ", style="green") + Text(str(file), style="bold")
               + Text(f" to {dest} ({manifest.n_tokens} tokens, {size:,} bytes, {_mbps(size, dt)}, "
@@ -272,13 +317,20 @@ def kv_recv(
         help="Accept only payloads for this model (fingerprint, layout and exact size are "
              "checked). Without it any DSV4 payload is accepted.")] = None,
     host: HostOption = "127.0.0.1",
+    auth_token_file: AuthTokenFileOption = None,
     auth_token: AuthTokenOption = None,
     max_kv_bytes: MaxKvBytesOption = "16G",
     io_timeout: IoTimeoutOption = DEFAULT_IO_TIMEOUT,
+    wait: WaitOption = None,
+    tls_cert: TlsCertOption = None,
+    tls_key: TlsKeyOption = None,
+    tls_ca: TlsCaOption = None,
 ) -> None:
     """Receive one session payload from another node (DS4K) into a file."""
     limit = _parse_size(max_kv_bytes)
     with library_errors():
+        token = wire_token(auth_token, auth_token_file)
+        tls = server_tls(tls_cert, tls_key, tls_ca)
         fingerprint = config = None
         if model is not None:
             from ds4.core.gguf_model import GGUFModel
@@ -288,21 +340,41 @@ def kv_recv(
         if not out_file.resolve().parent.is_dir():
             raise CLIError(f"--out: directory does not exist: {out_file.parent}")
         t0 = time.perf_counter()
-        manifest = _receive(port, out_file, host, fingerprint, config, limit, auth_token, io_timeout)
+        manifest = _receive(port, out_file, host, fingerprint, config, limit, token, io_timeout,
+                            wait, tls)
         dt = time.perf_counter() - t0
     out.print(Text("received ", style="green") + Text(str(out_file), style="bold")
               + Text(f" ({manifest.n_tokens} tokens, {manifest.payload_bytes:,} bytes, "
                      f"sha256 {manifest.sha256[:16]}…, {dt:.2f} s)"), soft_wrap=True)
 
 
-def _receive(port, path, host, fingerprint, config, limit, auth_token, io_timeout):
+class _WarnFailures(logging.Handler):
+    """Each dropped sender as one `warning:` line on stderr (the receiver keeps waiting)."""
+
+    def emit(self, record: logging.LogRecord) -> None:
+        warn(record.getMessage())
+
+
+def _receive(port, path, host, fingerprint, config, limit, token, io_timeout, wait, tls):
+    from ds4.core.atomic import signals_unwind
     from ds4.wire.ds4k import Receiver
 
-    with Receiver(port, host=host, fingerprint=fingerprint, config=config, max_bytes=limit,
-                  auth_token=auth_token, timeout=io_timeout) as r:
-        shown = f"[{r.host}]" if ":" in r.host else r.host
-        err.print(Text(f"listening on {shown}:{r.port}", style="dim"), soft_wrap=True)
-        return r.receive(path)
+    warn_exposed(host, token)
+    handler = _WarnFailures(logging.WARNING)
+    logger = logging.getLogger("ds4.wire.ds4k")
+    logger.addHandler(handler)
+    propagate, logger.propagate = logger.propagate, False  # one line per failure, not two
+    try:
+        # SIGTERM unwinds the receiver, which removes its partial file
+        with signals_unwind(), Receiver(port, host=host, fingerprint=fingerprint, config=config,
+                                        max_bytes=limit, auth_token=token, timeout=io_timeout,
+                                        tls=tls) as r:
+            shown = f"[{r.host}]" if ":" in r.host else r.host
+            err.print(Text(f"listening on {shown}:{r.port}", style="dim"), soft_wrap=True)
+            return r.receive(path, wait)
+    finally:
+        logger.removeHandler(handler)
+        logger.propagate = propagate
 
 
 # ---- helpers ------------------------------------------------------------------------------------

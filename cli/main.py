@@ -21,11 +21,14 @@ from typer.core import TyperGroup
 from rich.table import Table
 from rich.text import Text
 
+from ds4.core.atomic import signals_unwind
 from ds4.core.chat import DEFAULT_SYSTEM
 from ds4.core.tiny import EXPERT_MIXES, PRESETS
 
 from . import bench, chat, kv, pipe, serve
-from .pipe import AuthTokenOption, LayersOption, SplitNextOption, open_split_engine
+from .pipe import LayersOption, SplitNextOption, open_split_engine
+from .wire_options import (AuthTokenFileOption, AuthTokenOption, IoTimeoutOption, TlsCaOption,
+                           TlsCertOption, TlsKeyOption)
 from .common import (CLIError, rate, stream_reply, err, human_bytes, library_errors, open_engine, out, print_error,
                      print_field, progress_callback, resolve_model)
 from .options import (MAX_SEED, BackendOption, CtxOption, MinPOption, ModelArgument, ModelOption,
@@ -45,7 +48,9 @@ class _Group(TyperGroup):
         if not standalone_mode:
             return super().main(args, prog_name, complete_var, standalone_mode=False, **extra)
         try:
-            rv = super().main(args, prog_name, complete_var, standalone_mode=False, **extra)
+            # SIGTERM / SIGHUP unwind like Ctrl-C, so no command leaves a temporary file behind
+            with signals_unwind():
+                rv = super().main(args, prog_name, complete_var, standalone_mode=False, **extra)
         except ClickException as e:
             ctx = getattr(e, "ctx", None)
             hint = f" (see '{ctx.command_path} --help')" if ctx is not None else ""
@@ -247,7 +252,12 @@ def generate(
     numerics: NumericsOption = "ds4",
     split_next: SplitNextOption = None,
     layers: LayersOption = None,
+    auth_token_file: AuthTokenFileOption = None,
     auth_token: AuthTokenOption = None,
+    io_timeout: IoTimeoutOption = 120.0,
+    tls_cert: TlsCertOption = None,
+    tls_key: TlsKeyOption = None,
+    tls_ca: TlsCaOption = None,
 ) -> None:
     """Generate a reply to one prompt, streaming the text to stdout (stats go to stderr).
 
@@ -267,7 +277,9 @@ def generate(
 
     if split_next:
         eng = open_split_engine(model, backend, numerics, split_next, layers, ctx=ctx,
-                                sampling=params, auth_token=auth_token, announce=False)
+                                sampling=params, auth_token=auth_token,
+                                auth_token_file=auth_token_file, io_timeout=io_timeout,
+                                tls_files=(tls_cert, tls_key, tls_ca), announce=False)
     elif layers:
         with library_errors():
             raise CLIError("--layers is only used with --split-next")
@@ -284,7 +296,6 @@ def generate(
 
 def _generate(eng, prompt, n, params, rng, seed, nothink, system, ctx, backend_note=None) -> None:
     from ds4.core.chat import encode_prompt
-    from ds4.pipeline import next_token
 
     tok = eng.tokenizer
     with library_errors():

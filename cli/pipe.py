@@ -5,8 +5,8 @@
     ds4 generate -m model.gguf --split-next host:9000 --layers 0:1 -p "..."
 
 cli/main.py registers the worker with `register(app)`; `generate` opens its engine with
-`open_split_engine(...)` when --split-next is given and draws every token with
-`ds4.pipeline.next_token(session, params, rng)` (works for split and unsplit sessions).
+`open_split_engine(...)` when --split-next is given and draws every token with the session's
+`sample(n, params, rng, stop)` (the same loop, and the same tokens, for split and unsplit).
 `python -m cli.pipe pipe-worker ...` runs the same command without cli/main.py.
 """
 
@@ -22,6 +22,9 @@ import typer
 
 from .common import CLIError, choose_backend, library_errors, resolve_model
 from .options import BackendOption, CtxOption, ModelOption, NumericsOption, check_range
+from .wire_options import (AuthTokenFileOption, AuthTokenOption, IoTimeoutOption, TlsCaOption,
+                           TlsCertOption, TlsKeyOption, client_tls, server_tls, warn_exposed,
+                           wire_token)
 
 # ---- options generate can reuse ------------------------------------------------------------------
 
@@ -34,39 +37,41 @@ LayersOption = Annotated[Optional[str], typer.Option(
     "--layers", metavar="0:A", show_default=False,
     help="With --split-next: the layers this head runs (it owns the embedding, so 0:A).")]
 
-AuthTokenOption = Annotated[Optional[str], typer.Option(
-    "--auth-token", metavar="TOKEN", envvar="DS4_WIRE_TOKEN", show_default=False,
-    help="Shared secret proven in the qkp hello (HMAC over a nonce); also read from "
-         "DS4_WIRE_TOKEN.")]
-
-IoTimeoutOption = Annotated[float, typer.Option(
-    "--io-timeout", metavar="SECONDS", callback=check_range(0.0, lo_open=True),
-    help="Longest wait for any read from a peer (a frame's bytes, a reply).")]
+MaxConnsOption = Annotated[int, typer.Option(
+    "--max-conns", metavar="N", callback=check_range(1, 1 << 16),
+    help="Most client connections open at once; more are closed as soon as they connect.")]
 
 
 def open_split_engine(model: Path | None, backend: str, numerics: str, split_next: str,
                       layers: str | None, *, ctx: int | None = None, slots: int = 1,
                       snapshots: int = 0, sampling=None, auth_token: str | None = None,
-                      io_timeout: float = 120.0, connect: bool = True, announce: bool = True):
+                      auth_token_file: Path | None = None, io_timeout: float = 120.0,
+                      tls_files: tuple = (None, None, None), connect: bool = True,
+                      announce: bool = True):
     """The head of a pipeline split, for `generate --split-next HOST:PORT --layers 0:A`.
 
     Returns a `ds4.pipeline.SplitEngine` (`.session(ctx)`, `.tokenizer`, `.config`, `.close()`);
-    its sessions have `sync`, `eval`, `tokens` and `next_token(params, rng)`. `sampling` (the
-    command's SamplingParams) decides how many candidates the last stage returns, so pass the
-    parameters `next_token` will be called with. `connect` checks the chain now, so a refused
+    its sessions have `sync`, `eval`, `tokens`, `sample(n, params, rng, stop)` and
+    `next_token(params, rng)`. `sampling` (the command's SamplingParams) decides what the last
+    stage returns after the prompt (its argmax, top-k candidates or the logits row), so pass the
+    parameters the session will sample with. `connect` checks the chain now, so a refused
     hello is an error before the prompt is prefilled. Failures end the command with one
-    `error:` line (exit code 1), like every other library error.
+    `error:` line (exit code 1), like every other library error. The token comes from
+    `auth_token_file`, else `auth_token` (which warns), else DS4_WIRE_TOKEN; `tls_files` is
+    (--tls-cert, --tls-key, --tls-ca).
     """
     from ds4.pipeline import SplitEngine
 
     with library_errors():
         if not layers:
             raise CLIError("--split-next needs --layers 0:A (the layers this head runs)")
+        token = wire_token(auth_token, auth_token_file)
+        tls = client_tls(*tls_files)
         path = resolve_model(model)
         backend = choose_backend(backend, announce)
         eng = SplitEngine.open(path, split_next, layers, backend=backend, numerics=numerics,
                                slots=slots, snapshots=snapshots, sampling=sampling,
-                               auth_token=auth_token, ctx=ctx, io_timeout=io_timeout)
+                               auth_token=token or "", ctx=ctx, io_timeout=io_timeout, tls=tls)
         if connect:
             eng.connect()
         return eng
@@ -88,7 +93,8 @@ def pipe_worker(
     numerics: NumericsOption = "ds4",
     slots: Annotated[int, typer.Option(
         "--slots", metavar="N", callback=check_range(1, 4096),
-        help="Sequences this stage holds at once (must cover the head's).")] = 1,
+        help="Sequences this stage holds at once, in total over every head connected to it "
+             "(each session takes one; a head beyond that is refused, not queued).")] = 1,
     ctx: CtxOption = 4096,
     snapshots: Annotated[int, typer.Option(
         "--snapshots", metavar="N", callback=check_range(0, 1 << 16),
@@ -98,6 +104,7 @@ def pipe_worker(
         help="Most token rows in one frame (prefill chunk); at most --ctx.")] = 512,
     host: Annotated[str, typer.Option(
         "--host", help="Address to bind; 0.0.0.0 serves other machines.")] = "127.0.0.1",
+    auth_token_file: AuthTokenFileOption = None,
     auth_token: AuthTokenOption = None,
     next_stage: Annotated[Optional[str], typer.Option(
         "--next", metavar="HOST:PORT", show_default=False,
@@ -106,20 +113,30 @@ def pipe_worker(
     idle_timeout: Annotated[float, typer.Option(
         "--idle-timeout", metavar="SECONDS", callback=check_range(0.0, lo_open=True),
         help="Close a client connection that sends no frame for this long.")] = 3600.0,
+    max_conns: MaxConnsOption = 64,
+    tls_cert: TlsCertOption = None,
+    tls_key: TlsKeyOption = None,
+    tls_ca: TlsCaOption = None,
     verbose: Annotated[bool, typer.Option("--verbose", "-v", help="Log every connection.")] = False,
 ) -> None:
-    """Serve layers A:B of a model as one pipeline stage (qkp4, wire.md §1)."""
+    """Serve layers A:B of a model as one pipeline stage (qkp5: wire.md §1 and ds4/wire/qkp.py)."""
     from ds4.pipeline import serve
 
     logging.basicConfig(stream=sys.stderr, level=logging.INFO if verbose else logging.WARNING,
                         format="pipe-worker: %(message)s")
     with library_errors():
+        token = wire_token(auth_token, auth_token_file)
+        warn_exposed(host, token)
+        # --tls-* secure both this stage's listener and its link to --next (same CA)
+        tls_server = server_tls(tls_cert, tls_key, tls_ca)
+        tls_client = client_tls(tls_cert, tls_key, tls_ca) if next_stage and tls_server else None
         path = resolve_model(model)
         backend = choose_backend(backend)
         worker = serve(path, layers, port=port, backend=backend, numerics=numerics, slots=slots,
                        ctx=ctx, snapshots=snapshots, max_rows=min(max_rows, ctx), host=host,
-                       auth_token=auth_token, next_addr=next_stage, io_timeout=io_timeout,
-                       idle_timeout=idle_timeout)
+                       auth_token=token, next_addr=next_stage, io_timeout=io_timeout,
+                       idle_timeout=idle_timeout, max_conns=max_conns, tls_server=tls_server,
+                       tls_client=tls_client)
     st = worker.stage
     h = st.hello
     role = "last stage" if st.last else f"next {next_stage}"

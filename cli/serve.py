@@ -24,7 +24,8 @@ from ds4.serve import DEFAULT_MAX_BODY
 
 from .common import CLIError, err, library_errors, open_engine
 from .options import BackendOption, CtxOption, ModelOption, NumericsOption, check_range
-from .pipe import AuthTokenOption, LayersOption, SplitNextOption, open_split_engine
+from .pipe import LayersOption, SplitNextOption, open_split_engine
+from .wire_options import AuthTokenFileOption, AuthTokenOption
 
 API_KEY_ENV = "DS4_API_KEY"
 DEFAULT_PORT = 8000
@@ -117,6 +118,7 @@ def serve(
     split_next: SplitNextOption = None,
     layers: LayersOption = None,
     auth_token: AuthTokenOption = None,
+    auth_token_file: AuthTokenFileOption = None,
     verbose: Annotated[bool, typer.Option("--verbose", "-v", help="Log every request.")] = False,
 ) -> None:
     """Serve the model over HTTP: the OpenAI API (/v1/chat/completions, /v1/completions,
@@ -139,7 +141,7 @@ def serve(
         sock = bind(host, port)
         if split_next:
             eng = open_split_engine(model, backend, numerics, split_next, layers, ctx=ctx,
-                                    auth_token=auth_token)
+                                    auth_token=auth_token, auth_token_file=auth_token_file)
         elif layers:
             raise CLIError("--layers is only used with --split-next")
         else:

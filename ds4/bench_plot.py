@@ -309,7 +309,9 @@ def plot_bench(groups: list[list], path=None, title: str | None = None) -> bytes
         title = f"ds4 bench: {next(iter(models))}"
     data = render_chart(panels, title=title)
     if path is not None:
-        with open(path, "wb") as f:
+        from .core.atomic import atomic_file
+
+        with atomic_file(path, private=False) as f:
             f.write(data)
     return data
 

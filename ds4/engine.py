@@ -270,12 +270,14 @@ class Session:
         if pos != len(self._tokens):
             self.sync(self._tokens[:pos])
 
-    def save_payload(self, dest, version: int = 2) -> int:
+    def save_payload(self, dest, version: int = 2, identity: bool = True) -> int:
         """Write the DSV4 session payload (spec §4.1) to a binary stream, or atomically to a
-        path; returns its size in bytes."""
+        path; returns its size in bytes. `identity`: end it with the model's fingerprint and a
+        SHA-256 of the body (ds4/core/payload_identity.py), which loading checks; False writes the bare
+        body that upstream ds4 reads."""
         from .core.payload import save_session
 
-        return save_session(self, dest, version)
+        return save_session(self, dest, version, identity)
 
     def load_payload(self, src, nbytes: int | None = None) -> None:
         """Restore the session from a DSV4 payload (bytes, a path or a binary stream; `nbytes`:

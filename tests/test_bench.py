@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import csv
 import io
+import os
 import struct
 import zlib
 from pathlib import Path
@@ -374,3 +375,38 @@ def test_cli_rejects_bad_walks(model_path):
     assert r.exit_code == 1 and "context_length" in r.output
     r = run("-m", model_path, "--compare", "reference,reference", "--backend", "reference")
     assert r.exit_code == 1 and "not both" in r.output
+
+
+# ---- --csv: validate first, append unless --overwrite ------------------------------------------
+
+def test_cli_csv_is_left_alone_when_the_run_cannot_start(model_path, tmp_path):
+    out_csv = tmp_path / "keep.csv"
+    out_csv.write_text("backend,device\nold,row\n")
+    broken = tmp_path / "broken.gguf"
+    broken.write_bytes(model_path.read_bytes()[:1000])
+    r = run("-m", broken, *SMALL, "--csv", out_csv, "--overwrite")
+    assert r.exit_code == 1 and "broken.gguf" in r.stderr, r.output
+    r = run("-m", model_path, *SMALL[:2], "--ctx-max", "100000", "--csv", out_csv, "--overwrite")
+    assert r.exit_code == 1 and "context_length" in r.stderr, r.output
+    # not a ds4 bench CSV: refused without --overwrite
+    r = run("-m", model_path, *SMALL, "--csv", out_csv)
+    assert r.exit_code == 1 and "not a ds4 bench CSV" in r.stderr and "--overwrite" in r.stderr
+    assert out_csv.read_text() == "backend,device\nold,row\n"
+    r = run("-m", model_path, *SMALL, "--csv", tmp_path / "no" / "dir.csv")
+    assert r.exit_code == 1 and "directory does not exist" in r.stderr
+    r = run("-m", model_path, *SMALL, "--overwrite")
+    assert r.exit_code == 1 and "give --csv" in r.stderr
+    assert sorted(os.listdir(tmp_path)) == ["broken.gguf", "keep.csv"]  # no .part left
+
+
+def test_cli_csv_appends_unless_overwrite(model_path, tmp_path):
+    out_csv = tmp_path / "runs.csv"
+    assert run("-m", model_path, *SMALL, "--csv", out_csv).exit_code == 0
+    assert run("-m", model_path, *SMALL, "--csv", out_csv).exit_code == 0
+    text = out_csv.read_text()
+    assert text.count("backend,") == 1  # one header
+    assert [x.frontier for x in bench.read_csv(out_csv)] == [16, 32, 64, 16, 32, 64]
+    r = run("-m", model_path, *SMALL, "--csv", out_csv, "--overwrite")
+    assert r.exit_code == 0, r.output
+    assert [x.frontier for x in bench.read_csv(out_csv)] == [16, 32, 64]
+    assert os.listdir(tmp_path) == ["runs.csv"]

@@ -62,7 +62,7 @@ class Landing(threading.Thread):
 
     def run(self):
         try:
-            self.result = self.receiver.receive(self.out, accept_timeout=T_OUT)
+            self.result = self.receiver.receive(self.out, accept_timeout=T_OUT, max_failures=1)
         except BaseException as e:  # noqa: BLE001 - handed to the test
             self.result = e
 
@@ -127,17 +127,74 @@ def test_auth_token(eng, payload, tmp_path):
     r = receiver(eng, auth_token="s3cret")
     land = Landing(r, tmp_path / "s.dsv4")
     land.start()
-    with pytest.raises(DS4KError, match="wrong auth token") as e:
+    with pytest.raises(DS4KError, match="did not prove the auth token") as e:  # it checks first
         send_payload(payload, "127.0.0.1", r.port, fingerprint=eng.model.fingerprint,
                      auth_token="guess", timeout=T_OUT)
     assert e.value.status == ds4k.AUTH_FAILED
-    assert_rejected(land, ds4k.AUTH_FAILED, ["wrong auth token"], tmp_path)
+    assert_rejected(land, ds4k.INCOMPLETE, ["auth proof"], tmp_path)
 
     r = receiver(eng, auth_token="s3cret")
     land = Landing(r, tmp_path / "s.dsv4")
     land.start()
     with pytest.raises(DS4KError, match="requires an auth token"):
         send_payload(payload, "127.0.0.1", r.port, fingerprint=eng.model.fingerprint, timeout=T_OUT)
+    # it closed after the hello without a record: a failed connection, not a probe
+    assert_rejected(land, ds4k.INCOMPLETE, ["closed"], tmp_path)
+
+
+def _hmac(key: bytes, msg: bytes) -> bytes:
+    import hashlib
+    import hmac
+
+    return hmac.new(key, msg, hashlib.sha256).digest()
+
+
+def test_a_probe_proves_the_token_and_the_receiver_waits(eng, payload, tmp_path):
+    """A probe (steps 1-5 with manifest_bytes 0) gets the same mutual proof as a transfer and a
+    status 0 verdict; it is no failure, and the receiver still takes the next sender's payload."""
+    r = receiver(eng, auth_token="s3cret")
+    land = Landing(r, tmp_path / "s.dsv4")  # max_failures=1: a probe counted as one would end it
+    land.start()
+    # by hand, from the layout in ds4k.py and auth.py
+    with socket.create_connection(("127.0.0.1", r.port), timeout=T_OUT) as c:
+        hello = ds4k._recv_exact(c, 48, "hello")
+        assert struct.unpack_from("<4I", hello) == (0x4B345344, 2, 1, 0)
+        sn, cn = hello[16:], bytes(range(7, 39))
+        c.sendall(struct.pack("<4I", 0x4B345344, 2, 1, 0) + cn)
+        verdict = ds4k._recv_exact(c, 8 + 32, "verdict")
+        assert verdict == struct.pack("<2I", 0, 0) + _hmac(b"s3cret", b"ds4 wire auth v2 server\0DS4K" + cn + sn)
+        c.sendall(_hmac(b"s3cret", b"ds4 wire auth v2 client\0DS4K" + cn + sn))
+        assert ds4k._recv_exact(c, 8, "probe verdict") == struct.pack("<2I", 0, 0)
+        assert c.recv(1) == b""  # and it closes
+    ds4k.probe_receiver("127.0.0.1", r.port, auth_token="s3cret", timeout=T_OUT)
+    assert r.failures == [] and land.is_alive()
+    send_payload(payload, "127.0.0.1", r.port, fingerprint=eng.model.fingerprint,
+                 auth_token="s3cret", timeout=T_OUT)
+    assert not isinstance(land.finish(), Exception)
+    assert (tmp_path / "s.dsv4").read_bytes() == payload and r.failures == []
+    os.unlink(tmp_path / "s.dsv4")
+
+    # a probe with the wrong token is stopped by the receiver's proof, before it proves anything
+    r = receiver(eng, auth_token="s3cret")
+    land = Landing(r, tmp_path / "s.dsv4")
+    land.start()
+    with pytest.raises(DS4KError, match="did not prove the auth token") as e:
+        ds4k.probe_receiver("127.0.0.1", r.port, auth_token="guess", timeout=T_OUT)
+    assert e.value.status == ds4k.AUTH_FAILED
+    assert_rejected(land, ds4k.INCOMPLETE, ["auth proof"], tmp_path)
+    # a probe without a token against a receiver that wants one, and with one against one that
+    # cannot prove it
+    r = receiver(eng, auth_token="s3cret")
+    land = Landing(r, tmp_path / "s.dsv4")
+    land.start()
+    with pytest.raises(DS4KError, match="requires an auth token"):
+        ds4k.probe_receiver("127.0.0.1", r.port, timeout=T_OUT)
+    assert_rejected(land, ds4k.INCOMPLETE, ["closed"], tmp_path)
+    r = receiver(eng)
+    land = Landing(r, tmp_path / "s.dsv4")
+    land.start()
+    with pytest.raises(DS4KError, match="does not prove the auth token"):
+        ds4k.probe_receiver("127.0.0.1", r.port, auth_token="s3cret", timeout=T_OUT)
     assert_rejected(land, ds4k.INCOMPLETE, ["closed"], tmp_path)
 
 
@@ -260,19 +317,27 @@ def test_an_over_limit_payload_is_refused_before_it_is_sent(eng, payload, tmp_pa
 
 
 def _raw_client(port: int, record: bytes) -> tuple[int, str]:
+    """Send `record` after the hello; the first refusal (or the last OK) the receiver answers."""
     with socket.create_connection(("127.0.0.1", port), timeout=T_OUT) as c:
         hello = ds4k._recv_exact(c, ds4k.HELLO.size, "hello")
         assert struct.unpack_from("<I", hello)[0] == ds4k.MAGIC
         c.sendall(record)
-        return ds4k._read_reply(c, "reply")
+        status, reason = ds4k._read_reply(c, "reply")  # the verdict on the record header
+        if status == ds4k.OK:
+            status, reason = ds4k._read_reply(c, "reply")  # the verdict on the manifest
+        return status, reason
 
 
 @pytest.mark.parametrize("record, status, words", [
-    (struct.pack("<4I", 0xDEADBEEF, 1, 0, 2) + b"{}", ds4k.BAD_RECORD, ["record magic"]),
+    (struct.pack("<4I", 0xDEADBEEF, 2, 0, 2) + b"{}", ds4k.BAD_RECORD, ["record magic"]),
     (struct.pack("<4I", ds4k.MAGIC, 9, 0, 2) + b"{}", ds4k.BAD_RECORD, ["record version"]),
-    (struct.pack("<4I", ds4k.MAGIC, 1, 0, 1 << 20), ds4k.BAD_RECORD, ["manifest_bytes", "limit"]),
-    (struct.pack("<4I", ds4k.MAGIC, 1, 0, 3) + b"{x]", ds4k.BAD_RECORD, ["JSON"]),
-    (struct.pack("<4I", ds4k.MAGIC, 1, 0, 2) + b"{}", ds4k.BAD_RECORD, ["payload_bytes"]),
+    (struct.pack("<4I", ds4k.MAGIC, 2, 0, 1 << 20), ds4k.BAD_RECORD, ["manifest_bytes", "limit"]),
+    (struct.pack("<4I", ds4k.MAGIC, 2, 0, 3) + b"{x]", ds4k.BAD_RECORD, ["JSON"]),
+    (struct.pack("<4I", ds4k.MAGIC, 2, 0, 2) + b"{}", ds4k.BAD_RECORD, ["payload_bytes"]),
+    (struct.pack("<4I", ds4k.MAGIC, 2, 0, 4000) + b"[" * 4000, ds4k.BAD_RECORD,
+     ["nested 4000 deep", "flat JSON object"]),
+    (struct.pack("<4I", ds4k.MAGIC, 2, 1, 2) + bytes(32) + b"{}", ds4k.AUTH_FAILED,
+     ["has no auth token"]),
 ])
 def test_malformed_records_are_rejected(eng, tmp_path, record, status, words):
     r = receiver(eng)
@@ -386,7 +451,7 @@ def test_cli_kv_send_and_kv_recv(cli, eng, model_path, payload, tmp_path):
     # A refused transfer: both ends exit 1 with the reason, and nothing lands.
     os.unlink(dest / "r.dsv4")
     p, port = spawn(tmp_path, "kv-recv", 0, "--out", dest / "r.dsv4", "-m", model_path,
-                    "--max-kv-bytes", "1K")
+                    "--max-kv-bytes", "1K", "--wait", 3)
     r = cli("kv-send", src, f"127.0.0.1:{port}", "-m", model_path)
     rc, out, err = finish(p)
     assert r.exit_code == 1 and rc == 1
@@ -397,7 +462,7 @@ def test_cli_kv_send_and_kv_recv(cli, eng, model_path, payload, tmp_path):
 
 def test_cli_kv_send_checks_the_file_first(cli, model_path, payload, tmp_path):
     bad = tmp_path / "bad.dsv4"
-    bad.write_bytes(payload[:-4])
+    bad.write_bytes(payload[:-200])  # the identity trailer and the end of the body are gone
     r = cli("kv-send", bad, "127.0.0.1:9", "-m", model_path)
     assert r.exit_code == 1 and "missing payload bytes" in r.stderr
     r = cli("kv-send", tmp_path / "none.dsv4", "127.0.0.1:9", "-m", model_path)

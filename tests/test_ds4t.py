@@ -597,3 +597,170 @@ def test_handshake_fingerprint_mismatch_and_silence(pair):
         with pytest.raises(ds4t.DS4TClosed):
             ds4t.handshake(c, mine, timeout=0.2)
         assert time.monotonic() - t0 < 0.2 + SLACK
+
+
+# ---- the shared mutual proof (ds4.wire.auth) on DS4T ----------------------------------------------
+
+TOKEN = "s3cret"
+
+
+def _hmac(key: str, msg: bytes) -> bytes:
+    import hashlib
+    import hmac
+
+    return hmac.new(key.encode(), msg, hashlib.sha256).digest()
+
+
+# the proofs' layout from auth.py's docstring; the protocol name is the hello magic as it travels
+PROTOCOL = HELLO_BYTES[:4]
+
+
+def server_proof(key: str, cn: bytes, sn: bytes) -> bytes:
+    return _hmac(key, b"ds4 wire auth v2 server\0" + PROTOCOL + cn + sn)
+
+
+def client_proof(key: str, cn: bytes, sn: bytes) -> bytes:
+    return _hmac(key, b"ds4 wire auth v2 client\0" + PROTOCOL + cn + sn)
+
+
+def _leader(sock, token=TOKEN, hello=LEADER):
+    """A real leader: the handshake, then a STOP frame; closes the socket on any refusal."""
+    try:
+        auth = ds4t.mutual_auth(token, ds4t.Role.LEADER, 2.0) if hello.flags else None
+        theirs, ctx = ds4t.handshake(sock, hello, timeout=2.0, authenticate=auth)
+        ds4t.ControlChannel(sock, LIMITS, ds4t.Role.WORKER, io_timeout=2.0).send(ds4t.Stop())
+        return theirs, ctx
+    except Exception:
+        sock.close()
+        raise
+
+
+def _worker(sock, token=TOKEN, hello=WORKER):
+    """A real worker: the handshake, then it reads a frame and acks; closes on any refusal."""
+    try:
+        auth = ds4t.mutual_auth(token, ds4t.Role.WORKER, 2.0) if hello.flags else None
+        theirs, ctx = ds4t.handshake(sock, hello, timeout=2.0, authenticate=auth)
+        ch = ds4t.ControlChannel(sock, LIMITS, ds4t.Role.LEADER, io_timeout=2.0)
+        frame = ch.recv(idle_timeout=2.0)
+        ch.send(ds4t.CommandAck(0, ds4t.AckStatus.OK))
+        return theirs, ctx, frame
+    except Exception:
+        sock.close()
+        raise
+
+
+def _read_all(sock, timeout: float = 5.0) -> bytes:
+    sock.settimeout(timeout)
+    got = b""
+    while data := sock.recv(1 << 16):
+        got += data
+    return got
+
+
+def test_mutual_auth_with_the_same_token(pair):
+    a, b = _both(lambda: _leader(pair[0]), lambda: _worker(pair[1]))
+    assert a == (WORKER, 128) and b == (LEADER, 128, ds4t.Stop())
+    # and the connection is in step after the proofs: the worker's ack is the next thing
+    ack = ds4t.ControlChannel(pair[0], LIMITS, ds4t.Role.WORKER, io_timeout=2.0).recv(2.0)
+    assert ack == ds4t.CommandAck(0, ds4t.AckStatus.OK)
+
+
+def test_mutual_auth_bytes_follow_the_layout(pair):
+    """A hand-written worker that knows the token, with proofs computed from the layout."""
+    out = {}
+    t = threading.Thread(target=lambda: out.update(r=_catch(lambda: _leader(pair[0]))))
+    t.start()
+    w = pair[1]
+    w.settimeout(5.0)
+    w.sendall(WORKER.pack())
+    assert ds4t.recv_exact(w, 72, 5.0, "hello") == HELLO_BYTES
+    cn = bytes(range(40, 72))
+    w.sendall(cn)
+    sn_proof = bytes(ds4t.recv_exact(w, 64, 5.0, "nonce and proof"))
+    sn = sn_proof[:32]
+    assert sn_proof[32:] == server_proof(TOKEN, cn, sn)
+    w.sendall(client_proof(TOKEN, cn, sn))
+    assert ds4t.recv_exact(w, 12, 5.0, "STOP") == FRAMES[4][2]  # the first frame, nothing before
+    t.join(5)
+    assert out["r"] == (WORKER, 128)
+
+
+def test_a_worker_without_the_token_gets_nothing_past_the_hello(pair):
+    # an attacker's worker that sends a proof whatever the leader proved: it gets the leader's
+    # nonce and proof (over its own nonce: nothing to replay), then the leader refuses it
+    out = {}
+    t = threading.Thread(target=lambda: out.update(r=_catch(lambda: _leader(pair[0]))))
+    t.start()
+    w = pair[1]
+    w.sendall(WORKER.pack())
+    cn = bytes(32)
+    w.sendall(cn)
+    got = bytes(ds4t.recv_exact(w, 72 + 64, 5.0, "hello, nonce and proof"))
+    assert got[:72] == HELLO_BYTES
+    w.sendall(client_proof("guess", cn, got[72:104]))
+    assert _read_all(w) == b""  # closed: no frame, no gate record
+    t.join(5)
+    e = out["r"]
+    assert isinstance(e, ds4t.DS4TError) and e.field == "auth" and "did not prove" in str(e)
+
+
+def test_honest_ends_with_different_tokens_refuse_each_other():
+    a, b = socket.socketpair()
+    with a, b:
+        la, wb = _both(lambda: _leader(a), lambda: _worker(b, token="guess"))
+    # the worker stops at the leader's proof and sends no proof of its own; the leader, waiting
+    # for it, sees the worker close
+    assert isinstance(wb, ds4t.DS4TError) and wb.field == "auth" and "leader did not prove" in str(wb)
+    assert isinstance(la, ds4t.DS4TClosed) and la.field == "eof"
+    # a worker with no token at all: refused on the hello's flags by both, no proof exchanged
+    a, b = socket.socketpair()
+    with a, b:
+        la, wb = _both(lambda: _leader(a), lambda: _worker(b, hello=dataclasses.replace(WORKER, flags=0)))
+    assert isinstance(la, ds4t.HelloRefused) and la.field == wb.field == "flags"
+
+
+def test_an_impostor_leader_gets_no_frames_from_the_worker(pair):
+    """A listener that does not know the token: it answers the worker's nonce with a made-up
+    proof and records what the worker sends."""
+    out = {}
+    t = threading.Thread(target=lambda: out.update(r=_catch(lambda: _worker(pair[1]))))
+    t.start()
+    imp = pair[0]
+    imp.sendall(LEADER.pack())
+    worker_hello = bytes(ds4t.recv_exact(imp, 72, 5.0, "hello"))
+    cn = bytes(ds4t.recv_exact(imp, 32, 5.0, "nonce"))
+    sn = bytes(range(32))
+    imp.sendall(sn + server_proof("guess", cn, sn))
+    rest = _read_all(imp)
+    t.join(5)
+    assert worker_hello == WORKER.pack() and rest == b""  # no proof, no ack, no frame
+    e = out["r"]
+    assert isinstance(e, ds4t.DS4TError) and e.field == "auth" and "leader did not prove" in str(e)
+    # nor can it reflect the worker's own nonce back: the labels differ by direction
+    a, b = socket.socketpair()
+    with a, b:
+        t = threading.Thread(target=lambda: out.update(r=_catch(lambda: _worker(b))))
+        t.start()
+        a.sendall(LEADER.pack())
+        ds4t.recv_exact(a, 72, 5.0, "hello")
+        cn = bytes(ds4t.recv_exact(a, 32, 5.0, "nonce"))
+        a.sendall(cn + client_proof("guess", cn, cn))
+        assert _read_all(a) == b""
+        t.join(5)
+    assert isinstance(out["r"], ds4t.DS4TError) and out["r"].field == "auth"
+
+
+def test_mutual_auth_refuses_an_empty_token_and_a_silent_peer(pair):
+    with pytest.raises(ValueError, match="non-empty"):
+        ds4t.mutual_auth("", ds4t.Role.LEADER, 1.0)
+    t0 = time.monotonic()
+    with pytest.raises(ds4t.DS4TClosed) as e:  # the worker sent its hello, then nothing
+        ds4t.mutual_auth(TOKEN, ds4t.Role.LEADER, 0.2)(pair[0])
+    assert e.value.field == "timeout" and time.monotonic() - t0 < 0.2 + SLACK
+
+
+def _catch(f):
+    try:
+        return f()
+    except Exception as e:  # noqa: BLE001 - the test inspects it
+        return e

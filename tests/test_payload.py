@@ -57,9 +57,10 @@ def prefilled(eng, tokens, ctx=64, prefill_cap=None):
     return s
 
 
-def payload_of(s, version=2) -> bytes:
+def payload_of(s, version=2, identity=False) -> bytes:
+    """The bare body (ds4's bytes) by default; identity=True: as files are written."""
     f = io.BytesIO()
-    n = s.save_payload(f, version=version)
+    n = s.save_payload(f, version=version, identity=identity)
     assert n == len(f.getvalue())
     return f.getvalue()
 
@@ -361,7 +362,7 @@ def test_files_are_written_atomically(ref, tmp_path, monkeypatch):
     assert path.read_bytes() == b"old" and os.listdir(tmp_path) == ["s.dsv4"]
     monkeypatch.setattr(ref.backend, "state_to_numpy", real)
     assert s.save_payload(str(path)) == path.stat().st_size
-    assert path.read_bytes() == payload_of(s) and os.listdir(tmp_path) == ["s.dsv4"]
+    assert path.read_bytes() == payload_of(s, identity=True) and os.listdir(tmp_path) == ["s.dsv4"]
 
 
 # ---- CLI: ds4 prefill / ds4 decode --------------------------------------------------------------
@@ -387,7 +388,7 @@ def test_cli_prefill_then_decode_matches_a_greedy_loop(cli, ref, model_path, tmp
     kv = tmp_path / "p.dsv4"
     r = cli("prefill", "-m", model_path, "-p", prompt, "--save-kv", kv)
     assert r.exit_code == 0, r.output
-    assert kv.read_bytes() == payload_of(prefilled(ref, ids, ctx=4096))
+    assert kv.read_bytes() == payload_of(prefilled(ref, ids, ctx=4096), identity=True)
     assert "saved" in r.stdout and f"prompt: {len(ids)} tokens" in r.stderr
     r = cli("decode", "-m", model_path, "--load-kv", kv, "-n", 10, "--temp", 0)
     assert r.exit_code == 0, r.output

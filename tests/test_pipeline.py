@@ -27,7 +27,7 @@ from typer.testing import CliRunner
 import ds4
 from ds4.core.sampling import GREEDY, Rng, SamplingParams
 from ds4.core.tiny import make_tiny
-from ds4.pipeline import PipelineError, PipelineRefused, SplitEngine, next_token
+from ds4.pipeline import PipelineError, PipelineRefused, SplitEngine, next_token, topk_for
 from ds4.wire import qkp
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -111,7 +111,10 @@ def workers(model_path, logs):
     common = ("--max-rows", "6", "--io-timeout", "20")
     last35 = WorkerProc(model_path, "3:5", "--slots", "2", "--snapshots", "2", *common, log_dir=logs)
     last25 = WorkerProc(model_path, "2:5", "--ctx", "256", *common, log_dir=logs)
-    last45 = WorkerProc(model_path, "4:5", "--auth-token", TOKEN, *common, log_dir=logs)
+    token_file = logs / "token"
+    token_file.write_text(TOKEN + "\n")
+    token_file.chmod(0o600)
+    last45 = WorkerProc(model_path, "4:5", "--auth-token-file", str(token_file), *common, log_dir=logs)
     procs = [last35, last25, last45]
     try:
         start_all(*procs)
@@ -191,16 +194,53 @@ def test_sampling_on_the_head_reproduces_a_seed(model_path, workers, unsplit):
         split = generate(eng.session(ctx=CTX), PROMPT_A, 12, params, seed=5)
     assert split == generate(unsplit.session(ctx=CTX), PROMPT_A, 12, params, seed=5)
     assert split != generate(unsplit.session(ctx=CTX), PROMPT_A, 12, GREEDY)
-    wide = SamplingParams(temperature=1.0)  # top_k 0: the 256 best candidates
-    with head(model_path, workers["after"], 4, sampling=wide, auth_token=TOKEN) as eng:
+
+
+SAMPLERS = {
+    "default": SamplingParams(),  # T 1, min-p 0.05
+    "hot-min-p": SamplingParams(temperature=1.5),  # more than 256 tokens pass min-p
+    "top-p": SamplingParams(top_p=0.95, min_p=0.0),  # the nucleus is wider than 256
+    "top-k-40": SamplingParams(temperature=0.8, top_k=40),
+    "top-k-300": SamplingParams(top_k=300, min_p=0.0),
+}
+
+
+def _survivors(logits, params) -> int:
+    """Tokens with exp((l - l_max) / T) >= min_p: what the min-p path draws from."""
+    x = logits.astype(np.float64)
+    return int((np.exp((x - x.max()) / params.temperature) >= params.min_p).sum())
+
+
+@pytest.mark.parametrize("where,a", [("inside", 2), ("chain", 1)], ids=["2-stage", "3-stage"])
+def test_split_sampling_is_token_identical_to_unsplit(model_path, workers, unsplit, where, a):
+    """Every sampler, several seeds: SplitSession.sample yields what Session.sample yields,
+    and the rng ends in the same state."""
+    cold = unsplit.session(ctx=CTX)
+    cold.sync(PROMPT_A)
+    assert _survivors(cold.logits, SAMPLERS["hot-min-p"]) > qkp.TOPK_MAX  # the case exercised
+    with head(model_path, workers[where], a) as eng:
         s = eng.session(ctx=CTX)
-        runs = [generate(s, PROMPT_B, 10, wide, seed=11) for _ in range(2)]
-        assert runs[0] == runs[1]
-        assert len(s.candidates) == 256 and s.candidates[0][1] >= s.candidates[-1][1]
-        with pytest.raises(PipelineError, match="candidates"):
-            s.sampling = GREEDY
-            s.eval(3)
-            s.next_token(wide, Rng(1))
+        for name, params in SAMPLERS.items():
+            for seed in ((1, 2) if where == "inside" else (3,)):
+                want_rng, got_rng = Rng(seed), Rng(seed)
+                ref = unsplit.session(ctx=CTX)
+                ref.sync(PROMPT_A)
+                want = list(ref.sample(N_GEN, params, want_rng))
+                s.sampling = params
+                s.sync(PROMPT_A)
+                got = list(s.sample(N_GEN, params, got_rng))
+                assert got == want, (name, seed)
+                assert got_rng.state == want_rng.state and s.tokens == ref.tokens
+                if topk_for(params) == qkp.TOPK_LOGITS:
+                    assert np.array_equal(s.logits, ref.logits)
+        # a session synced greedily and then sampled replays once, and stays exact
+        s.sampling = GREEDY
+        s.sync(PROMPT_B)
+        ref = unsplit.session(ctx=CTX)
+        ref.sync(PROMPT_B)
+        params = SAMPLERS["top-p"]
+        assert list(s.sample(4, params, Rng(7))) == list(ref.sample(4, params, Rng(7)))
+        assert next_token(s, params, Rng(8)) == next_token(ref, params, Rng(8))
 
 
 def test_two_slots_interleaved_each_match_unsplit(model_path, workers, reference):
@@ -217,6 +257,126 @@ def test_two_slots_interleaved_each_match_unsplit(model_path, workers, reference
                 outs[name].append(t)
                 s.eval(t)
         assert outs == reference
+
+
+# ---- sessions belong to their connection ---------------------------------------------------------
+
+
+def _drain_closed(conn, limit=5.0) -> bytes:
+    """What the worker sends before it closes `conn`; fails if it answers nothing and stays open."""
+    got = b""
+    deadline = time.monotonic() + limit
+    while True:
+        try:
+            got += bytes(conn.recv_exact(1, timeout=max(0.01, deadline - time.monotonic())))
+        except qkp.QkpClosed as e:
+            assert e.field == "eof", "the worker neither answered nor closed the connection"
+            return got
+
+
+def test_rogue_connection_cannot_touch_another_session(model_path, workers, reference):
+    """A second connection writing the head's slot number at the head's position is closed
+    unanswered; opening a slot of its own on a full worker is refused; the head's text is the
+    unsplit text."""
+    w = workers["inside"]  # --slots 1
+    with head(model_path, w, 2) as eng:
+        s = eng.session(ctx=CTX)
+        s.sync(PROMPT_A)
+        out = []
+        for _ in range(3):
+            out.append(s.greedy)
+            s.eval(out[-1])
+        hello = eng.link.hello
+        rows = np.random.default_rng(9).standard_normal((1, hello.n_hc, hello.n_embd)).astype("<f4")
+        rogue = qkp.Conn.connect("127.0.0.1", w.port, 5.0)
+        assert qkp.client_handshake(rogue, None, exact=False) == hello
+        rogue.send(qkp.Header(qkp.EVAL, s.slot, 1, len(s.tokens), 0).pack(),
+                   np.array([5], "<u4"), rows)
+        assert _drain_closed(rogue) == b""
+        rogue.close()
+        rogue = qkp.Conn.connect("127.0.0.1", w.port, 5.0)
+        qkp.client_handshake(rogue, None, exact=False)
+        rogue.send(qkp.Header(qkp.OPEN, s.slot, 0, 0, 0).pack())
+        assert qkp.STATUS.unpack(bytes(rogue.recv_exact(4)))[0] == qkp.STATUS_NO_SLOT
+        rogue.close()
+        for _ in range(N_GEN - 3):
+            out.append(s.greedy)
+            s.eval(out[-1])
+        assert out == reference["A"]
+    assert "slot 0 is not open on this connection" in w.log.read_text()
+
+
+PROMPTS = {"A": PROMPT_A, "B": PROMPT_B,
+           "C": [int(x) for x in np.random.default_rng(9).integers(0, 512, 17)],
+           "D": [int(x) for x in np.random.default_rng(10).integers(0, 512, 9)]}
+
+
+def test_concurrent_heads_each_match_unsplit(model_path, logs, unsplit):
+    """Four heads (four connections, each with its own slot 0) generate at once on one worker
+    with --slots 4, each token-identical to unsplit; a fifth is refused, and gets a slot once
+    one head has finished."""
+    expected = {k: generate(unsplit.session(ctx=CTX), p) for k, p in PROMPTS.items()}
+    w = WorkerProc(model_path, "2:5", "--slots", "4", "--max-rows", "6", log_dir=logs).wait_ready()
+    engines = {k: head(model_path, w, 2) for k in PROMPTS}
+    got, errors = {}, []
+    start = threading.Barrier(len(PROMPTS))
+
+    def run(name):
+        try:
+            s = engines[name].session(ctx=CTX)
+            s.sync(PROMPTS[name][:1])  # every head holds its slot before any generates
+            start.wait(timeout=30)
+            got[name] = generate(s, PROMPTS[name])
+        except BaseException as e:  # noqa: BLE001 -- reported below
+            errors.append(e)
+            start.abort()
+
+    try:
+        threads = [threading.Thread(target=run, args=(k,)) for k in PROMPTS]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(timeout=120)
+        assert not errors, errors
+        assert got == expected
+        with head(model_path, w, 2) as fifth:
+            t0 = time.monotonic()
+            s = fifth.session(ctx=CTX)
+            with pytest.raises(PipelineRefused, match="no free slot"):
+                s.sync(PROMPT_A)
+            assert time.monotonic() - t0 < 5
+            engines.pop("A").close()  # its connection closes: its slot goes back
+            assert generate(s, PROMPT_A) == expected["A"]
+    finally:
+        for e in engines.values():
+            e.close()
+        w.kill()
+
+
+def test_a_chain_refuses_a_head_when_its_last_stage_is_full(model_path, reference):
+    """A head on a 3-stage chain whose last stage's one slot is held by a head connected to it
+    directly: refused, and the middle stage gives back the slot it had granted."""
+    from ds4.pipeline import Stage, Worker
+
+    def stage(a, b):
+        return Stage(ds4.Engine.open(model_path, layers=range(a, b)), slots=1, ctx=CTX, max_rows=6)
+
+    last = Worker(stage(3, 5), io_timeout=10.0).start()
+    mid = Worker(stage(1, 3), next_addr=("127.0.0.1", last.port), io_timeout=10.0).start()
+    try:
+        with SplitEngine.open(model_path, f"127.0.0.1:{last.port}", "0:3") as direct, \
+                SplitEngine.open(model_path, f"127.0.0.1:{mid.port}", "0:1") as chained:
+            s = direct.session(ctx=CTX)
+            s.sync(PROMPT_A)
+            t = chained.session(ctx=CTX)
+            with pytest.raises(PipelineRefused, match="no free slot"):
+                t.sync(PROMPT_A)
+            assert all(x.owner is None for x in mid.stage.slots)  # given back
+            s.close()  # FREE: the last stage's slot is free again
+            assert generate(t, PROMPT_A) == reference["A"]
+    finally:
+        mid.stop()
+        last.stop()
 
 
 def test_snapshot_restores_a_prefix_on_every_stage(model_path, workers, unsplit):
@@ -351,7 +511,7 @@ def test_hello_refusals(model_path, other_model, workers):
     cases = [
         (dict(model=other_model, worker=after, a=4, auth_token=TOKEN), "fingerprint"),
         (dict(model=model_path, worker=after, a=2, auth_token=TOKEN), "contiguous"),
-        (dict(model=model_path, worker=after, a=4, auth_token="wrong"), "refused the auth token"),
+        (dict(model=model_path, worker=after, a=4, auth_token="wrong"), "did not prove the auth token"),
         (dict(model=model_path, worker=after, a=4, auth_token=""), "require an auth token"),
         (dict(model=model_path, worker=inside, a=2, numerics="exact"), "numerics"),
         (dict(model=model_path, worker=inside, a=2, slots=2), "slots"),
@@ -452,16 +612,28 @@ def test_cli_generate_split_next_equals_unsplit(model_path, logs):
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
     base = [sys.executable, "-m", "cli.main", "generate", "-m", str(model_path), "-p", "hello",
             "-n", "6", "--temp", "0"]
+    # the default sampler (min-p 0.05) at T 1.5 draws from more than 256 tokens of this model
+    sampled = base[:-2] + ["-n", "12", "--temp", "1.5", "--seed", "5"]
+    split_args = ["--split-next", worker.addr, "--layers", "0:3"]
+    runs = {}
     try:
-        split = subprocess.run(base + ["--split-next", worker.addr, "--layers", "0:3"], cwd=ROOT,
-                               env=env, capture_output=True, text=True, timeout=120)
-        whole = subprocess.run(base, cwd=ROOT, env=env, capture_output=True, text=True, timeout=120)
+        for name, argv in (("greedy", base), ("sampled", sampled)):
+            runs[name] = [subprocess.run(argv + extra, cwd=ROOT, env=env, capture_output=True,
+                                         text=True, timeout=120)
+                          for extra in (split_args, [])]
+        with head(model_path, worker, 3) as holder:  # takes the worker's one slot (--slots 1)
+            holder.session(ctx=CTX).sync([1, 2, 3])
+            full = subprocess.run(base + split_args, cwd=ROOT, env=env, capture_output=True,
+                                  text=True, timeout=120)
     finally:
         worker.kill()
-    assert split.returncode == 0, split.stderr
-    assert whole.returncode == 0, whole.stderr
-    assert split.stdout == whole.stdout and len(whole.stdout.strip()) > 0
-    assert "generated: 6 tokens" in split.stderr
+    assert full.returncode == 1 and "error:" in full.stderr and "no free slot" in full.stderr
+    assert full.stdout == "" and "Traceback" not in full.stderr
+    for name, (split, whole) in runs.items():
+        assert split.returncode == 0, split.stderr
+        assert whole.returncode == 0, whole.stderr
+        assert split.stdout == whole.stdout and len(whole.stdout.strip()) > 0, name
+    assert "generated: 6 tokens" in runs["greedy"][0].stderr
     bad = subprocess.run(base + ["--layers", "0:3"], cwd=ROOT, env=env, capture_output=True,
                          text=True, timeout=60)
     assert bad.returncode == 1 and "--layers is only used with --split-next" in bad.stderr

@@ -1,4 +1,4 @@
-"""qkp4 records (wire.md §1): hello, frames, auth, limits; hostile input against a live worker.
+"""qkp5 records (wire.md §1): hello, frames, auth, limits; hostile input against a live worker.
 
 The property tests feed random headers and lengths to the frame reader through a recording fake
 (it must never ask for more bytes than the hello's limits allow, and nothing past the header of a
@@ -33,7 +33,7 @@ U32 = 0xFFFFFFFF
 
 def test_hello_round_trip_and_layout():
     buf = LIMITS.pack()
-    assert len(buf) == 48 and struct.unpack_from("<I", buf)[0] == 0x716B7034
+    assert len(buf) == 48 and struct.unpack_from("<I", buf)[0] == 0x716B7035  # "qkp5"
     assert qkp.Hello.unpack(buf) == LIMITS
     assert LIMITS.row_floats == 1024 and LIMITS.last
     assert qkp.HEADER.size == 20
@@ -73,9 +73,10 @@ def test_any_hello_is_refused_or_consistent(rest):
 
 
 @pytest.mark.parametrize("hdr,field", [
-    ((0, 0, 1, 0, 0), "op"), ((5, 0, 1, 0, 0), "op"), ((1, 2, 1, 0, 0), "slot"),
+    ((0, 0, 1, 0, 0), "op"), ((7, 0, 1, 0, 0), "op"), ((5, 2, 0, 0, 0), "slot"), ((1, 2, 1, 0, 0), "slot"),
     ((1, 0, 0, 0, 0), "n"), ((1, 0, 9, 0, 0), "n"), ((1, 0, U32, 0, 0), "n"),
     ((1, 0, 8, 57, 0), "base"), ((1, 0, 1, U32, 0), "base"), ((1, 0, 1, 0, 257), "topk"),
+    ((1, 0, 1, 0, U32 - 1), "topk"),
     ((3, U32, 0, 0, 0), "slot"), ((4, 0, 0, 0, 65), "topk"),
 ])
 def test_header_checks_name_the_field(hdr, field):
@@ -85,7 +86,8 @@ def test_header_checks_name_the_field(hdr, field):
 
 
 def test_header_limits_accept_edges():
-    for hdr in [(1, 1, 8, 56, 256), (1, 0, 1, 63, 0), (2, U32, U32, U32, U32), (3, 1, U32, 0, 64)]:
+    for hdr in [(1, 1, 8, 56, 256), (1, 0, 1, 63, 0), (1, 0, 1, 0, U32), (5, 1, U32, U32, U32),
+                (6, 0, 0, 0, 0), (2, U32, U32, U32, U32), (3, 1, U32, 0, 64)]:
         qkp.check_header(qkp.Header(*hdr), LIMITS, answers_topk=True)
     with pytest.raises(qkp.QkpError, match="topk"):  # topk only where it can be answered
         qkp.check_header(qkp.Header(1, 0, 1, 0, 1), LIMITS, answers_topk=False)
@@ -156,6 +158,16 @@ def test_eval_reply_round_trip_pads_missing_candidates():
     assert pairs["logit"][:2].tolist() == [2.5, -1.0] and np.isneginf(pairs["logit"][2:]).all()
 
 
+def test_eval_reply_with_the_logits_row():
+    """topk = TOPK_LOGITS: n u32 ids, then n_vocab f32 (the layout written out by hand)."""
+    logits = np.random.default_rng(2).standard_normal(LIMITS.n_vocab).astype(np.float32)
+    buf = qkp.pack_eval_reply(np.array([7, 9], "<u4"), [], qkp.TOPK_LOGITS, logits)
+    assert len(buf) == LIMITS.eval_reply_bytes(2, qkp.TOPK_LOGITS) == 8 + 4 * 512
+    assert buf == struct.pack("<2I", 7, 9) + struct.pack(f"<{LIMITS.n_vocab}f", *logits.tolist())
+    ids, row = qkp.unpack_eval_reply(buf, 2, qkp.TOPK_LOGITS)
+    assert ids.tolist() == [7, 9] and np.array_equal(row, logits)
+
+
 # ---- handshake and sockets -------------------------------------------------------------------------
 
 
@@ -193,20 +205,41 @@ def test_auth_and_numerics_in_the_hello():
     assert hello == LIMITS and res["flags"] == qkp.FLAG_AUTH
     hello, res = _handshake(None, None, True, True)
     assert hello == LIMITS and res["flags"] == qkp.FLAG_EXACT
-    hello, res = _handshake(None, "unused")  # a stage without a token ignores a proof
-    assert hello == LIMITS
-    for server_token, client_token, why in [("s3cret", "wrong", "wrong auth token"),
-                                            ("s3cret", None, "sent no proof")]:
-        hello, res = _handshake(server_token, client_token)
-        assert isinstance(hello, qkp.QkpClosed)  # the stage just closes
-        assert res["error"].field == "auth" and why in str(res["error"])
+    hello, res = _handshake(None, "unused")  # a stage without a token cannot prove one
+    assert isinstance(hello, qkp.AuthRefused) and "did not prove the auth token" in str(hello)
+    assert res["error"].field == "auth" and "has none" in str(res["error"])
+    # a wrong token: the client sees the stage's proof fail first and sends nothing more
+    hello, res = _handshake("s3cret", "wrong")
+    assert isinstance(hello, qkp.AuthRefused) and "did not prove" in str(hello)
+    assert isinstance(res["error"], qkp.QkpClosed)
+    hello, res = _handshake("s3cret", None)
+    assert isinstance(hello, qkp.QkpClosed)  # the stage just closes
+    assert res["error"].field == "auth" and "sent no proof" in str(res["error"])
     hello, res = _handshake(None, None, server_exact=False, client_exact=True)
     assert isinstance(hello, qkp.QkpClosed) and res["error"].field == "flags"
 
 
-def test_proof_is_bound_to_the_nonce():
-    assert qkp.auth_proof("t", b"a" * 32) != qkp.auth_proof("t", b"b" * 32)
-    assert len(qkp.auth_proof("t", b"a" * 32)) == qkp.PROOF_BYTES
+def test_hello_auth_bytes_follow_the_layout():
+    """The hello with a token, byte for byte as the qkp.py docstring and auth.py lay it out."""
+    import hashlib
+    import hmac
+
+    client, server = _pair()
+    t = threading.Thread(target=lambda: qkp.client_handshake(client, "tok", False), daemon=True)
+    t.start()
+    first = bytes(server.recv_exact(8 + 32))
+    assert first[:8] == struct.pack("<II", 0x716B7035, 1)
+    cn, sn = first[8:], bytes(range(32))
+    sp = hmac.new(b"tok", b"ds4 wire auth v2 server\0" + b"5pkq" + cn + sn, hashlib.sha256).digest()
+    server.send(sn + sp)
+    cp = bytes(server.recv_exact(32))
+    assert cp == hmac.new(b"tok", b"ds4 wire auth v2 client\0" + b"5pkq" + cn + sn,
+                          hashlib.sha256).digest()
+    server.send(LIMITS.pack())
+    t.join(5)
+    assert not t.is_alive()
+    client.close()
+    server.close()
 
 
 @pytest.mark.parametrize("field,kw", [
@@ -255,6 +288,11 @@ def _connect(w, token=None):
     return conn, qkp.client_handshake(conn, token, exact=False)
 
 
+def _open(conn, slot, op=qkp.OPEN) -> int:
+    conn.send(qkp.Header(op, slot, 0, 0, 0).pack())
+    return qkp.STATUS.unpack(bytes(conn.recv_exact(4)))[0]
+
+
 def _eval_frame(hello, slot, base, tokens, seed=0):
     rows = np.random.default_rng(seed).standard_normal(
         (len(tokens), hello.n_hc, hello.n_embd)).astype("<f4")
@@ -267,6 +305,7 @@ class Good:
 
     def __init__(self, w):
         self.conn, self.hello = _connect(w)
+        assert _open(self.conn, 1) == qkp.STATUS_OK
         self.frame = _eval_frame(self.hello, 1, 0, [1, 2, 3, 4, 5], seed=1)
         self.expected = self.ask()
 
@@ -299,6 +338,8 @@ def test_stage_statuses_and_positions(worker):
 
     assert status(qkp.LOAD, 0, 0, 0) == qkp.STATUS_NO_SNAPSHOT
     assert status(qkp.SAVE, 0, 1, 0) == qkp.STATUS_BAD_INDEX
+    assert status(qkp.SAVE, 0, 0, 0) == qkp.STATUS_SLOT_NOT_OPEN
+    assert _open(conn, 0) == qkp.STATUS_OK and _open(conn, 1) == qkp.STATUS_OK
     conn.send(_eval_frame(hello, 0, 0, [9, 8, 7]))
     ids, pairs = qkp.unpack_eval_reply(bytes(conn.recv_exact(hello.eval_reply_bytes(3, 3))), 3, 3)
     assert (ids < 512).all() and (pairs["id"] < 512).all()
@@ -312,6 +353,62 @@ def test_stage_statuses_and_positions(worker):
     conn.send(_eval_frame(hello, 1, 7, [1]))  # a gap: position out of range closes
     assert _drain(conn) == b""
     conn.close()
+
+
+def _wait_all_free(w, timeout=5.0) -> None:
+    """A closed connection's slots come back when its thread sees the close."""
+    deadline = time.monotonic() + timeout
+    while any(s.owner is not None for s in w.stage.slots) or any(w.stage.snapshots):
+        assert time.monotonic() < deadline, "the worker kept a closed connection's slots"
+        time.sleep(0.01)
+
+
+def test_a_connection_touches_only_its_own_slots(worker):
+    """Slots and snapshots belong to the connection that opened them (qkp5 OPEN / FREE)."""
+    _wait_all_free(worker)
+    ok = qkp.STATUS_OK
+    # what A's slot answers when nobody else is connected: the reference for A below
+    ref, hello = _connect(worker)
+    assert _open(ref, 0) == ok
+    ref.send(_eval_frame(hello, 0, 0, [9, 8, 7], seed=3))
+    ref.recv_exact(hello.eval_reply_bytes(3, 3))
+    ref.send(_eval_frame(hello, 0, 3, [1], seed=4))
+    expected = bytes(ref.recv_exact(hello.eval_reply_bytes(1, 3)))
+    assert _open(ref, 0, qkp.FREE) == ok and _open(ref, 0, qkp.FREE) == qkp.STATUS_SLOT_NOT_OPEN
+    ref.close()
+
+    a, _ = _connect(worker)
+    assert _open(a, 0) == ok
+    a.send(_eval_frame(hello, 0, 0, [9, 8, 7], seed=3))
+    a.recv_exact(hello.eval_reply_bytes(3, 3))
+    a.send(qkp.Header(qkp.SAVE, 0, 0, 0, 3).pack())
+    assert qkp.STATUS.unpack(bytes(a.recv_exact(4)))[0] == ok
+
+    # a rogue connection writing A's slot number at A's position, without opening it: closed,
+    # nothing answered
+    rogue, _ = _connect(worker)
+    rogue.send(_eval_frame(hello, 0, 3, [2], seed=5))
+    assert _drain(rogue) == b""
+    rogue.close()
+    # one that opens its own slot 0 gets the other stage slot, and its frames land there
+    b, _ = _connect(worker)
+    assert _open(b, 0) == ok
+    assert _open(b, 1) == qkp.STATUS_NO_SLOT  # both stage slots are held: refused, no steal
+    b.send(_eval_frame(hello, 0, 0, [4, 4], seed=6))
+    b.recv_exact(hello.eval_reply_bytes(2, 3))
+    b.send(qkp.Header(qkp.LOAD, 0, 0, 0, 3).pack())  # A's snapshot index 0: not B's
+    assert qkp.STATUS.unpack(bytes(b.recv_exact(4)))[0] == qkp.STATUS_NO_SNAPSHOT
+    b.send(qkp.Header(qkp.SAVE, 0, 0, 0, 2).pack())  # the one entry is A's
+    assert qkp.STATUS.unpack(bytes(b.recv_exact(4)))[0] == qkp.STATUS_SNAPSHOTS_FULL
+
+    a.send(_eval_frame(hello, 0, 3, [1], seed=4))
+    assert bytes(a.recv_exact(hello.eval_reply_bytes(1, 3))) == expected
+    assert _open(b, 0, qkp.FREE) == ok
+    c, _ = _connect(worker)
+    assert _open(c, 1) == ok  # B's slot went back to the pool
+    for conn in (a, b, c):
+        conn.close()
+    _wait_all_free(worker)
 
 
 @pytest.fixture(scope="module")
@@ -379,11 +476,8 @@ def test_hostile_hellos_are_closed(worker, good, data):
         pass
     got = _drain(conn)
     magic, flags = struct.unpack("<II", data[:8]) if len(data) >= 8 else (None, None)
-    if magic != qkp.MAGIC or flags & ~qkp.FLAG_AUTH:  # bad magic, unknown bits, other numerics
-        assert got == b""
-    elif flags & qkp.FLAG_AUTH:
-        assert len(got) >= qkp.NONCE_BYTES  # the nonce; the hello only after a whole proof
-        assert len(got) == qkp.NONCE_BYTES or got[32:80] == worker.stage.hello.pack()
+    if magic != qkp.MAGIC or flags:  # bad magic, unknown bits, other numerics, a token
+        assert got == b""  # this worker has no token: it cannot prove one and says nothing
     else:
         assert got[:48] == worker.stage.hello.pack()
     conn.close()

@@ -15,7 +15,7 @@ Two measurements, both over 127.0.0.1 with the worker in its own process:
             thread hand-offs). Prefill time for the prompt is reported alongside.
 * frame   — the round trip of one EVAL frame carrying one real-model row (n_hc × n_embd =
             4 × 4096 float32 = 64 KiB, plus the 20-byte header and the token id) to a worker
-            whose stage answers at once (no compute): the pure qkp4 + TCP cost of a decode step.
+            whose stage answers at once (no compute): the pure qkp5 + TCP cost of a decode step.
             Also with a tiny-model row (4 KiB), with 256 top-k candidates in the reply, and with
             5 ms of idle between frames (as in a decode, where each side waits while the other
             computes: the cost of waking an idle process shows up here).
@@ -58,14 +58,22 @@ class NullStage:
         self.last, self.exact = True, False
         self._pairs = [(i, -float(i)) for i in range(qkp.TOPK_MAX)]
 
-    def eval(self, frame):
+    def eval(self, frame, owner=None):
         h = frame.header
         return qkp.pack_eval_reply(np.zeros(h.n, "<u4"), self._pairs[:h.topk], h.topk)
 
-    def save(self, h):
+    def save(self, h, owner=None):
         return qkp.STATUS_OK
 
     load = save
+
+    def open(self, owner, slot):
+        return qkp.STATUS_OK
+
+    free = open
+
+    def release(self, owner):
+        pass
 
 
 def serve_null(n_embd: int, n_hc: int) -> None:
@@ -90,6 +98,8 @@ def frame_rtt(port: int, n_embd: int, n_hc: int, iters: int, topk: int = 0,
               gap_ms: float = 0.0) -> dict:
     conn = qkp.Conn.connect("127.0.0.1", port, 10.0)
     hello = qkp.client_handshake(conn, None, exact=False)
+    conn.send(qkp.Header(qkp.OPEN, 0, 0, 0, 0).pack())
+    assert qkp.STATUS.unpack(bytes(conn.recv_exact(qkp.STATUS.size)))[0] == qkp.STATUS_OK
     row = np.random.default_rng(0).standard_normal((1, n_hc, n_embd)).astype("<f4")
     token = np.array([1], "<u4")
     reply = hello.eval_reply_bytes(1, topk)

@@ -1,6 +1,11 @@
 """Open a DS4 GGUF: memory-map it, read the config, validate every tensor, fingerprint it.
 
-Opening reads the metadata and the tensor directory only. Tensor data stays in the page cache
+Every count and length in the header (metadata arrays and strings, the key and tensor counts,
+tensor dims, each tensor's data range) is checked against the bytes left in the file before
+anything is read or allocated, so a hostile or truncated file is an error naming the key or
+tensor, never an endless loop or a numpy internal. The hash layers' expert table is checked
+against the expert count. Apart from that table, opening reads the metadata and the tensor
+directory only. Tensor data stays in the page cache
 behind numpy memmap views until a backend touches it, so a 153 GB file opens as fast as a tiny one.
 """
 
@@ -15,7 +20,8 @@ from functools import cached_property
 from pathlib import Path
 
 import numpy as np
-from gguf import GGUFReader, GGUFValueType
+from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, GGUFReader, GGUFValueType
+from gguf.gguf_reader import ReaderField
 
 from .config import ConfigError, ModelConfig
 from .layout import expected_tensors
@@ -66,6 +72,8 @@ class GGUFModel:
             raise FileNotFoundError(f"model file not found: {self.path}")
         try:
             self._reader = _Reader(self.path, "r")
+        except ModelError as e:
+            raise ModelError(f"{self.path}: {e}") from None
         except Exception as e:  # gguf-py raises bare ValueError/struct.error on a broken header
             raise ModelError(f"{self.path}: not a readable GGUF file ({e})") from e
         version = int(self._reader.fields["GGUF.version"].contents())
@@ -120,6 +128,7 @@ class GGUFModel:
         for name, spec in expected.items():
             if spec.required and name not in tensors and not any(p.startswith(name + ":") for p in problems):
                 problems.append(f"{name}: required tensor is missing")
+        problems += _expert_table_problems(self.config, tensors)
         for il in range(self.config.n_layer):
             g, u = (tensors.get(f"blk.{il}.ffn_{k}_exps.weight") for k in ("gate", "up"))
             if g is not None and u is not None and g.type != u.type:
@@ -180,23 +189,144 @@ def _contents(field):
     return field.contents()
 
 
+def _expert_table_problems(cfg, tensors: dict[str, "Tensor"]) -> list[str]:
+    """A hash layer routes token t to the experts in row t of ffn_gate_tid2eid: every id must
+    name an expert (a negative one would index another expert from the end)."""
+    problems = []
+    for il in range(cfg.n_layer):
+        t = tensors.get(f"blk.{il}.ffn_gate_tid2eid.weight")
+        if t is None or t.type != GGMLType.I32:
+            continue
+        table = t.values()  # [vocab, n_expert_used]
+        bad = np.argwhere((table < 0) | (table >= cfg.n_expert))
+        if bad.size:
+            tok, k = (int(x) for x in bad[0])
+            problems.append(f"{t.name}: expert ids must be in [0, {cfg.n_expert}), token {tok} "
+                            f"slot {k} has {int(table[tok, k])} ({len(bad)} bad entries)")
+    return problems
+
+
+# The fewest bytes one item of each kind can take in the file, to bound a count by the bytes left.
+_MIN_KV_BYTES = 8 + 4 + 1  # empty key, value type, a one-byte value
+_MIN_TENSOR_INFO_BYTES = 8 + 4 + 4 + 8  # empty name, n_dims, type, offset
+_MIN_ARRAY_BYTES = 4 + 8  # item type, count
+_STRING_LEN_BYTES = 8
+_MAX_DIMS = 4  # GGML_MAX_DIMS
+
+
 class _Reader(GGUFReader):
-    """gguf-py's reader, except that a string array is kept as one byte span.
+    """gguf-py's reader, bounded, and with a string array kept as one byte span.
+
+    Bounded: every read is checked against the end of the file, and every count against the
+    bytes left (a count of 2^63 would otherwise loop and grow without end); errors are
+    ModelErrors naming the metadata key or tensor being read.
 
     gguf-py builds numpy views per string, which for the 129k-token vocabulary and its merges
     takes seconds; opening a model must not. The span is decoded only when the tokenizer asks.
+    An array of numbers is likewise one view (its `contents()` is the whole list).
     """
 
+    _where = "the GGUF header"
+
+    def _get(self, offset, dtype, count=1, override_order=None):
+        count = int(count)
+        need = count * np.dtype(dtype).itemsize
+        left = len(self.data) - int(offset)
+        if count < 0 or need > left:
+            raise ModelError(f"{self._where}: needs {need} bytes at byte {offset}, "
+                             f"the file has {max(left, 0)} left")
+        return super()._get(offset, dtype, count, override_order)
+
+    def _check_count(self, count: int, min_bytes: int, offs: int, what: str) -> None:
+        left = len(self.data) - offs
+        if int(count) > left // min_bytes:
+            raise ModelError(f"{what}: {int(count)} does not fit in the {left} bytes left in the "
+                             f"file (each takes at least {min_bytes})")
+
+    def _build_fields(self, offs: int, count: int) -> int:
+        self._check_count(count, _MIN_KV_BYTES, offs, "GGUF.kv_count")
+        for i in range(int(count)):
+            self._where = f"metadata entry {i}"
+            orig_offs = offs
+            klen, kdata = self._get_str(offs)
+            offs += int(klen.nbytes + kdata.nbytes)
+            try:
+                key = bytes(kdata).decode("utf-8")
+            except UnicodeDecodeError:
+                raise ModelError(f"{self._where}: the key is not UTF-8") from None
+            self._where = f"metadata key {key!r}"
+            raw_type = self._get(offs, np.uint32)
+            offs += int(raw_type.nbytes)
+            size, parts, idxs, types = self._get_field_parts(offs, int(raw_type[0]))
+            self._push_field(ReaderField(orig_offs, key, [klen, kdata, raw_type, *parts],
+                                         [k + 3 for k in idxs], types), skip_sum=True)
+            offs += size
+        self._where = "the GGUF header"
+        return offs
+
+    def _build_tensor_info(self, offs: int, count: int):
+        self._check_count(count, _MIN_TENSOR_INFO_BYTES, offs, "GGUF.tensor_count")
+        fields = []
+        for i in range(int(count)):
+            self._where = f"tensor info {i}"
+            (n_dims,) = self._get(offs + _STRING_LEN_BYTES + int(self._get(offs, np.uint64)[0]),
+                                  np.uint32)
+            if n_dims > _MAX_DIMS:
+                raise ModelError(f"{self._where}: n_dims: expected at most {_MAX_DIMS}, got {n_dims}")
+            field = self._get_tensor_info_field(offs)
+            offs += sum(int(part.nbytes) for part in field.parts)
+            fields.append(field)
+        self._where = "the GGUF header"
+        return offs, fields
+
+    def _build_tensors(self, start_offs: int, fields) -> None:
+        """Check that each tensor's data lies inside the file (naming the tensor) first."""
+        size = len(self.data)
+        for field in fields:
+            _, name_data, _, dims, raw_type, offset = field.parts
+            name = bytes(name_data).decode("utf-8", "replace")
+            try:
+                block, type_bytes = GGML_QUANT_SIZES[GGMLQuantizationType(int(raw_type[0]))]
+            except (ValueError, KeyError):
+                raise ModelError(f"{name}: unsupported block type id {int(raw_type[0])}") from None
+            n_values = 1
+            for d in dims.tolist():
+                n_values *= int(d)
+            start = int(start_offs) + int(offset[0])
+            end = start + n_values * type_bytes // block
+            if end > size:
+                raise ModelError(f"{name}: its data (bytes {start}..{end}) runs past the end of "
+                                 f"the file ({size} bytes): the file is truncated")
+        self._where = "the tensor data"
+        super()._build_tensors(start_offs, fields)
+
     def _get_field_parts(self, orig_offs, raw_type):
-        if raw_type == GGUFValueType.ARRAY:
-            itype = self._get(orig_offs, np.uint32)
-            if itype[0] == GGUFValueType.STRING:
-                alen = self._get(orig_offs + 4, np.uint64)
-                start = orig_offs + 12
-                end = _skip_strings(self.data, start, int(alen[0]))
-                span = self.data[start:end]
-                return end - orig_offs, [itype, alen, span], [2], [GGUFValueType.ARRAY, GGUFValueType.STRING]
-        return super()._get_field_parts(orig_offs, raw_type)
+        try:
+            gtype = GGUFValueType(raw_type)
+        except ValueError:
+            raise ModelError(f"{self._where}: unknown value type id {raw_type}") from None
+        if gtype != GGUFValueType.ARRAY:
+            return super()._get_field_parts(orig_offs, raw_type)
+        itype = self._get(orig_offs, np.uint32)
+        alen = self._get(orig_offs + 4, np.uint64)
+        start, count = orig_offs + _MIN_ARRAY_BYTES, int(alen[0])
+        try:
+            item = GGUFValueType(int(itype[0]))
+        except ValueError:
+            raise ModelError(f"{self._where}: unknown array item type id {int(itype[0])}") from None
+        nptype = self.gguf_scalar_to_np.get(item)
+        if nptype is not None:  # numbers: one bounded view
+            self._check_count(count, np.dtype(nptype).itemsize, start,
+                              f"{self._where}: array count (of {item.name})")
+            values = self._get(start, nptype, count)
+            return _MIN_ARRAY_BYTES + int(values.nbytes), [itype, alen, values], [2], [gtype, item]
+        min_bytes = _STRING_LEN_BYTES if item == GGUFValueType.STRING else _MIN_ARRAY_BYTES
+        self._check_count(count, min_bytes, start, f"{self._where}: array count")
+        if item == GGUFValueType.STRING:
+            end = _skip_strings(self.data, start, count)
+            span = self.data[start:end]
+            return end - orig_offs, [itype, alen, span], [2], [gtype, item]
+        return super()._get_field_parts(orig_offs, raw_type)  # arrays of arrays, each bounded
 
 
 def _skip_strings(data: np.ndarray, offs: int, count: int) -> int:

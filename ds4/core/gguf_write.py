@@ -3,12 +3,12 @@
 from __future__ import annotations
 
 import os
-import tempfile
 from pathlib import Path
 
 import numpy as np
 from gguf import GGMLQuantizationType, GGUFValueType, GGUFWriter
 
+from .atomic import atomic_path
 from .config import ARCH, ModelConfig
 from .quants import GGMLType, row_bytes
 
@@ -32,9 +32,7 @@ def write_gguf(path: str | os.PathLike, cfg: ModelConfig,
     """tensors: name -> (type, GGUF dims, uint8 block bytes). Written to a temporary name, fsynced, renamed."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=path.name + ".", suffix=".tmp", dir=path.parent)
-    os.close(fd)
-    try:
+    with atomic_path(path, private=False) as tmp:
         w = GGUFWriter(tmp, ARCH)
         _add_metadata(w, cfg, tokens, merges)
         for name, (ttype, dims, data) in tensors.items():
@@ -45,15 +43,6 @@ def write_gguf(path: str | os.PathLike, cfg: ModelConfig,
         w.write_kv_data_to_file()
         w.write_tensors_to_file()
         w.close()
-        with open(tmp, "rb+") as f:
-            os.fsync(f.fileno())
-        umask = os.umask(0)
-        os.umask(umask)
-        os.chmod(tmp, 0o666 & ~umask)  # mkstemp made it private; a model file is not
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
     return path
 
 

@@ -14,6 +14,10 @@ Version 2 is written (its body is version 1's, as upstream ds4 emits it); versio
 read, and a version-2 payload may carry the 16-byte MTP-statistics tail of spec §4.2 (read and
 dropped: ds4 keeps no MTP state, so a re-saved payload is the tail-less version 2).
 
+Files end with ds4's identity trailer (payload_identity.py): the model's fingerprint and a
+SHA-256 of the body, checked on load; `identity=False` writes the bare body. A payload with no
+tokens is refused on load as on save.
+
 Loading parses and validates everything into host buffers first (sizes are checked before
 anything is allocated or read) and only then writes the session, so a rejected payload leaves the
 session exactly as it was. The error messages are ds4's (`ds4_session_load_payload`).
@@ -22,16 +26,19 @@ session exactly as it was. The error messages are ds4's (`ds4_session_load_paylo
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import io
 import os
 import struct
-import tempfile
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import IO, Iterator
 
 import numpy as np
 
+from .atomic import atomic_file
+from .payload_identity import (E_CHECKSUM, E_IDENTITY, E_MODEL, Identity, ModelRef,  # noqa: F401
+                               PayloadError, _check_digest, _fail, check_model, read_identity,
+                               verify_digest)
 from .config import CSA, ModelConfig
 from .state import FILL, SessionLayout, layer_state_shapes
 
@@ -55,14 +62,7 @@ E_INDEX_ROWS = "KV checkpoint has invalid indexer row count"
 E_TRAILING = "KV checkpoint has trailing payload bytes"
 E_MISSING = "KV checkpoint is missing payload bytes"
 E_TOKEN = "KV checkpoint has an invalid token id"
-
-
-class PayloadError(ValueError):
-    """A payload that cannot be read into this session; the message starts with ds4's text."""
-
-
-def _fail(message: str, detail: str = "") -> "PayloadError":
-    return PayloadError(f"{message}: {detail}" if detail else message)
+E_EMPTY = "KV checkpoint holds no tokens"
 
 
 # ---- header -------------------------------------------------------------------------------------
@@ -172,6 +172,7 @@ class Payload:
     layers: list[dict[str, np.ndarray]] = field(default_factory=list)  # file-order blocks
     mtp_tail: tuple[int, float, int] | None = None
     nbytes: int = 0
+    identity: Identity | None = None
 
 
 class _Source:
@@ -179,6 +180,7 @@ class _Source:
 
     def __init__(self, f: IO[bytes], limit: int | None):
         self.f, self.limit, self.pos = f, limit, 0
+        self.digest = None  # a hashlib object fed every byte read, when set
 
     def read(self, n: int, what: str) -> bytes:
         if self.limit is not None and self.pos + n > self.limit:
@@ -191,7 +193,10 @@ class _Source:
             chunks.append(b)
             got += len(b)
         self.pos += n
-        return chunks[0] if len(chunks) == 1 else b"".join(chunks)
+        data = chunks[0] if len(chunks) == 1 else b"".join(chunks)
+        if self.digest is not None:
+            self.digest.update(data)
+        return data
 
     def array(self, dtype: str, shape: tuple[int, ...], what: str) -> np.ndarray:
         count = int(np.prod(shape, dtype=np.int64))
@@ -210,7 +215,10 @@ class _Source:
             chunks.append(b)
             got += len(b)
         self.pos += got
-        return b"".join(chunks)
+        data = b"".join(chunks)
+        if self.digest is not None:
+            self.digest.update(data)
+        return data
 
 
 @contextlib.contextmanager
@@ -231,6 +239,8 @@ def check_header(h: Header, cfg: ModelConfig, layout: SessionLayout | None = Non
     if h.magic != MAGIC or h.version not in VERSIONS:
         raise _fail(E_VERSION, f"magic {h.magic:#010x}, version {h.version} (expected "
                                f"{MAGIC:#010x}, version 1 or 2)")
+    if h.n_tokens == 0:
+        raise _fail(E_EMPTY, "n_tokens is 0 (a session is saved after at least one token)")
     ctx = layout.ctx if layout is not None else min(h.ctx, cfg.context_length)
     if h.ctx > ctx or h.n_tokens >= ctx:
         raise _fail(E_FIT, f"saved ctx {h.ctx} with {h.n_tokens} tokens, current ctx {ctx}")
@@ -296,12 +306,18 @@ def _read_tail(s: _Source, h: Header) -> tuple[int, float, int] | None:
 
 
 def read_payload(src, cfg: ModelConfig, layout: SessionLayout | None = None,
-                 nbytes: int | None = None) -> Payload:
+                 nbytes: int | None = None, model: ModelRef | None = None) -> Payload:
     """Parse and validate a whole payload (bytes, a path or a binary stream) into host arrays.
 
     `layout` is the session it is meant for (None: check it against itself only); `nbytes` the
-    size the caller says it has (None: the data runs to the end of the bytes/file/stream)."""
-    with _open_source(src, nbytes) as s:
+    size the caller says it has (None: the data runs to the end of the bytes/file/stream);
+    `model` the model it must come from when its identity trailer names one. A trailer's
+    checksum is verified over the whole body (a stream must be seekable to carry a trailer)."""
+    ident = read_identity(src, nbytes)
+    check_model(ident, model)
+    with _open_source(src, ident.body_bytes if ident else nbytes) as s:
+        if ident is not None:
+            s.digest = hashlib.sha256()
         h, tokens, logits, n_comp, n_index = _read_prefix(s, cfg, layout)
         layers = []
         for il in range(cfg.n_layer):
@@ -310,12 +326,25 @@ def read_payload(src, cfg: ModelConfig, layout: SessionLayout | None = None,
                 blocks[name] = s.array("<f4", shape, f"layer {il} {name}")
             layers.append(blocks)
         tail = _read_tail(s, h)
-        return Payload(h, tokens, logits, n_comp, n_index, layers, tail, s.pos)
+        size = s.pos
+        if ident is not None:
+            _check_digest(s.digest.digest(), ident)
+            s.limit = None
+            s.digest = None
+            s.read(ident.trailer_bytes, "the identity trailer")  # leave a stream after it
+            size += ident.trailer_bytes
+        return Payload(h, tokens, logits, n_comp, n_index, layers, tail, size, ident)
 
 
-def check_payload(src, cfg: ModelConfig | None = None, nbytes: int | None = None) -> Header:
-    """The cheap check a receiver makes: the header (and, given the model, every count and the
-    exact size) without reading the tensor data."""
+def check_payload(src, cfg: ModelConfig | None = None, nbytes: int | None = None,
+                  model: ModelRef | None = None) -> Header:
+    """The cheap check a receiver makes: the header (and, given the model, every count, the
+    exact size and the identity trailer's model) without reading the tensor data."""
+    if cfg is not None:
+        ident = read_identity(src, nbytes)
+        check_model(ident, model)
+        if ident is not None:
+            nbytes = ident.body_bytes
     with _open_source(src, nbytes) as s:
         if cfg is None:
             h = Header.unpack(s.read(HEADER_BYTES, "the header"))
@@ -324,6 +353,8 @@ def check_payload(src, cfg: ModelConfig | None = None, nbytes: int | None = None
             return h
         h, _, _, n_comp, n_index = _read_prefix(s, cfg, None)
         want = payload_bytes(cfg, h.n_tokens, h.raw_live, n_comp, n_index)
+        if nbytes is None and isinstance(src, (str, os.PathLike)):
+            nbytes = os.path.getsize(src)
         if nbytes is not None:
             tail = MTP_TAIL_BYTES if h.version >= 2 and nbytes == want + MTP_TAIL_BYTES else 0
             if nbytes < want:
@@ -342,8 +373,21 @@ def _check_whole_model(session) -> None:
                            f"{eng.layers.start}:{eng.layers.stop} of {eng.config.n_layer}")
 
 
-def write_session(session, f: IO[bytes], version: int = VERSION) -> int:
-    """Write the session's payload to a binary stream; returns the bytes written."""
+class _HashingWriter:
+    """Forwards writes to a stream and feeds them to a SHA-256."""
+
+    def __init__(self, f: IO[bytes]):
+        self.f, self.digest = f, hashlib.sha256()
+
+    def write(self, b: bytes) -> int:
+        self.digest.update(b)
+        return self.f.write(b)
+
+
+def write_session(session, f: IO[bytes], version: int = VERSION, identity: bool = True) -> int:
+    """Write the session's payload to a binary stream; returns the bytes written. With
+    `identity`, the model's fingerprint and the body's SHA-256 follow in the identity trailer
+    (without it: the bare body upstream ds4 writes)."""
     if version not in VERSIONS:
         raise ValueError(f"version: expected 1 or 2, got {version}")
     _check_whole_model(session)
@@ -352,6 +396,9 @@ def write_session(session, f: IO[bytes], version: int = VERSION) -> int:
     if not tokens:
         raise PayloadError("the session holds no tokens yet: nothing to save")
     T = len(tokens)
+    model = ModelRef.of(getattr(session.engine, "model", None)) if identity else None
+    if model is not None:
+        f = _HashingWriter(f)
     h = Header.for_session(cfg, layout, T, version)
     n_comp, n_index = row_counts(cfg, T)
     f.write(h.pack())
@@ -372,43 +419,19 @@ def write_session(session, f: IO[bytes], version: int = VERSION) -> int:
             b = np.ascontiguousarray(a, dtype="<f4").tobytes()
             f.write(b)
             written += len(b)
+    if model is not None:
+        trailer = Identity(model, f.digest.digest(), written).pack()
+        f.f.write(trailer)
+        written += len(trailer)
     return written
 
 
-@contextlib.contextmanager
-def atomic_file(path: str | os.PathLike) -> Iterator[IO[bytes]]:
-    """A temporary file beside `path` that becomes `path` (fsynced, renamed) only if the block
-    finishes; on any error it is removed and `path` is left as it was."""
-    path = Path(path)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".part", dir=path.parent or ".")
-    try:
-        with os.fdopen(fd, "wb") as f:
-            yield f
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        with contextlib.suppress(OSError):
-            os.unlink(tmp)
-        raise
-    fsync_dir(path.parent)
-
-
-def fsync_dir(d: str | os.PathLike) -> None:
-    with contextlib.suppress(OSError):  # not every platform/filesystem can fsync a directory
-        fd = os.open(d, os.O_RDONLY)
-        try:
-            os.fsync(fd)
-        finally:
-            os.close(fd)
-
-
-def save_session(session, dest, version: int = VERSION) -> int:
+def save_session(session, dest, version: int = VERSION, identity: bool = True) -> int:
     """`Session.save_payload`: to a binary stream, or atomically to a path."""
     if isinstance(dest, (str, os.PathLike)):
         with atomic_file(dest) as f:
-            return write_session(session, f, version)
-    return write_session(session, dest, version)
+            return write_session(session, f, version, identity)
+    return write_session(session, dest, version, identity)
 
 
 def host_state(p: Payload, cfg: ModelConfig, layout: SessionLayout, il: int) -> dict[str, np.ndarray]:
@@ -434,7 +457,7 @@ def load_session(session, src, nbytes: int | None = None) -> tuple[list[int], np
     before the session is touched."""
     _check_whole_model(session)
     cfg, layout, be = session.engine.config, session.layout, session.engine.backend
-    p = read_payload(src, cfg, layout, nbytes)
+    p = read_payload(src, cfg, layout, nbytes, ModelRef.of(getattr(session.engine, "model", None)))
     try:
         for il, st in session.states.items():
             arrays = host_state(p, cfg, layout, il)

@@ -28,6 +28,18 @@ shared handshake (its `authenticate` argument) right after the hellos are exchan
 any frame or gate moves: a peer that cannot prove the secret never sees a frame, and nothing
 sized by a peer is allocated before that (the hello is fixed at 72 bytes).
 
+`mutual_auth(token, role, timeout)` is that argument: `ds4.wire.auth`'s proof with protocol
+`PROTOCOL` (the hello magic as it travels, b"T4SD"), the leader as the server (it listens). On
+each connection, right after the hellos (32-byte nonces and HMAC-SHA256 proofs, auth.py):
+
+    worker -> leader  client_nonce
+    leader -> worker  server_nonce, server_proof      (over both nonces)
+    worker -> leader  client_proof                    (only once server_proof checked out)
+
+The leader has then proven the secret before the worker sends anything but its hello and a
+nonce, and the worker before the leader sends a frame or a gate record; a failed proof is
+`DS4TError` with field "auth" and the connection is not used.
+
 Control frame: a 12-byte header `{u32 magic 0x44533443 ("DS4C"), u32 type, u32 bytes}`, then
 `bytes` of payload. `bytes` is checked against the type's limit (from the agreed hello) before
 the payload is read. Types keep ds4_tp.h's numbers:
@@ -104,11 +116,14 @@ from typing import Callable, ClassVar
 
 import numpy as np
 
+from . import auth
+
 MAGIC = 0x44533454  # "DS4T": the hello
 FRAME_MAGIC = 0x44533443  # "DS4C": a control frame
 GATE_MAGIC = 0x44533447  # "DS4G": a gate record
 VERSION = 1
 FLAG_AUTH = 1 << 0
+PROTOCOL = struct.pack("<I", MAGIC)  # the auth proofs' protocol name: b"T4SD", as it travels
 KNOWN_FLAGS = FLAG_AUTH
 N_RANK = 2  # the only rank count this version serves
 GATES_PER_LAYER = 2
@@ -752,6 +767,52 @@ class ControlChannel:
         head = recv_exact(self.sock, FRAME_HEADER.size, idle_timeout, "control frame header")
         return read_frame(lambda n: recv_exact(self.sock, n, self.io_timeout, "control frame"),
                           self.limits, header=bytes(head), sender=self.peer_role)
+
+
+def mutual_auth(token: str | bytes, role: Role, timeout: float) -> Callable[[socket.socket], None]:
+    """The `authenticate` callable for `handshake` on one end: `ds4.wire.auth`'s mutual proof of
+    `token`, the leader as the server. Every read of it ends within `timeout` seconds in all."""
+    role = Role(role)
+    if not token:  # refused here, not at the first connection
+        raise ValueError("auth token: expected a non-empty secret")
+
+    def send(sock: socket.socket, data: bytes, what: str) -> None:
+        try:
+            sock.sendall(data)
+        except OSError as e:
+            raise DS4TClosed("eof", f"sending {what}: {e}") from None
+
+    def read(sock: socket.socket, n: int, what: str, until: float) -> bytes:
+        left = until - time.monotonic()
+        if left <= 0:
+            raise DS4TClosed("timeout", f"{what}: the auth exchange took over {timeout:g} s")
+        return bytes(recv_exact(sock, n, left, what))
+
+    def as_leader(sock: socket.socket) -> None:
+        until = time.monotonic() + timeout
+        me = auth.ServerAuth(token, PROTOCOL)
+        client_nonce = read(sock, auth.NONCE_BYTES, "the worker's auth nonce", until)
+        send(sock, me.nonce + me.proof(client_nonce), "the leader's auth proof")
+        try:
+            me.check_client(read(sock, auth.PROOF_BYTES, "the worker's auth proof", until))
+        except auth.AuthError as e:
+            raise DS4TError("auth", f"the worker did not prove the shared secret: {e}") from None
+
+    def as_worker(sock: socket.socket) -> None:
+        until = time.monotonic() + timeout
+        me = auth.ClientAuth(token, PROTOCOL)
+        send(sock, me.nonce, "the worker's auth nonce")
+        server_nonce = read(sock, auth.NONCE_BYTES, "the leader's auth nonce", until)
+        try:
+            me.check_server(server_nonce, read(sock, auth.PROOF_BYTES, "the leader's auth proof",
+                                               until))
+        except auth.AuthError:
+            raise DS4TError("auth", "the leader did not prove the shared secret (it does not know "
+                            "it, or it is not the leader you meant to reach); it got only this "
+                            "worker's hello and nonce") from None
+        send(sock, me.proof(), "the worker's auth proof")
+
+    return as_leader if role == Role.LEADER else as_worker
 
 
 def handshake(sock: socket.socket, mine: Hello, *, timeout: float,

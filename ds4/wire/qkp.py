@@ -1,22 +1,67 @@
-"""qkp4: the pipeline-stage wire (shared/spec/wire.md §1).
+"""qkp5: the pipeline-stage wire (shared/spec/wire.md §1, with the changes listed below).
 
 One model is served as contiguous layer ranges; the head sends the mHC state rows (n_hc × n_embd
 float32 per token) and the token ids of each chunk to the next stage, which runs its layers and
 either forwards the rows to its own next stage or, as the last stage, answers with greedy ids
-and the top-k candidates of the final position. Everything is little-endian and fixed-layout.
+and what the head's sampler needs of the final position. Everything is little-endian and
+fixed-layout.
 
-Connection, client first:
+Connection, client first (optionally inside TLS, `ds4.wire.tls`):
 
     client -> {u32 magic, u32 flags}
-    [flags & FLAG_AUTH]  worker -> 32-byte nonce;  client -> HMAC-SHA256(token, AUTH_CONTEXT + nonce)
+    [flags & FLAG_AUTH]  client -> 32-byte client nonce
+                         worker -> 32-byte server nonce, 32-byte server proof
+                         client -> 32-byte client proof (only once the server proof checked out)
     worker -> Hello (48 bytes)
 
-then frames: a 20-byte `Header` {op, slot, n, base, topk} plus the op's payload (see `Header`).
+The proofs are `ds4.wire.auth`'s (HMAC-SHA256 keyed by the token, protocol b"5pkq", the magic as
+it travels): the worker proves the token before the head sends anything of the model, so a
+listener without the token gets no token ids and no rows, and the head fails with a clear error.
 
-Choices this module makes where the spec leaves room (all ours, all local to qkp4):
-* The auth proof is HMAC-SHA256 keyed by the token over `AUTH_CONTEXT + nonce`. A worker that
-  has a token refuses a client without a proof or with a wrong one by closing the connection;
-  a worker without a token reads and ignores a proof.
+Then frames: a 20-byte `Header` {u32 op, u32 slot, u32 n, u32 base, u32 topk} plus the op's
+payload, each answered in order:
+
+    op        request payload                        reply
+    1 EVAL    n u32 token ids, n×n_hc×n_embd f32     last stage: n u32 greedy ids, then by `topk`:
+              rows for positions [base, base + n)      0: nothing; 1..256: topk × {u32 id, f32 logit}
+                                                       best first; TOPK_LOGITS (0xFFFFFFFF): n_vocab
+                                                       f32, the final position's whole logits row
+    2 BYE     none                                   none; the connection closes
+    3 SAVE    none (n = snapshot index,              u32 status
+              topk = live token count)
+    4 LOAD    none (same)                            u32 status
+    5 OPEN    none (slot = the slot to open)         u32 status (0, or STATUS_NO_SLOT)
+    6 FREE    none (slot = the slot to give back)    u32 status (0, or STATUS_SLOT_NOT_OPEN)
+
+Changes from qkp4 (hence the magic "qkp5"):
+* Slots belong to connections. `slot` in a frame is the connection's own slot number
+  (0..n_slots-1); OPEN binds it to one of the stage's `n_slots` slots taken from the free pool,
+  FREE (or the connection closing) gives it back. `n_slots` (in the hello) is the stage's total
+  across all connections, not what is free now: a client learns that from OPEN. An OPEN when every
+  slot is held by some connection is answered with STATUS_NO_SLOT (the head turns it into an error
+  saying so): a refusal, never a wait or a steal. An EVAL naming a slot this connection has not
+  opened is a protocol violation: the stage closes the connection (an EVAL reply has no status
+  field) and nothing is computed. SAVE/LOAD on such a slot are answered with STATUS_SLOT_NOT_OPEN.
+  Snapshot indices are the connection's own too: SAVE binds index `n` to one of the stage's
+  `--snapshots` entries (STATUS_SNAPSHOTS_FULL when all are bound to other connections), LOAD
+  reads only what this connection saved, and the connection closing forgets them. So no connection
+  can read or write another connection's sequences.
+* `topk` = TOPK_LOGITS asks the last stage for the final position's whole logits row, which is
+  what exact sampling needs on the paths the top 256 do not cover (the default min-p path, top-p,
+  top_k > 256): with it the head samples from the same vector an unsplit engine samples from.
+* A middle stage forwards OPEN and FREE to its next stage on the connection it opened for this
+  client, and answers with its own refusal without forwarding; when the next stage refuses an
+  OPEN it has granted, it gives its own slot back.
+
+Choices this module makes where the spec leaves room (all ours, all local to qkp5):
+* Both ends prove the token (`ds4.wire.auth`). A worker that has a token refuses a client
+  without a proof or with a wrong one by closing the connection; a worker without a token
+  cannot prove one and closes a connection that asks for it; a client that has a token
+  refuses a stage that cannot prove it (`AuthRefused`).
+* Deadlines: the whole hello, and a frame's payload once its header arrived, must come within
+  the connection's io timeout however the bytes trickle in (`ds4.wire.deadline`). Until a peer
+  has proven the token (`Conn.trusted`), buffers grow as bytes arrive, so a stalled frame costs
+  at most about `GROW_FROM` bytes, not its announced size.
 * flags bit1 (`FLAG_EXACT`) says the client runs "exact" numerics (clear: "ds4" numerics). Both
   ends of a link must compute the same function, and the hello has no other room to say so; a
   worker refuses a client whose numerics differ from its own.
@@ -38,37 +83,42 @@ code reads a socket and, in tests, a recording fake.
 
 from __future__ import annotations
 
-import hashlib
-import hmac
-import os
 import select
 import socket
+import ssl
 import struct
-import time
 from dataclasses import dataclass
 from typing import Callable
 
 import numpy as np
 
-MAGIC = 0x716B7034  # "qkp4"
+from . import auth
+from .deadline import Deadline
+
+MAGIC = 0x716B7035  # "qkp5"
 FLAG_AUTH = 1 << 0
 FLAG_EXACT = 1 << 1
 KNOWN_FLAGS = FLAG_AUTH | FLAG_EXACT
 
-EVAL, BYE, SAVE, LOAD = 1, 2, 3, 4
-OPS = {EVAL: "EVAL", BYE: "BYE", SAVE: "SAVE", LOAD: "LOAD"}
+EVAL, BYE, SAVE, LOAD, OPEN, FREE = 1, 2, 3, 4, 5, 6
+OPS = {EVAL: "EVAL", BYE: "BYE", SAVE: "SAVE", LOAD: "LOAD", OPEN: "OPEN", FREE: "FREE"}
+STATUS_OPS = (SAVE, LOAD, OPEN, FREE)  # the ops answered with one u32 status
 
 TOPK_MAX = 256
+TOPK_LOGITS = 0xFFFFFFFF  # EVAL's topk asking for the whole logits row of the final position
 NO_TOKEN = 0xFFFFFFFF
-NONCE_BYTES = 32
-PROOF_BYTES = 32
-AUTH_CONTEXT = b"ds4 qkp4 auth v1\0"
+NONCE_BYTES = auth.NONCE_BYTES
+PROOF_BYTES = auth.PROOF_BYTES
+PROTOCOL = struct.pack("<I", MAGIC)  # the auth proofs' protocol name: the magic as it travels
 
 # Sanity bounds on a peer's hello, so that even a hostile hello cannot make the client size
 # anything absurd (the client also requires every dimension to equal its own model's).
 MAX_ROW_FLOATS = 1 << 22
 MAX_FRAME_BYTES = 1 << 31
 SMALL_SEND = 1 << 17
+# A receive buffer starts at most this large and doubles as bytes arrive: a peer that announces
+# a large frame and stalls costs this much, not the announced size.
+GROW_FROM = 16 << 10
 
 CLIENT_HELLO = struct.Struct("<II")
 HELLO = struct.Struct("<10IQ")
@@ -81,12 +131,18 @@ STATUS_NO_SNAPSHOT = 1  # LOAD of an index nothing was saved to (or saved by ano
 STATUS_BAD_INDEX = 2  # index >= the worker's --snapshots
 STATUS_COUNT_MISMATCH = 3  # the live token count is not what the slot holds
 STATUS_DOWNSTREAM = 4  # a later stage answered with a non-zero status
+STATUS_NO_SLOT = 5  # OPEN: every slot of the stage is held by some connection
+STATUS_SLOT_NOT_OPEN = 6  # SAVE/LOAD/FREE of a slot this connection has not opened
+STATUS_SNAPSHOTS_FULL = 7  # SAVE: every snapshot entry is held by other connections
 STATUS_TEXT = {
     STATUS_OK: "ok",
     STATUS_NO_SNAPSHOT: "no such snapshot",
     STATUS_BAD_INDEX: "snapshot index out of range",
     STATUS_COUNT_MISMATCH: "live token count does not match the slot",
     STATUS_DOWNSTREAM: "a later stage refused",
+    STATUS_NO_SLOT: "every slot is held by another connection",
+    STATUS_SLOT_NOT_OPEN: "the slot is not open on this connection",
+    STATUS_SNAPSHOTS_FULL: "every snapshot entry is held by other connections",
 }
 
 
@@ -104,6 +160,10 @@ class QkpClosed(QkpError):
 
 class HelloRefused(QkpError):
     """The peer's hello does not fit this end (wrong model, range, sizes); says exactly why."""
+
+
+class AuthRefused(QkpError):
+    """The stage did not prove the shared token: nothing of the model was sent to it."""
 
 
 # ---- records --------------------------------------------------------------------------------------
@@ -141,7 +201,7 @@ class Hello:
     def unpack(cls, buf: bytes) -> "Hello":
         magic, *rest = HELLO.unpack(buf)
         if magic != MAGIC:
-            raise QkpError("magic", f"expected {MAGIC:#010x} (qkp4), got {magic:#010x}")
+            raise QkpError("magic", f"expected {MAGIC:#010x} (qkp5), got {magic:#010x}")
         hello = cls(*rest)
         hello.check()
         return hello
@@ -169,13 +229,16 @@ class Hello:
 
     def eval_reply_bytes(self, n: int, topk: int) -> int:
         """Reply to an EVAL from a stage that answers with ids (the last stage, or a chain)."""
+        if topk == TOPK_LOGITS:
+            return 4 * n + 4 * self.n_vocab
         return 4 * n + PAIR.itemsize * topk
 
 
 @dataclass(frozen=True)
 class Header:
-    """Frame header. EVAL: `n` token ids then `n` rows for positions [base, base + n);
-    SAVE/LOAD: `n` = snapshot index, `topk` = live token count; BYE: nothing."""
+    """Frame header. EVAL: `n` token ids then `n` rows for positions [base, base + n), `topk`
+    what the reply carries (0, 1..TOPK_MAX pairs, or TOPK_LOGITS); SAVE/LOAD: `n` = snapshot
+    index, `topk` = live token count; OPEN/FREE: only `slot`; BYE: nothing."""
 
     op: int
     slot: int
@@ -207,11 +270,12 @@ def check_header(h: Header, limits: Hello, *, answers_topk: bool) -> None:
             raise QkpError("n", f"expected 1..{limits.max_rows} rows, got {h.n}")
         if h.base > limits.n_ctx - h.n:
             raise QkpError("base", f"positions {h.base}+{h.n} run past n_ctx={limits.n_ctx}")
-        if h.topk > TOPK_MAX:
-            raise QkpError("topk", f"expected at most {TOPK_MAX}, got {h.topk}")
+        if h.topk > TOPK_MAX and h.topk != TOPK_LOGITS:
+            raise QkpError("topk", f"expected at most {TOPK_MAX} or {TOPK_LOGITS:#x} (the logits "
+                           f"row), got {h.topk}")
         if h.topk and not answers_topk:
             raise QkpError("topk", f"expected 0 on a stage that is not the last, got {h.topk}")
-    else:  # SAVE / LOAD: n is the snapshot index (answered by status), topk the token count
+    elif h.op in (SAVE, LOAD):  # n: the snapshot index (answered by status), topk: token count
         if h.topk > limits.n_ctx:
             raise QkpError("topk", f"live token count {h.topk} is over n_ctx={limits.n_ctx}")
 
@@ -243,7 +307,11 @@ def read_frame(recv_exact: RecvExact, limits: Hello, *, answers_topk: bool,
     return Frame(h, tokens, rows.reshape(h.n, limits.n_hc, limits.n_embd))
 
 
-def pack_eval_reply(ids: np.ndarray, candidates: list[tuple[int, float]], topk: int) -> bytes:
+def pack_eval_reply(ids: np.ndarray, candidates: list[tuple[int, float]], topk: int,
+                    logits: np.ndarray | None = None) -> bytes:
+    """The last stage's EVAL reply: ids, then `topk` pairs, or (TOPK_LOGITS) the `logits` row."""
+    if topk == TOPK_LOGITS:
+        return np.asarray(ids, dtype="<u4").tobytes() + np.asarray(logits, dtype="<f4").tobytes()
     pairs = np.empty(topk, dtype=PAIR)
     pairs["id"] = NO_TOKEN
     pairs["logit"] = -np.inf
@@ -253,8 +321,11 @@ def pack_eval_reply(ids: np.ndarray, candidates: list[tuple[int, float]], topk: 
 
 
 def unpack_eval_reply(buf: bytes, n: int, topk: int) -> tuple[np.ndarray, np.ndarray]:
-    """-> (ids uint32 [n], pairs PAIR [topk]); `buf` is exactly eval_reply_bytes(n, topk)."""
+    """-> (ids uint32 [n], pairs PAIR [topk]), or with TOPK_LOGITS (ids, logits float32
+    [n_vocab]); `buf` is exactly eval_reply_bytes(n, topk)."""
     ids = np.frombuffer(buf, dtype="<u4", count=n)
+    if topk == TOPK_LOGITS:
+        return ids, np.frombuffer(buf, dtype="<f4", offset=4 * n)
     pairs = np.frombuffer(buf, dtype=PAIR, count=topk, offset=4 * n)
     return ids, pairs
 
@@ -262,41 +333,59 @@ def unpack_eval_reply(buf: bytes, n: int, topk: int) -> tuple[np.ndarray, np.nda
 # ---- hello and auth ---------------------------------------------------------------------------------
 
 
-def auth_proof(token: str | bytes, nonce: bytes) -> bytes:
-    key = token.encode() if isinstance(token, str) else token
-    return hmac.new(key, AUTH_CONTEXT + nonce, hashlib.sha256).digest()
-
-
 def client_handshake(conn: "Conn", token: str | None, exact: bool) -> Hello:
-    """Send the client hello (and the auth proof), return the stage's validated hello."""
+    """Send the client hello; with a token, exchange nonces and check the stage's proof before
+    sending this end's. Returns the stage's validated hello. The whole exchange must finish
+    within the connection's io timeout. Raises AuthRefused when the stage does not prove the
+    token (nothing of the model has been sent then)."""
+    deadline = Deadline(conn.timeout, f"the qkp hello with {conn.peer}")
     flags = (FLAG_AUTH if token else 0) | (FLAG_EXACT if exact else 0)
-    conn.send(CLIENT_HELLO.pack(MAGIC, flags))
-    if token:
-        nonce = bytes(conn.recv_exact(NONCE_BYTES))
-        conn.send(auth_proof(token, nonce))
-    return Hello.unpack(bytes(conn.recv_exact(HELLO.size)))
+    if not token:
+        conn.send(CLIENT_HELLO.pack(MAGIC, flags))
+        return Hello.unpack(bytes(conn.recv_exact(HELLO.size, deadline=deadline)))
+    me = auth.ClientAuth(token, PROTOCOL)
+    conn.send(CLIENT_HELLO.pack(MAGIC, flags) + me.nonce)
+    try:
+        got = bytes(conn.recv_exact(NONCE_BYTES + PROOF_BYTES, deadline=deadline))
+    except (QkpClosed, ConnectionError) as e:  # a reset: it closed with our nonce unread
+        raise AuthRefused("auth", f"{conn.peer} did not prove the auth token ({e}); nothing "
+                          "was sent to it. It may have another token, none at all, or not be "
+                          "a ds4 pipe-worker; or it runs other numerics") from None
+    try:
+        me.check_server(got[:NONCE_BYTES], got[NONCE_BYTES:])
+    except auth.AuthError as e:
+        raise AuthRefused("auth", f"{conn.peer}: {e}; nothing was sent to it") from None
+    conn.send(me.proof())
+    return Hello.unpack(bytes(conn.recv_exact(HELLO.size, deadline=deadline)))
 
 
 def read_client_hello(conn: "Conn", token: str | None, exact: bool) -> int:
     """The stage's half of the hello up to (not including) its reply: read the client hello,
-    verify the auth proof and the numerics. Returns the client's flags; the caller then sends
-    its `Hello` (a middle stage first makes sure its own next stage is there)."""
-    magic, flags = CLIENT_HELLO.unpack(bytes(conn.recv_exact(CLIENT_HELLO.size)))
+    prove the token and check the client's proof, check the numerics, all within the
+    connection's io timeout. Returns the client's flags; the caller then sends its `Hello` (a
+    middle stage first makes sure its own next stage is there)."""
+    deadline = Deadline(conn.timeout, f"the qkp hello from {conn.peer}")
+    magic, flags = CLIENT_HELLO.unpack(bytes(conn.recv_exact(CLIENT_HELLO.size, deadline=deadline)))
     if magic != MAGIC:
-        raise QkpError("magic", f"expected {MAGIC:#010x} (qkp4), got {magic:#010x}")
+        raise QkpError("magic", f"expected {MAGIC:#010x} (qkp5), got {magic:#010x}")
     if flags & ~KNOWN_FLAGS:
         raise QkpError("flags", f"unknown bits {flags & ~KNOWN_FLAGS:#x}")
     if bool(flags & FLAG_EXACT) != exact:
         theirs, ours = ("exact", "ds4") if flags & FLAG_EXACT else ("ds4", "exact")
         raise QkpError("flags", f"the client runs {theirs} numerics, this stage {ours}")
-    if flags & FLAG_AUTH:
-        nonce = os.urandom(NONCE_BYTES)
-        conn.send(nonce)
-        proof = bytes(conn.recv_exact(PROOF_BYTES))
-        if token and not hmac.compare_digest(proof, auth_proof(token, nonce)):
-            raise QkpError("auth", "wrong auth token")
-    elif token:
+    if flags & FLAG_AUTH and not token:
+        raise QkpError("auth", "the client asks for an auth token and this stage has none "
+                       "(--auth-token-file / DS4_WIRE_TOKEN)")
+    if token and not flags & FLAG_AUTH:
         raise QkpError("auth", "this stage requires an auth token and the client sent no proof")
+    if token:
+        me = auth.ServerAuth(token, PROTOCOL)
+        client_nonce = bytes(conn.recv_exact(NONCE_BYTES, deadline=deadline))
+        conn.send(me.nonce + me.proof(client_nonce))
+        try:
+            me.check_client(bytes(conn.recv_exact(PROOF_BYTES, deadline=deadline)))
+        except auth.AuthError as e:
+            raise QkpError("auth", str(e)) from None
     return flags
 
 
@@ -329,7 +418,8 @@ def check_next_stage(peer: Hello, *, layer_end: int, n_layer: int, n_embd: int, 
 
 
 class Conn:
-    """A TCP connection whose every read has a deadline (a dead peer is an error, not a hang).
+    """A TCP (or TLS) connection whose every read has a deadline (a dead or trickling peer is an
+    error, not a hang).
 
     The socket keeps one timeout (for sends); reads wait with poll() against their own deadline,
     so a reader and a writer thread may share the connection.
@@ -342,28 +432,51 @@ class Conn:
         if sock.family in (socket.AF_INET, socket.AF_INET6):
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         sock.settimeout(timeout)
+        self._tls = isinstance(sock, ssl.SSLSocket)
+        # A peer that proved the token gets whole buffers at once; any other one only as much
+        # as it has sent (a buffer that doubles from GROW_FROM).
+        self.trusted = False
         self._poll = select.poll()
         self._poll.register(sock, select.POLLIN)
 
     @classmethod
-    def connect(cls, host: str, port: int, timeout: float, connect_timeout: float | None = None) -> "Conn":
+    def connect(cls, host: str, port: int, timeout: float, connect_timeout: float | None = None,
+                tls: ssl.SSLContext | None = None) -> "Conn":
         sock = socket.create_connection((host, port), timeout=connect_timeout or timeout)
+        if tls is not None:
+            try:
+                sock = tls.wrap_socket(sock, server_hostname=host)
+            except BaseException:
+                sock.close()
+                raise
         return cls(sock, timeout, f"{host}:{port}")
 
-    def recv_exact(self, n: int, timeout: float | None = None) -> bytearray:
-        """Exactly n bytes, all of them within `timeout` (default: the connection's)."""
-        buf = bytearray(n)
-        view = memoryview(buf)
-        deadline = time.monotonic() + (self.timeout if timeout is None else timeout)
+    def _readable(self, left: float) -> bool:
+        if self._tls and self.sock.pending():  # decrypted bytes poll() cannot see
+            return True
+        return bool(self._poll.poll(max(1, int(left * 1000))))
+
+    def recv_exact(self, n: int, timeout: float | None = None,
+                   deadline: Deadline | None = None) -> bytearray:
+        """Exactly n bytes, all of them within `timeout` (default: the connection's) and before
+        `deadline` when one is given. The buffer grows as bytes arrive (from `GROW_FROM`)."""
+        limit = Deadline(self.timeout if timeout is None else timeout)
+        if deadline is not None and deadline.at < limit.at:
+            limit = deadline
+        buf = bytearray(n if self.trusted else min(n, GROW_FROM))
         got = 0
         while got < n:
-            left = deadline - time.monotonic()
-            if left <= 0 or not self._poll.poll(max(1, int(left * 1000))):
-                if time.monotonic() < deadline:
+            left = limit.left()
+            if left <= 0 or not self._readable(left):
+                if not limit.expired:
                     continue
-                raise QkpClosed("timeout", f"no data from {self.peer} within the timeout"
+                raise QkpClosed("timeout", f"no data from {self.peer} within the "
+                                + ("deadline" if limit is deadline else "timeout")
                                 + (f" ({got} of {n} bytes came)" if got else ""))
-            k = self.sock.recv_into(view[got:])
+            if got == len(buf):  # full: double it (never past n)
+                buf += bytes(min(n, 2 * len(buf)) - len(buf))
+            with memoryview(buf) as whole, whole[got:] as view:
+                k = self.sock.recv_into(view)
             if k == 0:
                 raise QkpClosed("eof", f"{self.peer} closed the connection"
                                 + (f" after {got} of {n} bytes" if got else ""))
@@ -389,7 +502,7 @@ class Conn:
         """Wake any thread blocked on this connection; close() follows."""
         try:
             self.sock.shutdown(socket.SHUT_RDWR)
-        except OSError:
+        except (OSError, ValueError):
             pass
 
     def close(self) -> None:
