@@ -188,26 +188,30 @@ class ReferenceBackend(Backend):
                 state_kv[:4] = state_kv[4:]
                 state_score[:4] = state_score[4:]
 
-    def indexer_select(self, st, qr, a, w, p0, il):
+    def indexer_scores(self, st, qr, a, w, p0, il) -> list[np.ndarray]:
+        """§3.6: each query's score of every compressed row it may see, Σ_h w_h·relu(q_h·k)."""
         cfg = self.cfg
         n = qr.shape[0]
-        m = cfg.ratio(il)
         pos = np.arange(p0, p0 + n)
-        visible = (pos + 1) // m  # compressed rows each query may see
-        if visible.max() <= cfg.indexer_top_k:
-            return None
+        visible = (pos + 1) // cfg.ratio(il)  # compressed rows each query may see
         IH, ID = cfg.indexer_heads, cfg.indexer_head_dim
         iq = self.linear(qr, w.q_b).reshape(n, IH, ID)
         iq = rope_tail(iq, pos, self._freq[il], cfg.n_rot)
         if self.ds4_numerics:
             iq = nx.indexer_qat(iq)
         hw = self.linear(a, w.proj) / np.float32(np.sqrt(ID * IH))  # [n, IH]
+        return [hw[i] @ np.maximum(_matvecs(iq[i], st["index"][: visible[i]]), 0) for i in range(n)]
+
+    def indexer_select(self, st, qr, a, w, p0, il):
+        cfg = self.cfg
+        n = qr.shape[0]
+        visible = (np.arange(p0, p0 + n) + 1) // cfg.ratio(il)
+        if visible.max() <= cfg.indexer_top_k:
+            return None
         C = int(visible.max())
         mask = np.arange(C)[None, :] < visible[:, None]
-        for i in range(n):
+        for i, score in enumerate(self.indexer_scores(st, qr, a, w, p0, il)):
             if visible[i] > cfg.indexer_top_k:
-                keys = st["index"][: visible[i]]
-                score = hw[i] @ np.maximum(_matvecs(iq[i], keys), 0)  # Σ_h w_h·relu(q_h·k)
                 # stable descending sort: among equal scores the lower row index wins
                 order = np.argsort(-score, kind="stable")
                 keep = np.zeros(C, dtype=bool)
@@ -247,14 +251,18 @@ class ReferenceBackend(Backend):
         low = np.concatenate([_matvecs(og[:, g], A[g]) for g in range(G)], axis=1)
         return _matvecs(low, self._matrix(w_b))
 
+    def router_scores(self, f, gate_inp, bias) -> tuple[np.ndarray, np.ndarray]:
+        """§3.7: the experts' weights p [n, n_expert] and the selection scores (p + bias)."""
+        p = np.sqrt(_softplus(self.linear(f, gate_inp)))
+        return p, (p if bias is None else p + self._vector(bias))
+
     def router(self, f, gate_inp, bias, tid2eid, tokens, il):
         cfg = self.cfg
-        p = np.sqrt(_softplus(self.linear(f, gate_inp)))  # [n, n_expert]
+        p, sel = self.router_scores(f, gate_inp, bias)
         if tid2eid is not None:
             table = tid2eid.values()  # [vocab, k]
             ids = table[np.asarray(tokens, dtype=np.int64)].astype(np.int64)
         else:
-            sel = p if bias is None else p + self._vector(bias)
             ids = np.argsort(-sel, axis=1, kind="stable")[:, : cfg.n_expert_used]
         w = np.take_along_axis(p, ids, axis=1)
         w = w / np.maximum(w.sum(axis=1, keepdims=True), np.float32(6.1035e-5))
@@ -291,7 +299,11 @@ class ReferenceBackend(Backend):
         return self.rms_norm((pre[:, :, None] * X).sum(axis=1).astype(np.float32), norm)
 
     def _head_blocks(self, out):
-        """The LM head decoded in bounded row blocks (it is the largest matrix of the model)."""
+        """The LM head decoded in bounded row blocks (it is the largest matrix of the model), or
+        whole from the cache where it fits there."""
+        if out.dims[0] * out.dims[1] * 4 <= self.cache_bytes:
+            yield 0, self._matrix(out)
+            return
         rows = out.rows()
         for r in range(0, rows.shape[0], HEAD_BLOCK_ROWS):
             yield r, dequantize_rows(rows[r: r + HEAD_BLOCK_ROWS], out.type, out.dims[0])
