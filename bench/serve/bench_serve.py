@@ -84,7 +84,7 @@ def run_generate(args, env) -> dict:
             "ttft_s": n_prompt / prefill + 1 / decode}
 
 
-def run_library(args) -> list[dict]:
+def run_library(args, eng=None) -> list[dict]:
     """`ds4 generate`'s own path (Session.sync, then Session.sample greedy, as the CLI's
     stream_reply runs it) in this process, after one warm-up run, so that neither side pays for
     first-call work (allocation, graph capture) in its timed runs. The same timing as the
@@ -94,7 +94,8 @@ def run_library(args) -> list[dict]:
     from ds4.core.chat import encode_prompt
     from ds4.core.sampling import GREEDY
 
-    eng = ds4.Engine.open(args.model, backend=args.backend)
+    if eng is None:
+        eng = ds4.Engine.open(args.model, backend=args.backend)
     tok = eng.tokenizer
     s = eng.session(ctx=args.ctx)
     rows = []
@@ -114,6 +115,49 @@ def run_library(args) -> list[dict]:
                          "decode_tps": (n - 1) / (t_end - t_first) if n > 1 else float("nan"),
                          "decode_cpu_ms": 1e3 * (cpu_end - cpu_first) / (n - 1) if n > 1 else float("nan")})
     return rows
+
+
+def run_synthetic(args) -> dict:
+    """Full-size shapes without the file: a GGUF whose data is a hole (the real header and
+    vocabulary) opened with the Triton backend's weights generated on the GPU (as
+    bench/triton/bench_full.py does). One process, one engine: the generate path warm, then the
+    same engine behind the HTTP head (uvicorn in a thread on a loopback port), then the generate
+    path again, so that drift in either direction shows."""
+    import socket
+    import threading
+
+    import uvicorn
+
+    import ds4
+    from ds4.core.gguf_write import write_sparse_gguf
+    from ds4.core.tiny import preset_config, preset_vocabulary
+    from ds4.serve.app import create_app
+    from ds4.serve.driver import Driver
+
+    path = "/tmp/ds4-serve-synthetic.gguf"
+    write_sparse_gguf(path, preset_config(args.synthetic), {}, *preset_vocabulary(args.synthetic))
+    eng = ds4.Engine.open(path, backend="triton", synthetic=True)
+    before = run_library(args, eng)
+    driver = Driver(eng, ctx=args.ctx, queue_size=1)
+    app = create_app(driver, model_id="ds4", max_tokens_limit=args.ctx)
+    sock = socket.socket()
+    sock.bind(("127.0.0.1", 0))
+    server = uvicorn.Server(uvicorn.Config(app, log_level="warning"))
+    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
+    thread.start()
+    url = f"http://127.0.0.1:{sock.getsockname()[1]}"
+    while not server.started:
+        time.sleep(0.05)
+    try:
+        stream_once(url, 999, min(args.tokens, 4))
+        serves = [stream_once(url, i, args.tokens) for i in range(args.runs)]
+    finally:
+        server.should_exit = True
+        thread.join()
+        driver.close()
+    driver.session = None
+    after = run_library(args, eng)
+    return {"generate": before + after, "serve": serves, "prompt_tokens": serves[0]["prompt_tokens"]}
 
 
 def process_cpu_s(pid: int | None) -> float:
@@ -169,6 +213,9 @@ def main() -> None:
     ap.add_argument("--ctx", type=int, default=4096)
     ap.add_argument("--out", default=str(ROOT / "bench" / "serve"), help="folder for the results")
     ap.add_argument("--library-only", action="store_true", help=argparse.SUPPRESS)
+    ap.add_argument("--synthetic", default=None, metavar="PRESET",
+                    help="full-size shapes on the Triton backend with weights generated on the GPU "
+                         "(e.g. flash), instead of -m")
     args = ap.parse_args()
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
     from ds4.backends import resolve_backend
@@ -178,6 +225,31 @@ def main() -> None:
 
     if args.library_only:  # (the child process of the library measurement)
         print(json.dumps(run_library(args)))
+        return
+    if args.synthetic:
+        args.backend = "triton"
+        syn = run_synthetic(args)
+        g_dec, s_dec = (statistics.median(r["decode_tps"] for r in syn[k]) for k in ("generate", "serve"))
+        g_ttft, s_ttft = (statistics.median(r["ttft_s"] for r in syn[k]) for k in ("generate", "serve"))
+        summary = {"device": device, "backend": "triton", "model": f"synthetic {args.synthetic} (weights on the GPU)",
+                   "tokens": args.tokens, "runs": args.runs, "prompt_tokens": syn["prompt_tokens"],
+                   "generate": {"ttft_s": g_ttft, "decode_tps": g_dec},
+                   "serve": {"ttft_s": s_ttft, "decode_tps": s_dec},
+                   "head_cost_decode": 1 - s_dec / g_dec, "raw": syn}
+        slug = re.sub(r"[^A-Za-z0-9]+", "-", f"{device}-{args.synthetic}").strip("-").lower()
+        out = Path(args.out)
+        (out / f"results-{slug}.json").write_text(json.dumps(summary, indent=2) + "\n")
+        with open(out / f"results-{slug}.csv", "w", newline="") as f:
+            w = csv.writer(f)
+            w.writerow(["device", "backend", "model", "path", "prompt_tokens", "tokens", "runs",
+                        "ttft_s", "decode_tokens_per_s"])
+            for name, key in (("ds4 generate path (Session.sample, warm)", "generate"),
+                              ("ds4 serve (HTTP, SSE, warm)", "serve")):
+                w.writerow([device, "triton", summary["model"], name, syn["prompt_tokens"], args.tokens,
+                            args.runs, f"{summary[key]['ttft_s']:.4f}", f"{summary[key]['decode_tps']:.3f}"])
+        print(f"device {device}, {summary['model']}: generate path {g_dec:.2f} tokens/s (TTFT "
+              f"{g_ttft * 1e3:.1f} ms), serve {s_dec:.2f} tokens/s (TTFT {s_ttft * 1e3:.1f} ms); "
+              f"head's cost of decode tokens/s: {summary['head_cost_decode'] * 100:+.2f}%")
         return
     gens = [run_generate(args, env) for _ in range(args.runs)]
     argv = [sys.executable, __file__, "--library-only", "--backend", args.backend, "--tokens",
