@@ -1571,6 +1571,15 @@ class TritonBackend(Backend):
     @_op
     def shared_expert(self, f, gate, up, down, il):
         cfg = self.cfg
+        if gate.kt != up.kt or gate.RB != up.RB:
+            # The layout lets the shared gate and up differ in type; the fused gate/up kernels
+            # decode both with one decoder, so such a pair takes two products and the SwiGLU.
+            g, u = self._val(self._linear(f, gate)), self._val(self._linear(f, up))
+            h = torch.empty_like(g)
+            N = g.numel()
+            self._launch(K.swiglu_kernel, (_cdiv(N, 1024),), g, u, h, N, float(cfg.swiglu_clamp[il]),
+                         BLOCK=1024, nbytes=12 * N)
+            return self._linear(h, down)
         if (isinstance(f, _Normed) and f.shape[0] < MM_MIN and f.shape[1] % 32 == 0
                 and self.mv_types.get(int(K.IQ2_XXS)) == 418):
             # the routed experts' gate/up (418) reads f in XQ form: the norm's kernel here, beside

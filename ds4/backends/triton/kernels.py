@@ -1662,6 +1662,14 @@ def add_kernel(a_ptr, b_ptr, out_ptr, n, BLOCK: tl.constexpr):
 
 
 @triton.jit
+def swiglu_kernel(g_ptr, u_ptr, out_ptr, n, clamp, BLOCK: tl.constexpr):
+    """The clamped SwiGLU of gate and up products computed apart (§3.7)."""
+    i = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    m = i < n
+    tl.store(out_ptr + i, _swiglu(tl.load(g_ptr + i, mask=m), tl.load(u_ptr + i, mask=m), clamp), mask=m)
+
+
+@triton.jit
 def hc_mix_kernel(x_ptr, wb, wh, wf, gridp, ksigns, part_ptr, ss_ptr, n, NR, K, RB, KCHUNK,
                   y_ptr, y2_ptr, xo_ptr, post_ptr, comb_ptr, E,
                   NM: tl.constexpr, TYPE: tl.constexpr, NB: tl.constexpr, VB: tl.constexpr,
