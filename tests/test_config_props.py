@@ -20,7 +20,7 @@ import dataclasses
 
 import numpy as np
 import pytest
-from hypothesis import HealthCheck, Phase, example, given, settings
+from hypothesis import HealthCheck, Phase, given, settings
 from hypothesis import strategies as st
 
 import ds4
@@ -34,16 +34,21 @@ MAX_PROMPT = 40
 
 
 @st.composite
-def configs(draw, max_layer=4, max_dim=64, hca_ratios=(2, 3, 8, 16), min_window=1, max_window=8):
-    """A valid ModelConfig at bounded sizes; one HCA ratio per model (transformers has one)."""
-    n_layer = draw(st.integers(1, max_layer))
+def configs(draw, max_layer=4, max_dim=64, hca_ratios=(2, 3, 8, 16), min_window=1, max_window=8,
+            compressed=False, max_expert=8, max_iter=20):
+    """A valid ModelConfig at bounded sizes; one HCA ratio per model (transformers has one).
+    compressed: the first layer CSA and the last HCA (so even the simplest draw has both)."""
+    n_layer = draw(st.integers(2 if compressed else 1, max_layer))
     hca = draw(st.sampled_from(hca_ratios))
-    ratios = tuple(draw(st.lists(st.sampled_from([0, 4, hca]), min_size=n_layer, max_size=n_layer)))
+    ratios = draw(st.lists(st.sampled_from([0, 4, hca]), min_size=n_layer, max_size=n_layer))
+    if compressed:
+        ratios[0], ratios[-1] = 4, hca
+    ratios = tuple(ratios)
     head_dim = draw(st.sampled_from([d for d in (16, 32, 48, 64, 80, 96, 128) if d <= 2 * max_dim]))
     idx_dim = draw(st.sampled_from([16, 32, 64]))
     n_rot = 2 * draw(st.integers(1, min(head_dim, idx_dim) // 2))
     n_head = draw(st.integers(1, 4))
-    n_expert = draw(st.integers(2, 8))
+    n_expert = draw(st.integers(2, max_expert))
     return ModelConfig(
         n_layer=n_layer,
         n_embd=draw(st.sampled_from([d for d in (16, 32, 48, 64) if d <= max_dim])),
@@ -58,7 +63,7 @@ def configs(draw, max_layer=4, max_dim=64, hca_ratios=(2, 3, 8, 16), min_window=
         sliding_window=draw(st.integers(min_window, max_window)),
         indexer_heads=draw(st.integers(1, 4)), indexer_head_dim=idx_dim,
         indexer_top_k=draw(st.integers(1, 4)),
-        n_hc=draw(st.integers(1, 4)), hc_sinkhorn_iter=draw(st.integers(1, 20)),
+        n_hc=draw(st.integers(1, 4)), hc_sinkhorn_iter=draw(st.integers(1, max_iter)),
         compress_ratios=ratios,
         swiglu_clamp=(draw(st.sampled_from([1.0, 4.0, 10.0])),) * n_layer,
         rope_freq_base=draw(st.sampled_from([10000.0, 50000.0])),
@@ -177,7 +182,7 @@ def check_reference_against_transformers(cfg: ModelConfig, tmp, seed: int):
     assert errs[worst] <= PARITY_RTOL, f"position {worst}: relative error {errs[worst]:.2e}"
 
 
-HF_SETTINGS = settings(max_examples=4, derandomize=True, deadline=None, database=None,
+HF_SETTINGS = settings(max_examples=8, derandomize=True, deadline=None, database=None,
                        suppress_health_check=list(HealthCheck))
 
 
@@ -215,7 +220,7 @@ def check_mlx(cfg: ModelConfig, tmp, seed: int, float_type: T):
         assert rel(m.logits, r.logits) <= PARITY_RTOL, f"{numerics}: one-shot prefill"
 
 
-@settings(max_examples=12, derandomize=True, deadline=None, database=None,
+@settings(max_examples=20, derandomize=True, deadline=None, database=None,
           suppress_health_check=list(HealthCheck))
 @given(cfg=configs(), float_type=st.sampled_from([T.F32, T.F16, T.BF16]))
 def test_mlx_matches_reference_on_drawn_configs(cfg, float_type, tmp_path_factory):
@@ -231,7 +236,12 @@ def check_triton(cfg: ModelConfig, tmp, seed: int, float_type: T):
     path = write(cfg, tmp, seed, float_type)
     prompt = prompt_for(cfg, seed, cap=16)
     ref = ds4.Engine.open(path, backend="reference", numerics="exact")
-    tri = ds4.Engine.open(path, backend="triton", numerics="exact", device=device)
+    try:
+        tri = ds4.Engine.open(path, backend="triton", numerics="exact", device=device)
+    except (ValueError, NotImplementedError) as e:  # a refusal must name the key or tensor
+        assert "deepseek4." in str(e) or "weight" in str(e), f"triton refused without naming why: {e}"
+        print(f"triton refuses {cfg}: {e}")
+        return
     a, b = ref.session(ctx=64), tri.session(ctx=64)
     a.sync(prompt[:-2])
     b.sync(prompt[:-2])
@@ -240,6 +250,7 @@ def check_triton(cfg: ModelConfig, tmp, seed: int, float_type: T):
         a.eval(t)
         b.eval(t)
         errs[f"decode{i}"] = rel(b.logits, a.logits)
+    print(f"triton {float_type.name} {cfg}: {errs}")
     assert max(errs.values()) <= TRITON_RTOL, errs
 
 
@@ -253,14 +264,31 @@ def small_config(head_dim: int, n_rot: int) -> ModelConfig:
         context_length=4096, name="ds4-props-small")
 
 
-# the interpreter runs ~0.03 s per program instance: two small draws, not shrunk (a shrink
-# step is a model run); the examples are the issue's cases (head dims 80 and 96, all F32)
+# the interpreter runs ~0.03 s per program instance: two small draws with CSA and HCA layers,
+# not shrunk (a shrink step is a model run); FOUND below holds the cases found so far
 @settings(max_examples=2, derandomize=True, deadline=None, database=None,
           phases=[Phase.explicit, Phase.generate], suppress_health_check=list(HealthCheck))
-@given(cfg=configs(max_layer=2, max_dim=32, hca_ratios=(2, 8), max_window=4),
-       float_type=st.sampled_from([T.F32, T.F16]))
-@example(cfg=small_config(80, 16), float_type=T.F16)  # head dims that are not powers of two
-@example(cfg=small_config(96, 32), float_type=T.F16)
-@example(cfg=small_config(64, 32), float_type=T.F32)  # every weight F32
+@given(cfg=configs(max_layer=2, max_dim=32, hca_ratios=(2, 8), max_window=4, compressed=True,
+                   max_expert=4, max_iter=4),
+       float_type=st.sampled_from([T.F16, T.F32]))
 def test_triton_matches_reference_on_drawn_configs(cfg, float_type, tmp_path_factory):
     check_triton(cfg, tmp_path_factory.mktemp("tri"), seed=3, float_type=float_type)
+
+
+# Configurations the draws found failing (shrunk by hand where hypothesis was not let shrink),
+# kept as regular cases for every backend.
+FOUND = {
+    "head_dim80": (small_config(80, 16), T.F16),  # not a power of two (Triton: arange in rope)
+    "head_dim96": (small_config(96, 32), T.F16),
+    "all_f32": (small_config(64, 32), T.F32),  # every weight F32 (Triton: 0.3-0.4 off)
+}
+
+
+@pytest.mark.parametrize("case", sorted(FOUND))
+def test_mlx_found_configs(case, tmp_path):
+    check_mlx(*FOUND[case][:1], tmp_path, seed=4, float_type=FOUND[case][1])
+
+
+@pytest.mark.parametrize("case", sorted(FOUND))
+def test_triton_found_configs(case, tmp_path):
+    check_triton(*FOUND[case][:1], tmp_path, seed=3, float_type=FOUND[case][1])
