@@ -24,6 +24,7 @@ from .quants import block_format, encode, random_blocks
 
 REAL_VOCAB_SIZE = 129280  # DeepSeek V4's vocabulary
 MIN_SMALL_VOCAB = 300  # the smallest self-consistent byte-level vocabulary (tokenizer.small_vocabulary)
+MIN_TINY_VOCAB = 5  # below MIN_SMALL_VOCAB: BOS, EOS, two byte symbols and their merge
 
 # Real DS4 Flash: 43 layers, two sliding layers then CSA/HCA alternating (spec §1.1).
 _FLASH_RATIOS = (0, 0) + tuple(4 if il % 2 == 0 else 128 for il in range(2, 43))
@@ -86,18 +87,21 @@ def preset_vocabulary(preset: str) -> tuple[list[str], list[str]]:
 
 def synthetic_vocabulary(n_tokens: int) -> tuple[list[str], list[str]]:
     """(tokens, merges) for a model of n_tokens ids: the real vocabulary at its own size, a
-    self-consistent byte-level one from MIN_SMALL_VOCAB ids, and below that BOS, EOS and the
-    first byte symbols without merges: enough for the forward pass, whose token ids are just
-    rows, but a tokenizer of it cannot encode arbitrary text."""
+    self-consistent byte-level one from MIN_SMALL_VOCAB ids, and below that BOS, EOS, the first
+    byte symbols and one merge of the first two (a GGUF cannot store an empty merge list):
+    enough for the forward pass, whose token ids are just rows, but a tokenizer of it encodes
+    only text made of those bytes."""
     from .tokenizer import BOS, EOS, _byte_chars, real_vocabulary, small_vocabulary
 
     if n_tokens == REAL_VOCAB_SIZE:
         return real_vocabulary()
     if n_tokens >= MIN_SMALL_VOCAB:
         return small_vocabulary(n_tokens)
-    if n_tokens < 2:
-        raise ValueError(f"n_tokens: expected at least 2 (BOS and EOS), got {n_tokens}")
-    return [BOS, EOS, *_byte_chars()[: n_tokens - 2]], []
+    if n_tokens < MIN_TINY_VOCAB:
+        raise ValueError(f"n_tokens: expected at least {MIN_TINY_VOCAB} (BOS, EOS, two byte "
+                         f"symbols and their merge), got {n_tokens}")
+    chars = _byte_chars()[: n_tokens - 3]
+    return [BOS, EOS, *chars, chars[0] + chars[1]], [f"{chars[0]} {chars[1]}"]
 
 
 def role_of(name: str) -> str:
