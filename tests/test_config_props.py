@@ -279,6 +279,8 @@ FOUND = {
     "head_dim80": (small_config(80, 16), T.F16),  # not a power of two (Triton: arange in rope)
     "head_dim96": (small_config(96, 32), T.F16),
     "all_f32": (small_config(64, 32), T.F32),  # every weight F32 (Triton: logits far off)
+    # a ratio that is not a power of two (Triton: refused at the first compressor call, not at load)
+    "hca_ratio3": (dataclasses.replace(small_config(64, 32), compress_ratios=(4, 3)), T.F16),
 }
 
 
