@@ -6,6 +6,7 @@ key table of spec §1.2 read back with gguf-py's own reader, and hand-built brok
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import struct
 import time
@@ -251,3 +252,72 @@ def test_not_a_gguf(tmp_path):
         GGUFModel(bad)
     with pytest.raises(FileNotFoundError, match="model file not found"):
         GGUFModel(tmp_path / "absent.gguf")
+
+
+# ---- the synthetic writer: any accepted type per tensor or role, any valid config -------------
+
+def _small_config(**sizes):
+    base = dict(n_layer=2, n_embd=64, n_vocab=20, n_head=1, head_dim=64, n_rot=32, q_lora_rank=32,
+                o_lora_rank=32, o_groups=1, n_expert=4, n_expert_used=2, n_ff_exp=64,
+                n_hash_layer=1, sliding_window=2, indexer_heads=1, indexer_head_dim=32,
+                indexer_top_k=1, n_hc=2, hc_sinkhorn_iter=3, compress_ratios=(4, 2),
+                context_length=256)
+    return preset_config("test", **{**base, **sizes})
+
+
+DENSE_EXPERTS = {"ffn_gate_exps.weight": T.Q8_0, "ffn_up_exps.weight": T.Q8_0,
+                 "ffn_down_exps.weight": T.F16}
+
+
+def test_synthetic_types_by_role_and_by_tensor(tmp_path):
+    """A role's type applies on every layer, a tensor's name wins over its role; read back with
+    gguf-py's own reader."""
+    from ds4.core.tiny import make_synthetic
+
+    cfg = _small_config()
+    types = {**DENSE_EXPERTS, "attn_kv.weight": T.BF16, "blk.1.attn_kv.weight": T.F32,
+             "token_embd.weight": T.Q8_0, "attn_compressor_kv.weight": T.F32}
+    path = make_synthetic(tmp_path / "m.gguf", cfg, types, seed=1)
+    got = {t.name: T(int(t.tensor_type)) for t in GGUFReader(path).tensors}
+    assert got["blk.0.attn_kv.weight"] == T.BF16 and got["blk.1.attn_kv.weight"] == T.F32
+    assert got["token_embd.weight"] == T.Q8_0 and got["output.weight"] == T.Q8_0  # (shipped)
+    assert got["blk.0.attn_compressor_kv.weight"] == got["blk.1.attn_compressor_kv.weight"] == T.F32
+    assert got["blk.1.ffn_down_exps.weight"] == T.F16 and got["blk.0.ffn_up_exps.weight"] == T.Q8_0
+    m = GGUFModel(path)
+    # (the epsilons come back as their float32 roundings)
+    assert m.config == dataclasses.replace(cfg, rms_eps=m.config.rms_eps, hc_eps=m.config.hc_eps)
+    assert m.tensor("output.weight").dims == (64, 20)
+
+
+@pytest.mark.parametrize("types, message", [
+    ({"attn_bogus.weight": T.F16}, r"attn_bogus\.weight: expected a tensor name or role"),
+    ({"attn_norm.weight": T.F16}, r"blk\.0\.attn_norm\.weight: expected type one of F32, got F16"),
+    ({"ffn_down_exps.weight": T.Q2_K},
+     r"blk\.0\.ffn_down_exps\.weight: type Q2_K needs dims\[0\] a multiple of 256, got 64"),
+    ({"ffn_gate_exps.weight": T.F16, "ffn_up_exps.weight": T.F32},
+     r"blk\.0\.ffn_up_exps\.weight: expected the gate's type F16, got F32"),
+])
+def test_synthetic_writer_refuses_what_the_loader_refuses(tmp_path, types, message):
+    from ds4.core.tiny import make_synthetic
+
+    with pytest.raises(ValueError, match=message):
+        make_synthetic(tmp_path / "m.gguf", _small_config(), {**DENSE_EXPERTS, **types})
+    assert not list(tmp_path.iterdir())  # nothing written
+
+
+def test_synthetic_config_sizes_and_tiny_vocabulary(tmp_path):
+    """Sizes the presets never use (head dim 80, 20 ids, one HCA ratio of 3) are written and run
+    by the reference; the vocabulary below 300 ids has BOS, EOS, byte symbols and one merge."""
+    import ds4
+    from ds4.core.tiny import make_synthetic, role_of, synthetic_vocabulary
+
+    cfg = _small_config(head_dim=80, n_rot=16, compress_ratios=(4, 3), n_vocab=20)
+    every_f32 = {role_of(n): T.F32 for n in expected_tensors(cfg) if T.F32 in expected_tensors(cfg)[n].types}
+    path = make_synthetic(tmp_path / "m.gguf", cfg, every_f32, seed=2)
+    tokens, merges = GGUFModel(path).vocabulary
+    assert (tokens, merges) == synthetic_vocabulary(20) and len(tokens) == 20 and len(merges) == 1
+    s = ds4.Engine.open(path, backend="reference", numerics="exact").session(ctx=32)
+    s.sync([1, 5, 19, 3, 7, 7, 2])
+    assert s.logits.shape == (20,) and np.isfinite(s.logits).all()
+    with pytest.raises(ValueError, match="sizes: unknown ModelConfig field"):
+        preset_config("test", head_size=80)

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Callable
 
@@ -19,7 +20,11 @@ from .config import ModelConfig
 from .gguf_write import write_gguf
 from .layout import TensorSpec, expected_tensors
 from .quants import GGMLType as T
-from .quants import encode, random_blocks
+from .quants import block_format, encode, random_blocks
+
+REAL_VOCAB_SIZE = 129280  # DeepSeek V4's vocabulary
+MIN_SMALL_VOCAB = 300  # the smallest self-consistent byte-level vocabulary (tokenizer.small_vocabulary)
+MIN_TINY_VOCAB = 5  # below MIN_SMALL_VOCAB: BOS, EOS, two byte symbols and their merge
 
 # Real DS4 Flash: 43 layers, two sliding layers then CSA/HCA alternating (spec §1.1).
 _FLASH_RATIOS = (0, 0) + tuple(4 if il % 2 == 0 else 128 for il in range(2, 43))
@@ -57,21 +62,82 @@ EXPERT_MIXES = {
 }
 
 
-def preset_config(preset: str, vocab_size: int | None = None) -> ModelConfig:
+def preset_config(preset: str, vocab_size: int | None = None, **sizes) -> ModelConfig:
+    """A preset's config; `sizes` replace any ModelConfig field (n_layer without
+    swiglu_clamp keeps the preset's clamp on every layer). Not validated here."""
     if preset not in PRESETS:
         raise ValueError(f"preset: expected one of {', '.join(PRESETS)}, got {preset!r}")
     kw = dict(PRESETS[preset])
     vocab = kw.pop("vocab")
-    n_vocab = vocab_size if vocab_size is not None else (129280 if vocab == "real" else vocab)
-    kw["swiglu_clamp"] = (10.0,) * kw["n_layer"]
-    return ModelConfig(n_vocab=n_vocab, name=f"ds4-synthetic-{preset}", **kw)
+    n_vocab = vocab_size if vocab_size is not None else (REAL_VOCAB_SIZE if vocab == "real" else vocab)
+    unknown = sorted(set(sizes) - {f.name for f in dataclasses.fields(ModelConfig)} - {"n_vocab"})
+    if unknown:
+        raise ValueError(f"sizes: unknown ModelConfig field(s) {', '.join(unknown)}")
+    kw.update(sizes)
+    kw.setdefault("n_vocab", n_vocab)
+    kw.setdefault("swiglu_clamp", (10.0,) * kw["n_layer"])
+    kw.setdefault("name", f"ds4-synthetic-{preset}")
+    return ModelConfig(**kw)
 
 
 def preset_vocabulary(preset: str) -> tuple[list[str], list[str]]:
-    from .tokenizer import real_vocabulary, small_vocabulary
-
     vocab = PRESETS[preset]["vocab"]
-    return real_vocabulary() if vocab == "real" else small_vocabulary(vocab)
+    return synthetic_vocabulary(REAL_VOCAB_SIZE if vocab == "real" else vocab)
+
+
+def synthetic_vocabulary(n_tokens: int) -> tuple[list[str], list[str]]:
+    """(tokens, merges) for a model of n_tokens ids: the real vocabulary at its own size, a
+    self-consistent byte-level one from MIN_SMALL_VOCAB ids, and below that BOS, EOS, the first
+    byte symbols and one merge of the first two (a GGUF cannot store an empty merge list):
+    enough for the forward pass, whose token ids are just rows, but a tokenizer of it encodes
+    only text made of those bytes."""
+    from .tokenizer import BOS, EOS, _byte_chars, real_vocabulary, small_vocabulary
+
+    if n_tokens == REAL_VOCAB_SIZE:
+        return real_vocabulary()
+    if n_tokens >= MIN_SMALL_VOCAB:
+        return small_vocabulary(n_tokens)
+    if n_tokens < MIN_TINY_VOCAB:
+        raise ValueError(f"n_tokens: expected at least {MIN_TINY_VOCAB} (BOS, EOS, two byte "
+                         f"symbols and their merge), got {n_tokens}")
+    chars = _byte_chars()[: n_tokens - 3]
+    return [BOS, EOS, *chars, chars[0] + chars[1]], [f"{chars[0]} {chars[1]}"]
+
+
+def role_of(name: str) -> str:
+    """A tensor's role, the same on every layer: 'blk.3.attn_q_a.weight' -> 'attn_q_a.weight'."""
+    return name.split(".", 2)[2] if name.startswith("blk.") else name
+
+
+def tensor_types(cfg: ModelConfig, types: Mapping[str, T] | None = None) -> dict[str, T]:
+    """Each tensor's block format: `types` names a tensor ('blk.2.attn_kv.weight') or a role
+    ('attn_kv.weight', every layer's), the tensor's name winning; the rest keep the shipped
+    type. Every choice is checked as the loader checks a file: a type the role accepts, whole
+    blocks along dims[0], and routed gate/up of one type."""
+    specs = expected_tensors(cfg)
+    types = dict(types or {})
+    roles = {role_of(n) for n in specs}
+    unknown = sorted(k for k in types if k not in specs and k not in roles)
+    if unknown:
+        raise ValueError(f"types: {', '.join(unknown)}: expected a tensor name or role of this "
+                         f"layout ({', '.join(sorted(roles))})")
+    out = {}
+    for name, spec in specs.items():
+        ttype = T(types.get(name, types.get(role_of(name), spec.shipped)))
+        if ttype not in spec.types:
+            allowed = ", ".join(sorted(t.name for t in spec.types))
+            raise ValueError(f"{name}: expected type one of {allowed}, got {ttype.name}")
+        unit = block_format(ttype).block_values
+        if spec.dims[0] % unit:
+            raise ValueError(f"{name}: type {ttype.name} needs dims[0] a multiple of {unit}, "
+                             f"got {spec.dims[0]}")
+        out[name] = ttype
+    for il in range(cfg.n_layer):
+        g, u = (out[f"blk.{il}.ffn_{k}_exps.weight"] for k in ("gate", "up"))
+        if g != u:
+            raise ValueError(f"blk.{il}.ffn_up_exps.weight: expected the gate's type {g.name}, "
+                             f"got {u.name}")
+    return out
 
 
 def make_tiny(path: str | os.PathLike, preset: str = "tiny", experts: str = "q2", seed: int = 0,
@@ -84,16 +150,25 @@ def make_tiny(path: str | os.PathLike, preset: str = "tiny", experts: str = "q2"
     # weights still get different fingerprints (which cover metadata, not weight bytes).
     cfg = dataclasses.replace(preset_config(preset, vocab_size=len(tokens)),
                               name=f"ds4-synthetic-{preset}-{experts}-seed{seed}")
-    cfg.validate()
-    specs = expected_tensors(cfg)
     gate_type, down_type = EXPERT_MIXES[experts]
+    types = {"ffn_gate_exps.weight": gate_type, "ffn_up_exps.weight": gate_type,
+             "ffn_down_exps.weight": down_type}
+    return make_synthetic(path, cfg, types, seed, (tokens, merges), progress)
+
+
+def make_synthetic(path: str | os.PathLike, cfg: ModelConfig, types: Mapping[str, T] | None = None,
+                   seed: int = 0, vocabulary: tuple[list[str], list[str]] | None = None,
+                   progress: Callable[[int, int], None] | None = None) -> Path:
+    """Write a synthetic DS4 GGUF of any valid config, with any accepted block format per tensor
+    or role (tensor_types); the vocabulary defaults to synthetic_vocabulary(n_vocab). The same
+    arguments give a byte-identical file."""
+    cfg.validate()
+    chosen = tensor_types(cfg, types)
+    tokens, merges = vocabulary if vocabulary is not None else synthetic_vocabulary(cfg.n_vocab)
+    specs = expected_tensors(cfg)
     data = {}
     for i, spec in enumerate(specs.values()):
-        ttype = spec.shipped
-        if spec.name.endswith(("ffn_gate_exps.weight", "ffn_up_exps.weight")):
-            ttype = gate_type
-        elif spec.name.endswith("ffn_down_exps.weight"):
-            ttype = down_type
+        ttype = chosen[spec.name]
         rng = np.random.default_rng([seed, i])
         data[spec.name] = (ttype, spec.dims, synthetic_tensor(spec, ttype, cfg, rng))
         if progress:
