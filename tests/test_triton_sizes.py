@@ -13,7 +13,6 @@ overflows the indexer's top-k, then decode steps.
 
 from __future__ import annotations
 
-import dataclasses
 
 import numpy as np
 import pytest
@@ -25,10 +24,9 @@ DEVICE = "cuda" if torch.cuda.is_available() else "cpu"  # cpu: the interpreter 
 import ds4  # noqa: E402
 from ds4.core.config import ConfigError  # noqa: E402
 from ds4.core.gguf_model import ModelError  # noqa: E402
-from ds4.core.gguf_write import write_gguf  # noqa: E402
 from ds4.core.layout import expected_tensors  # noqa: E402
 from ds4.core.quants import GGMLType as T  # noqa: E402
-from ds4.core.tiny import preset_config, preset_vocabulary, synthetic_tensor  # noqa: E402
+from ds4.core.tiny import make_synthetic, preset_config  # noqa: E402
 
 # Exact numerics differ from the reference by float32 summation order only: the test preset's
 # whole-model comparison (test_triton_model.LOGITS_RTOL) bounds it.
@@ -39,8 +37,7 @@ DS4_RTOL = 1e-2
 # A small base: three layers of every kind, F16 experts (their rows need no 256-value blocks).
 BASE = dict(n_layer=3, n_embd=128, n_head=4, head_dim=64, n_rot=32, q_lora_rank=64, o_lora_rank=32,
             o_groups=2, n_expert=4, n_expert_used=2, n_ff_exp=64, n_hash_layer=1, sliding_window=6,
-            indexer_heads=2, indexer_head_dim=32, indexer_top_k=3, compress_ratios=(0, 4, 8),
-            swiglu_clamp=(10.0,) * 3)
+            indexer_heads=2, indexer_head_dim=32, indexer_top_k=3, compress_ratios=(0, 4, 8))
 
 CONFIGS = {
     # ds4 numerics: key length − rope = 64, one FP8 block
@@ -54,21 +51,15 @@ CONFIGS = {
 
 
 def write_model(path, overrides: dict, types: dict[str, T] | None = None, seed: int = 0):
-    """A test-vocabulary model of BASE + overrides; `types` maps a tensor-name suffix to a type,
-    given to the tensors of that suffix whose role accepts it."""
-    tokens, merges = preset_vocabulary("test")
-    cfg = dataclasses.replace(preset_config("test", vocab_size=len(tokens)), name="sizes",
-                              **{**BASE, **overrides})
-    cfg.validate()
-    data = {}
-    for i, spec in enumerate(expected_tensors(cfg).values()):
-        ttype = T.F16 if spec.name.endswith("_exps.weight") else spec.shipped
+    """A model of BASE + overrides with the test vocabulary; F16 routed experts unless `types`
+    (roles to types, given where the role accepts the type) says otherwise."""
+    cfg = preset_config("test", **{**BASE, **overrides}, name="sizes")
+    chosen = {"ffn_gate_exps.weight": T.F16, "ffn_up_exps.weight": T.F16, "ffn_down_exps.weight": T.F16}
+    for spec in expected_tensors(cfg).values():
         for suffix, t in (types or {}).items():
             if spec.name.endswith(suffix) and t in spec.types:
-                ttype = t
-        data[spec.name] = (ttype, spec.dims, synthetic_tensor(spec, ttype, cfg, np.random.default_rng([seed, i])))
-    write_gguf(path, cfg, data, tokens, merges)
-    return path
+                chosen[spec.name] = t
+    return make_synthetic(path, cfg, chosen, seed=seed)
 
 
 def _rel(a, b):

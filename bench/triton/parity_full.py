@@ -35,25 +35,9 @@ from collections import defaultdict
 import numpy as np
 
 import ds4
-from ds4.core.gguf_write import write_gguf
-from ds4.core.layout import expected_tensors
-from ds4.core.tiny import EXPERT_MIXES, preset_config, preset_vocabulary, synthetic_tensor
+from ds4.core.tiny import EXPERT_MIXES, make_synthetic, preset_config
 
 CLEAN_RTOL = 2e-3  # what a position without a router or indexer flip must meet (issue #30)
-
-
-def write_model(path: str, cfg, preset: str, experts: str, seed: int) -> None:
-    gate_type, down_type = EXPERT_MIXES[experts]
-    tokens, merges = preset_vocabulary(preset)
-    data = {}
-    for i, spec in enumerate(expected_tensors(cfg).values()):
-        ttype = spec.shipped
-        if spec.name.endswith(("ffn_gate_exps.weight", "ffn_up_exps.weight")):
-            ttype = gate_type
-        elif spec.name.endswith("ffn_down_exps.weight"):
-            ttype = down_type
-        data[spec.name] = (ttype, spec.dims, synthetic_tensor(spec, ttype, cfg, np.random.default_rng([seed, i])))
-    write_gguf(path, cfg, data, tokens, merges)
 
 
 class Recorder:
@@ -165,6 +149,8 @@ def main(argv=None) -> int:
     ap.add_argument("--numerics", default="ds4,exact")
     ap.add_argument("--device", default="cuda")
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--cache-gb", type=float, default=48.0,
+                    help="the reference's cache of decoded matrices, shared by both numerics modes")
     args = ap.parse_args(argv)
 
     ratios = tuple(int(r) for r in args.ratios.split(","))
@@ -176,7 +162,9 @@ def main(argv=None) -> int:
     cfg = dataclasses.replace(base, **kw)
     cfg.validate()
     t0 = time.time()
-    write_model(args.gguf, cfg, args.preset, args.experts, args.seed)
+    gate_type, down_type = EXPERT_MIXES[args.experts]
+    make_synthetic(args.gguf, cfg, {"ffn_gate_exps.weight": gate_type, "ffn_up_exps.weight": gate_type,
+                                    "ffn_down_exps.weight": down_type}, seed=args.seed)
     print(f"wrote {args.gguf} ({os.path.getsize(args.gguf) / 2**30:.1f} GiB) in {time.time() - t0:.0f} s", flush=True)
     os.makedirs(args.out, exist_ok=True)
     prompts = [int(x) for x in args.prompts.split(",")]
@@ -185,8 +173,12 @@ def main(argv=None) -> int:
     rows, summary = [], {"config": {k: (list(v) if isinstance(v, tuple) else v)
                                     for k, v in dataclasses.asdict(cfg).items()},
                          "experts": args.experts, "runs": []}
+    cache = None
     for numerics in args.numerics.split(","):
-        ref = ds4.Engine.open(args.gguf, backend="reference", numerics=numerics)
+        ref = ds4.Engine.open(args.gguf, backend="reference", numerics=numerics,
+                              cache_bytes=int(args.cache_gb * 2**30))
+        if cache is not None:  # decoded weights do not depend on the numerics mode
+            ref.backend._cache, ref.backend._cached = cache
         tri = ds4.Engine.open(args.gguf, backend="triton", numerics=numerics, device=args.device,
                               cuda_graphs=False)
         summary["device"] = tri.backend.device
@@ -213,6 +205,7 @@ def main(argv=None) -> int:
                   f"{run['logits_rel'][0]:.2e}), first flip at {res['first_flip']}, worst clean layer "
                   f"output {res['worst_clean_layer_out']:.2e}, {time.time() - t0:.0f} s", flush=True)
             summary["runs"].append(run)
+        cache = (ref.backend._cache, ref.backend._cached)
     with open(os.path.join(args.out, "parity.json"), "w") as f:
         json.dump(summary, f, indent=1, default=str)
     with open(os.path.join(args.out, "parity.csv"), "w", newline="") as f:
