@@ -22,8 +22,13 @@ LOGITS_RTOL = 1e-3
 # ds4 numerics round K/V to FP8 and the indexer's queries/keys to FP4, and the indexer keeps a
 # discrete top-k: a last-bit difference upstream (summation order) can flip one rounding or one
 # selected row, which moves the logits by more than rounding. Exact numerics has none of these
-# steps and must match to LOGITS_RTOL; ds4 numerics to DS4_RTOL (measured on the H200 over random
-# test models: 2e-5 .. 4e-3).
+# steps and must match to LOGITS_RTOL; ds4 numerics to DS4_RTOL. What sets the two, measured by
+# bench/triton/parity_full.py at the real shapes on the H200 (results_h200/parity/): exact
+# numerics stay within 4e-5 everywhere (LOGITS_RTOL keeps a margin for the test model's random
+# draws); in ds4 numerics every position where no router or indexer choice flipped stays within
+# 2e-3, and each excess is a flip of a near-tie (a reference score margin of 6e-7 to 8e-4; one
+# indexer flip of margin 1.5e-5 moved a step's logits to 2.2e-3, and issue #30 saw 1.1e-2 from
+# the same kind of step). The fixed ds4 case below may contain such a flip, hence 1e-2.
 DS4_RTOL = 1e-2
 GPU = torch.cuda.is_available()
 needs_gpu = pytest.mark.skipif(not GPU, reason="needs CUDA")

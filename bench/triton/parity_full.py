@@ -133,6 +133,16 @@ def compare_calls(ref: dict, tri: dict, k_used: int, top_k: int, rows: list, tag
             "worst_clean_layer_out": worst_clean}
 
 
+def write_results(out: str, summary: dict, rows: list) -> None:
+    with open(os.path.join(out, "parity.json"), "w") as f:
+        json.dump(summary, f, indent=1, default=str)
+    with open(os.path.join(out, "parity.csv"), "w", newline="") as f:
+        w = csv.DictWriter(f, fieldnames=["numerics", "prompt", "step", "layer", "position", "layer_out_rel",
+                                          "clean", "flips"])
+        w.writeheader()
+        w.writerows(rows)
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--out", required=True)
@@ -205,14 +215,9 @@ def main(argv=None) -> int:
                   f"{run['logits_rel'][0]:.2e}), first flip at {res['first_flip']}, worst clean layer "
                   f"output {res['worst_clean_layer_out']:.2e}, {time.time() - t0:.0f} s", flush=True)
             summary["runs"].append(run)
+            write_results(args.out, summary, rows)  # (after each prompt: a long run leaves what it did)
         cache = (ref.backend._cache, ref.backend._cached)
-    with open(os.path.join(args.out, "parity.json"), "w") as f:
-        json.dump(summary, f, indent=1, default=str)
-    with open(os.path.join(args.out, "parity.csv"), "w", newline="") as f:
-        w = csv.DictWriter(f, fieldnames=["numerics", "prompt", "step", "layer", "position", "layer_out_rel",
-                                          "clean", "flips"])
-        w.writeheader()
-        w.writerows(rows)
+    write_results(args.out, summary, rows)
     bad = [r for r in rows if r["clean"] and r["layer_out_rel"] > CLEAN_RTOL]
     print(f"{len(rows)} (layer, position) rows, {len(bad)} clean ones over {CLEAN_RTOL}")
     return 1 if bad else 0
