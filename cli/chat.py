@@ -35,7 +35,7 @@ def register(app: typer.Typer) -> None:
 def turn_tokens(tokenizer, held: list[int], text: str, think: bool, system: str | None) -> list[int]:
     """The session's tokens after one more user turn and the generation prompt."""
     from ds4.core.tokenizer import ASSISTANT, BOS, THINK_END, THINK_START, USER
-    from ds4.serve.prompt import encode_parts
+    from ds4.core.chat import encode_parts
 
     parts = []
     if not held:

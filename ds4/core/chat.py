@@ -45,10 +45,10 @@ class Message:
 
 
 # A prompt part: (True, special-token string) or (False, text to BPE on its own).
-_Part = tuple[bool, str]
+Part = tuple[bool, str]  # (is a special token, its text)
 
 
-def _message_parts(message: Message | Mapping) -> list[_Part]:
+def _message_parts(message: Message | Mapping) -> list[Part]:
     if isinstance(message, Mapping):
         role, content = message["role"], message.get("content") or ""
     else:
@@ -68,13 +68,13 @@ def _message_parts(message: Message | Mapping) -> list[_Part]:
     raise ValueError(f"unknown chat role {role!r}; accepted roles: {', '.join(ROLES)}")
 
 
-def _generation_prompt(think: bool) -> list[_Part]:
+def _generation_prompt(think: bool) -> list[Part]:
     return [(True, ASSISTANT), (True, THINK_START if think else THINK_END)]
 
 
 def _chat_parts(messages: Iterable[Message | Mapping], think: bool, add_generation_prompt: bool,
-                think_max: bool) -> list[_Part]:
-    parts: list[_Part] = [(True, BOS)]
+                think_max: bool) -> list[Part]:
+    parts: list[Part] = [(True, BOS)]
     if think_max:
         parts.append((False, THINK_MAX_PREFIX))
     for message in messages:
@@ -84,8 +84,8 @@ def _chat_parts(messages: Iterable[Message | Mapping], think: bool, add_generati
     return parts
 
 
-def _prompt_parts(prompt: str, system: str | None, think: bool, think_max: bool) -> list[_Part]:
-    parts: list[_Part] = [(True, BOS)]
+def _prompt_parts(prompt: str, system: str | None, think: bool, think_max: bool) -> list[Part]:
+    parts: list[Part] = [(True, BOS)]
     if think_max:
         parts.append((False, THINK_MAX_PREFIX))
     if system:
@@ -93,11 +93,12 @@ def _prompt_parts(prompt: str, system: str | None, think: bool, think_max: bool)
     return parts + [(True, USER), (False, prompt)] + _generation_prompt(think)
 
 
-def _render(parts: list[_Part]) -> str:
+def render_parts(parts: list[Part]) -> str:
     return "".join(text for _, text in parts)
 
 
-def _encode(tokenizer: Tokenizer, parts: list[_Part]) -> list[int]:
+def encode_parts(tokenizer: Tokenizer, parts: list[Part]) -> list[int]:
+    """Token ids of rendered parts: a special part is its one id, text is tokenized."""
     ids: list[int] = []
     for special, text in parts:
         if special:
@@ -111,22 +112,22 @@ def render_chat(messages: Iterable[Message | Mapping], *, think: bool = True,
                 add_generation_prompt: bool = True, think_max: bool = False) -> str:
     """BOS, [Think-Max prefix], the messages in order, then `<｜Assistant｜>` and `<think>`
     (or `</think>` when not thinking) if `add_generation_prompt`."""
-    return _render(_chat_parts(messages, think, add_generation_prompt, think_max))
+    return render_parts(_chat_parts(messages, think, add_generation_prompt, think_max))
 
 
 def render_prompt(prompt: str, *, system: str | None = DEFAULT_SYSTEM, think: bool = True,
                   think_max: bool = False) -> str:
     """The CLI's single-turn prompt; `system=None` or "" leaves the system text out."""
-    return _render(_prompt_parts(prompt, system, think, think_max))
+    return render_parts(_prompt_parts(prompt, system, think, think_max))
 
 
 def encode_chat(tokenizer: Tokenizer, messages: Iterable[Message | Mapping], *, think: bool = True,
                 add_generation_prompt: bool = True, think_max: bool = False) -> list[int]:
     """The ids of `render_chat`'s prompt as ds4 builds them (each text part BPE'd on its own)."""
-    return _encode(tokenizer, _chat_parts(messages, think, add_generation_prompt, think_max))
+    return encode_parts(tokenizer, _chat_parts(messages, think, add_generation_prompt, think_max))
 
 
 def encode_prompt(tokenizer: Tokenizer, prompt: str, *, system: str | None = DEFAULT_SYSTEM,
                   think: bool = True, think_max: bool = False) -> list[int]:
     """The ids of `render_prompt`'s prompt as `ds4_encode_chat_prompt` builds them."""
-    return _encode(tokenizer, _prompt_parts(prompt, system, think, think_max))
+    return encode_parts(tokenizer, _prompt_parts(prompt, system, think, think_max))

@@ -23,12 +23,11 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from ds4.core.chat import THINK_MAX_PREFIX
+from ds4.core.chat import THINK_MAX_PREFIX, Part
 from ds4.core.tokenizer import ASSISTANT, BOS, DSML, EOS, THINK_END, THINK_START, USER, Tokenizer
 
 from .tools import ToolCall, ToolSpec, render_tool_calls, render_tool_prompt, render_tool_result
 
-Part = tuple[bool, str]
 
 
 @dataclass
@@ -91,20 +90,6 @@ def conversation_parts(conv: Conversation, *, think: bool, think_max: bool = Fal
     if add_generation_prompt:
         parts += [(True, ASSISTANT), (True, THINK_START if think else THINK_END)]
     return [(special, text) for special, text in parts if special or text]
-
-
-def encode_parts(tokenizer: Tokenizer, parts: list[Part]) -> list[int]:
-    ids: list[int] = []
-    for special, text in parts:
-        if special:
-            ids.append(tokenizer.special_ids[text])
-        else:
-            ids += tokenizer.encode(text)
-    return ids
-
-
-def render_parts(parts: list[Part]) -> str:
-    return "".join(text for _, text in parts)
 
 
 def add_turn(conv: Conversation, turn: Turn) -> None:

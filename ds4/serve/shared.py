@@ -6,8 +6,10 @@ import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 
+from ds4.core.chat import encode_parts
+
 from .driver import Driver, Failed, Finished, GenRequest, Job, QueueFull, Started, next_event
-from .prompt import Conversation, conversation_parts, encode_parts
+from .prompt import Conversation, conversation_parts
 
 MAX_SEED = (1 << 64) - 1
 MAX_STOP_SEQUENCES = 16
