@@ -645,3 +645,64 @@ def test_tls_files_are_checked():
     with pytest.raises(ValueError, match="cannot load"):
         tls.server_context(tls.TlsFiles("missing.pem", "missing.pem"))
     assert tls.server_context(None) is None and tls.client_context(tls.TlsFiles()) is None
+
+
+def test_ds4t_over_tls(certs):
+    """DS4T's hello, mutual proof and frames run unchanged inside TLS (the leader listens), and
+    a worker that does not trust the leader's certificate gets nowhere."""
+    import socket
+
+    from test_ds4t import LEADER, LIMITS, WORKER, _both, _leader, _rows, _worker
+
+    from ds4.wire import ds4t, tls
+
+    server = tls.server_context(tls.TlsFiles(certs / "cert.pem", certs / "key.pem"))
+    client = tls.client_context(tls.TlsFiles(ca=certs / "cert.pem"))
+    with socket.create_server(("127.0.0.1", 0)) as ls:
+        port = ls.getsockname()[1]
+
+        def leader():
+            conn, _ = ls.accept()
+            with server.wrap_socket(conn, server_side=True) as s:
+                return _leader(s)
+
+        def worker():
+            with client.wrap_socket(socket.create_connection(("127.0.0.1", port), 5.0),
+                                    server_hostname="127.0.0.1") as s:
+                return _worker(s)
+
+        a, b = _both(leader, worker)
+        assert a == (WORKER, 128) and b == (LEADER, 128, ds4t.Stop())
+
+        # the gate exchange on a TLS data connection: both ranks hold the same rank-order sum
+        def rank(r, wrap):
+            with wrap() as s:
+                ch = ds4t.GateChannel(s, LIMITS, r, 1 - r, gate_timeout_ms=5000)
+                return ch.all_reduce(0, ds4t.Gate.ATTN, 1, _rows(r, rows=3))
+
+        def leader_data():
+            conn, _ = ls.accept()
+            return server.wrap_socket(conn, server_side=True)
+
+        def worker_data():
+            return client.wrap_socket(socket.create_connection(("127.0.0.1", port), 5.0),
+                                      server_hostname="127.0.0.1")
+
+        a, b = _both(lambda: rank(0, leader_data), lambda: rank(1, worker_data))
+        assert np.array_equal(a, _rows(0, rows=3) + _rows(1, rows=3)) and np.array_equal(a, b)
+
+        def stranger():  # trusts only the system's CAs, which never signed the leader's
+            with ssl.create_default_context().wrap_socket(socket.create_connection(("127.0.0.1", port), 5.0),
+                                                          server_hostname="127.0.0.1") as s:
+                return _worker(s)
+
+        def leader_refused():
+            conn, _ = ls.accept()
+            try:
+                server.wrap_socket(conn, server_side=True)
+            except (ssl.SSLError, OSError) as e:
+                return e
+            return None
+
+        a, b = _both(leader_refused, stranger)
+        assert isinstance(b, ssl.SSLCertVerificationError)

@@ -108,6 +108,7 @@ from __future__ import annotations
 
 import select
 import socket
+import ssl
 import struct
 import time
 from dataclasses import dataclass, fields
@@ -674,7 +675,7 @@ class GateChannel:
         """One non-blocking send or recv_into; -1 when it would block (nothing moved)."""
         try:
             return op(view)
-        except BlockingIOError:
+        except (BlockingIOError, ssl.SSLWantReadError, ssl.SSLWantWriteError):
             return -1
         except OSError as e:
             raise DS4TClosed("eof", f"gate {expected.describe()}: {e}") from None
@@ -695,7 +696,10 @@ class GateChannel:
                 raise GateTimeout("timeout", f"gate {expected.describe()} not done within "
                                   f"{self.timeout * 1000:g} ms (ours {'sent' if si == len(sends) else 'not sent'}"
                                   f", the peer's {'in' if ri == len(recvs) else 'not in'})")
-            for _, ev in self._poll.poll(max(1, int(left * 1000))):
+            buffered = ri < len(recvs) and _tls_pending(self.sock)
+            for _, ev in self._poll.poll(0 if buffered else max(1, int(left * 1000))) or [(None, 0)]:
+                if buffered:
+                    ev |= select.POLLIN
                 if ev & (select.POLLIN | select.POLLHUP | select.POLLERR) and ri < len(recvs):
                     k = self._io(self.sock.recv_into, recvs[ri][got:], expected)
                     if k == 0:
@@ -716,6 +720,13 @@ class GateChannel:
 # ---- control connection and hello --------------------------------------------------------------
 
 
+def _tls_pending(sock: socket.socket) -> bool:
+    """Whether TLS holds decrypted bytes of this socket in its own buffer, which a poll of the
+    descriptor cannot see (a plain socket has none)."""
+    pending = getattr(sock, "pending", None)
+    return bool(pending and pending())
+
+
 def recv_exact(sock: socket.socket, n: int, timeout: float | None, what: str) -> bytearray:
     """Exactly n bytes from a blocking socket, all within `timeout` seconds (None: no limit)."""
     buf, got = bytearray(n), 0
@@ -732,7 +743,7 @@ def recv_exact(sock: socket.socket, n: int, timeout: float | None, what: str) ->
             if left <= 0:
                 raise DS4TClosed("timeout", f"{what}: {got} of {n} bytes within {timeout:g} s")
             wait = max(1, int(left * 1000))
-        if not poller.poll(wait):
+        if not _tls_pending(sock) and not poller.poll(wait):
             continue
         try:
             k = sock.recv_into(view[got:])
