@@ -9,9 +9,6 @@ routing in layers 0..2, so the stage boundaries used here are: 2 (inside the has
 from __future__ import annotations
 
 import os
-import queue
-import re
-import signal
 import socket
 import subprocess
 import sys
@@ -29,6 +26,7 @@ from ds4.core.sampling import GREEDY, Rng, SamplingParams
 from ds4.core.tiny import make_tiny
 from ds4.pipeline import PipelineError, PipelineRefused, SplitEngine, next_token, topk_for
 from ds4.wire import qkp
+from serve_helpers import Proc
 
 ROOT = Path(__file__).resolve().parents[1]
 TOKEN = "s3cret"
@@ -38,46 +36,19 @@ N_GEN = 8
 CTX = 128
 
 
-class WorkerProc:
+class WorkerProc(Proc):
     """`pipe-worker` in its own process; `port` comes from its first stdout line."""
 
     def __init__(self, model: Path, layers: str, *args: str, port: int = 0, log_dir: Path):
-        self.argv = [sys.executable, "-m", "cli.pipe", "pipe-worker", str(port), layers,
-                     "-m", str(model), *args]
-        self.log = log_dir / f"worker-{layers.replace(':', '-')}-{time.monotonic_ns()}.log"
-        env = {**os.environ, "PYTHONPATH": str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", "")}
-        env.pop("DS4_WIRE_TOKEN", None)
-        self.proc = subprocess.Popen(self.argv, cwd=ROOT, env=env, stdout=subprocess.PIPE,
-                                     stderr=open(self.log, "w"), text=True)
-        self._lines: queue.Queue = queue.Queue()
-        threading.Thread(target=self._pump, daemon=True).start()
-        self.port: int | None = None
-
-    def _pump(self):
-        for line in self.proc.stdout:
-            self._lines.put(line)
-        self._lines.put(None)
+        log = log_dir / f"worker-{layers.replace(':', '-')}-{time.monotonic_ns()}.log"
+        super().__init__(["pipe-worker", str(port), layers, "-m", str(model), *args], log)
 
     def wait_ready(self, timeout: float = 60.0) -> "WorkerProc":
-        try:
-            line = self._lines.get(timeout=timeout)
-        except queue.Empty:
-            line = None
-        m = line and re.search(r"listening on \S+:(\d+)", line)
-        if not m:
-            self.kill()
-            raise AssertionError(f"worker {self.argv} did not start: {self.log.read_text()}")
-        self.port = int(m.group(1))
-        return self
+        return self.wait_listening(timeout)
 
     @property
     def addr(self) -> str:
         return f"127.0.0.1:{self.port}"
-
-    def kill(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGKILL)
-        self.proc.wait(timeout=10)
 
 
 def start_all(*workers: WorkerProc) -> None:
