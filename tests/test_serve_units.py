@@ -252,3 +252,23 @@ def test_exposure_warning_and_api_key(tmp_path, monkeypatch):
         read_api_key(f)
     with pytest.raises(CLIError, match="api-key-file"):
         read_api_key(tmp_path / "missing")
+
+
+@pytest.mark.parametrize("ctx", [4096, 393216])
+def test_think_max_needs_its_context(tok, ctx):
+    """Think-Max's prefix goes into the prompt only where the context holds THINK_MAX_MIN_CONTEXT
+    tokens (as ds4 does); the prefix's text is the spec's, from core/chat.py."""
+    from types import SimpleNamespace
+
+    from ds4.core.chat import THINK_MAX_MIN_CONTEXT, THINK_MAX_PREFIX
+    from ds4.serve.prompt import Conversation, Turn
+    from ds4.serve.shared import encode_conversation
+
+    state = SimpleNamespace(tokenizer=tok, ctx=ctx)
+    conv = Conversation(turns=[Turn("user", "hi")])
+    ids = encode_conversation(state, conv, think=True, think_max=True)
+    plain = encode_conversation(state, conv, think=True, think_max=False)
+    prefix = tok.encode(THINK_MAX_PREFIX)
+    has = any(ids[i:i + len(prefix)] == prefix for i in range(len(ids)))
+    assert has == (ctx >= THINK_MAX_MIN_CONTEXT)
+    assert (ids == plain) == (ctx < THINK_MAX_MIN_CONTEXT)

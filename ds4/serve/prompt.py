@@ -24,7 +24,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from ds4.core.chat import THINK_MAX_PREFIX, Part
-from ds4.core.tokenizer import ASSISTANT, BOS, DSML, EOS, THINK_END, THINK_START, USER, Tokenizer
+from ds4.core.tokenizer import ASSISTANT, BOS, DSML, EOS, THINK_END, THINK_START, USER
 
 from .tools import ToolCall, ToolSpec, render_tool_calls, render_tool_prompt, render_tool_result
 

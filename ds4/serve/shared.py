@@ -6,7 +6,7 @@ import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 
-from ds4.core.chat import encode_parts
+from ds4.core.chat import THINK_MAX_MIN_CONTEXT, encode_parts
 
 from .driver import Driver, Failed, Finished, GenRequest, Job, QueueFull, Started, next_event
 from .prompt import Conversation, conversation_parts

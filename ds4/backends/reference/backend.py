@@ -16,7 +16,7 @@ import numpy as np
 from ...core import numerics as nx
 from ...core.config import ModelConfig
 from ...core.gguf_model import Tensor
-from ...core.quants import GGMLType, dequantize_rows
+from ...core.quants import dequantize_rows
 from ...core.rope import layer_inv_freq
 from ..base import Backend
 
