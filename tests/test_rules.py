@@ -80,3 +80,16 @@ def test_mlx_runs_the_same_float32_operations():
     w = np.abs(rng.standard_normal((5, 6))).astype(np.float32)
     np.testing.assert_allclose(np.array(rules.router_weights(mx.array(w), 1.5, mx, f32)),
                                rules.router_weights(w, 1.5), rtol=1e-6)
+
+
+def test_softmax_pool_per_dimension_and_empty_windows():
+    rng = np.random.default_rng(3)
+    scores = rng.standard_normal((4, 3)).astype(np.float32)
+    values = rng.standard_normal((4, 3)).astype(np.float32)
+    scores[:, 2] = -np.inf  # a dimension with no score yet pools to 0 (§3.5)
+    got = rules.softmax_pool(scores, values, 0)
+    for j in range(2):
+        s = scores[:, j].astype(np.float64)
+        e = np.exp(s - s.max())
+        np.testing.assert_allclose(got[j], (e / e.sum()) @ values[:, j], rtol=1e-6)
+    assert got[2] == 0.0

@@ -33,6 +33,16 @@ def overlapping_lanes(prev, cur, d: int, xp=np):
     return xp.concatenate([prev[..., :d], cur[..., d:]], axis=-2)
 
 
+def softmax_pool(scores, values, axis: int, xp=np):
+    """§3.5: the compressor's pooling, a softmax over the window's rows (`axis`) of `scores`,
+    per dimension, applied to `values`; a dimension whose scores are all −∞ pools to 0."""
+    top = scores.max(axis=axis, keepdims=True)
+    p = xp.exp(scores - xp.where(xp.isfinite(top), top, 0.0))
+    den = p.sum(axis=axis)
+    ok = den > 0
+    return xp.where(ok, (p * values).sum(axis=axis) / xp.where(ok, den, 1.0), 0.0)
+
+
 def visible_compressed_rows(t, ratio: int):
     """§3.5 (used by §3.4 and §3.6): the query at position t sees compressed rows
     0 .. (t + 1) // ratio − 1, those of the windows that closed at or before t."""

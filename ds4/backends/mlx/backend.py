@@ -75,12 +75,8 @@ def sink_softmax(s: mx.array, mask: mx.array, sink: mx.array):
 
 
 def softmax_pool(scores: mx.array, values: mx.array) -> mx.array:
-    """Per-dimension softmax over axis 1 of `scores` applied to `values`; all −∞ -> 0."""
-    m = scores.max(axis=1, keepdims=True)
-    p = mx.exp(scores - mx.where(mx.isfinite(m), m, 0.0))
-    den = p.sum(axis=1)
-    ok = den > 0
-    return mx.where(ok, (p * values).sum(axis=1) / mx.where(ok, den, 1.0), 0.0)
+    """§3.5 (core.rules.softmax_pool) over axis 1, the rows of each window [w, rows, d]."""
+    return rules.softmax_pool(scores, values, 1, mx)
 
 
 def hc_split(mix: mx.array, scale: mx.array, base: mx.array, n_hc: int, iters: int, eps: float):

@@ -328,12 +328,8 @@ class ReferenceBackend(Backend):
 
 
 def softmax_pool(scores: np.ndarray, values: np.ndarray) -> np.ndarray:
-    """Per-dimension softmax over rows of `scores` applied to `values`; all −∞ -> 0."""
-    mx = scores.max(axis=0)
-    safe = np.where(np.isfinite(mx), mx, 0)
-    p = np.exp(scores - safe)
-    den = p.sum(axis=0)
-    return np.where(den > 0, (p * values).sum(axis=0) / np.where(den > 0, den, 1), 0).astype(np.float32)
+    """§3.5 (core.rules.softmax_pool) over the rows of one window [rows, d]."""
+    return rules.softmax_pool(scores, values, 0).astype(np.float32)
 
 
 def rope_tail(x: np.ndarray, positions: np.ndarray, inv_freq: np.ndarray, n_rot: int,
