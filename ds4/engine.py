@@ -20,7 +20,7 @@ from .backends import backend_class
 from .core.gguf_model import GGUFModel
 from .core.graph import chunk_bounds, forward_chunk
 from .core.sampling import GREEDY, Rng, SamplingParams, sample, unsorted_path
-from .core.state import FILL, SessionLayout, layer_state_shapes
+from .core.state import SessionLayout, alloc_states, states_from_host, states_to_host
 from .core.tokenizer import Tokenizer
 from .core.weights import bind_weights
 
@@ -116,8 +116,7 @@ class Session:
 
     def _reset_state(self) -> None:
         be, cfg = self.engine.backend, self.engine.config
-        self.states = {il: be.alloc_state(layer_state_shapes(cfg, self.layout, il), FILL)
-                       for il in self.engine.weights.layers}
+        self.states = alloc_states(be, cfg, self.layout, self.engine.weights.layers)
         self._tokens = []
         self._logits = None
 
@@ -248,18 +247,14 @@ class Session:
     def snapshot(self) -> "Snapshot":
         """A host copy of the whole session (state arrays, tokens, logits) to restore later."""
         be = self.engine.backend
-        arrays = {il: {name: be.state_to_numpy(st, name) for name in st}
-                  for il, st in self.states.items()}
+        arrays = states_to_host(be, self.states)
         logits = None if self._logits is None else self._logits.copy()
         return Snapshot(list(self._tokens), logits, arrays, self.layout)
 
     def restore(self, snap: "Snapshot") -> None:
         if snap.layout != self.layout:
             raise ValueError(f"snapshot: expected a session layout {self.layout}, got {snap.layout}")
-        be = self.engine.backend
-        for il, st in self.states.items():
-            for name in st:
-                be.state_from_numpy(st, name, snap.arrays[il][name])
+        states_from_host(self.engine.backend, self.states, snap.arrays)
         self._tokens = list(snap.tokens)
         self._logits = None if snap.logits is None else snap.logits.copy()
 

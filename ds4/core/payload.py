@@ -40,7 +40,7 @@ from .payload_identity import (E_CHECKSUM, E_IDENTITY, E_MODEL, Identity, ModelR
                                PayloadError, _check_digest, _fail, check_model, read_identity,
                                verify_digest)
 from .config import CSA, ModelConfig
-from .state import FILL, SessionLayout, layer_state_shapes
+from .state import SessionLayout, host_layer_state, layer_from_host
 
 MAGIC = 0x34565344  # b"DSV4"
 VERSION = 2  # written
@@ -438,8 +438,7 @@ def host_state(p: Payload, cfg: ModelConfig, layout: SessionLayout, il: int) -> 
     """Layer il's full state arrays (session layout) rebuilt from a payload: raw rows back into
     the ring at pos % raw_cap, compressed rows from row 0, frontiers whole, the rest as a fresh
     session has them."""
-    shapes = layer_state_shapes(cfg, layout, il)
-    out = {name: np.full(shape, FILL[name], dtype=np.float32) for name, shape in shapes.items()}
+    out = host_layer_state(cfg, layout, il)
     T = p.header.n_tokens
     for name, block in p.layers[il].items():
         if name == "raw":
@@ -460,9 +459,7 @@ def load_session(session, src, nbytes: int | None = None) -> tuple[list[int], np
     p = read_payload(src, cfg, layout, nbytes, ModelRef.of(getattr(session.engine, "model", None)))
     try:
         for il, st in session.states.items():
-            arrays = host_state(p, cfg, layout, il)
-            for name in st:
-                be.state_from_numpy(st, name, arrays[name])
+            layer_from_host(be, st, host_state(p, cfg, layout, il))
     except BaseException:
         session.sync([])  # never leave a half-written state behind
         raise

@@ -71,3 +71,35 @@ def layer_state_shapes(cfg: ModelConfig, layout: SessionLayout, il: int) -> dict
         shapes["index"] = (layout.layer_comp_cap(cfg, il), ID)
         shapes["index_kv"] = shapes["index_score"] = (2 * m, 2 * ID)
     return shapes
+
+
+# The one place a session's state is allocated and copied (engine sessions, pipeline stages,
+# snapshots, DSV4 payloads), so every holder lays it out and fills it the same way. `be` is any
+# ds4.backends.base.Backend; a layer's state is its dict name -> backend array.
+
+def alloc_states(be, cfg: ModelConfig, layout: SessionLayout, layers) -> dict[int, dict]:
+    """Fresh state (FILL values) on backend `be` for each layer index in `layers`."""
+    return {il: be.alloc_state(layer_state_shapes(cfg, layout, il), FILL) for il in layers}
+
+
+def host_layer_state(cfg: ModelConfig, layout: SessionLayout, il: int) -> dict[str, np.ndarray]:
+    """Layer il's fresh state as host float32 arrays, as `alloc_states` fills it on a device."""
+    return {name: np.full(shape, FILL[name], dtype=np.float32)
+            for name, shape in layer_state_shapes(cfg, layout, il).items()}
+
+
+def states_to_host(be, states: dict[int, dict]) -> dict[int, dict[str, np.ndarray]]:
+    """A host copy of every layer's state arrays (a snapshot's body)."""
+    return {il: {name: be.state_to_numpy(st, name) for name in st} for il, st in states.items()}
+
+
+def layer_from_host(be, st: dict, arrays: dict[str, np.ndarray]) -> None:
+    """Overwrite one layer's state with host arrays of the same shapes (the backend checks them)."""
+    for name in st:
+        be.state_from_numpy(st, name, arrays[name])
+
+
+def states_from_host(be, states: dict[int, dict], arrays: dict[int, dict[str, np.ndarray]]) -> None:
+    """Overwrite every layer's state with the host copy `states_to_host` made."""
+    for il, st in states.items():
+        layer_from_host(be, st, arrays[il])

@@ -10,7 +10,7 @@ import numpy as np
 
 from ..core.graph import run_layers
 from ..core.sampling import argmax, top_candidates
-from ..core.state import FILL, SessionLayout, layer_state_shapes
+from ..core.state import SessionLayout, alloc_states, states_from_host, states_to_host
 from ..engine import Engine
 from ..wire import qkp
 from .common import DEFAULT_MAX_ROWS
@@ -75,7 +75,7 @@ class Stage:
 
     def _alloc(self) -> dict:
         be, cfg = self.backend, self.engine.config
-        return {il: be.alloc_state(layer_state_shapes(cfg, self.layout, il), FILL) for il in self.layers}
+        return alloc_states(be, cfg, self.layout, self.layers)
 
     # ---- ownership ----
 
@@ -170,10 +170,7 @@ class Stage:
                 index = next((i for i in range(len(self.snapshots)) if i not in taken), None)
                 if index is None:
                     return qkp.STATUS_SNAPSHOTS_FULL
-            be = self.backend
-            arrays = {il: {name: be.state_to_numpy(st, name) for name in st}
-                      for il, st in slot.states.items()}
-            self.snapshots[index] = _StageSnapshot(slot.pos, arrays)
+            self.snapshots[index] = _StageSnapshot(slot.pos, states_to_host(self.backend, slot.states))
             mine[h.n] = index
             return qkp.STATUS_OK
 
@@ -191,9 +188,7 @@ class Stage:
             if slot.states is None:
                 slot.states = self._alloc()
             slot.pos = -1
-            for il, st in slot.states.items():
-                for name in st:
-                    self.backend.state_from_numpy(st, name, snap.arrays[il][name])
+            states_from_host(self.backend, slot.states, snap.arrays)
             slot.pos = snap.count
             return qkp.STATUS_OK
 

@@ -24,6 +24,7 @@ import numpy as np
 
 import mlx.core as mx
 
+from ...core import rules
 from ...core.config import ModelConfig
 from ...core.gguf_model import Tensor
 from ...core.rope import layer_inv_freq
@@ -40,7 +41,7 @@ def _f32(v) -> mx.array:
 
 
 def _sigmoid(x):
-    return 1.0 / (1.0 + mx.exp(-x))
+    return rules.sigmoid(x, mx)
 
 
 def _swiglu(g, u, clamp: float):
@@ -53,18 +54,6 @@ def _softplus(x):
     # ds4's thresholds: x > 20 -> x, x < −20 -> e^x
     return mx.where(x > 20, x, mx.where(x < -20, mx.exp(mx.minimum(x, 0.0)),
                                         mx.log1p(mx.exp(mx.minimum(x, 20.0)))))
-
-
-def sinkhorn(c: mx.array, iters: int, eps: float) -> mx.array:
-    """§3.2: row softmax + eps, a column normalisation, then iters−1 row/column rounds."""
-    e = _f32(eps)
-    c = mx.exp(c - c.max(axis=-1, keepdims=True))
-    c = c / c.sum(axis=-1, keepdims=True) + e
-    c = c / (c.sum(axis=-2, keepdims=True) + e)
-    for _ in range(iters - 1):
-        c = c / (c.sum(axis=-1, keepdims=True) + e)
-        c = c / (c.sum(axis=-2, keepdims=True) + e)
-    return c
 
 
 def kv_round(kv: mx.array, n_nope: int) -> mx.array:
@@ -86,21 +75,13 @@ def sink_softmax(s: mx.array, mask: mx.array, sink: mx.array):
 
 
 def softmax_pool(scores: mx.array, values: mx.array) -> mx.array:
-    """Per-dimension softmax over axis 1 of `scores` applied to `values`; all −∞ -> 0."""
-    m = scores.max(axis=1, keepdims=True)
-    p = mx.exp(scores - mx.where(mx.isfinite(m), m, 0.0))
-    den = p.sum(axis=1)
-    ok = den > 0
-    return mx.where(ok, (p * values).sum(axis=1) / mx.where(ok, den, 1.0), 0.0)
+    """§3.5 (core.rules.softmax_pool) over axis 1, the rows of each window [w, rows, d]."""
+    return rules.softmax_pool(scores, values, 1, mx)
 
 
 def hc_split(mix: mx.array, scale: mx.array, base: mx.array, n_hc: int, iters: int, eps: float):
-    """§3.2: the mHC mixing projection -> (pre [n, HC], post [n, HC], comb [n, HC, HC])."""
-    HC = n_hc
-    pre = _sigmoid(mix[:, :HC] * scale[0] + base[:HC]) + _f32(eps)
-    post = 2 * _sigmoid(mix[:, HC:2 * HC] * scale[1] + base[HC:2 * HC])
-    c = (mix[:, 2 * HC:] * scale[2] + base[2 * HC:]).reshape(-1, HC, HC)
-    return pre, post, sinkhorn(c, iters, eps)
+    """§3.2 (core.rules.mhc_split) in MLX: -> (pre [n, HC], post [n, HC], comb [n, HC, HC])."""
+    return rules.mhc_split(mix, scale, base, n_hc, iters, eps, mx, _f32)
 
 
 def topk_mask_stable(score: mx.array, k: int) -> mx.array:
@@ -190,15 +171,12 @@ class MLXBackend(Backend):
         self._pending.clear()
         return arrays
 
-    def from_numpy(self, x) -> mx.array:
-        """Host rows (e.g. a pipeline stage's incoming mHC state) as an MLX array."""
-        return mx.array(np.asarray(x, dtype=np.float32))
-
     def to_numpy(self, x):
         mx.eval(x, *self._pending_arrays())  # the step's one evaluation
         return np.array(x, copy=True)
 
-    def from_numpy(self, x):
+    def from_numpy(self, x) -> mx.array:
+        """Host rows (e.g. a pipeline stage's incoming mHC state) as an MLX array."""
         return mx.array(np.ascontiguousarray(x, dtype=np.float32))
 
     # ---- helpers --------------------------------------------------------------------------------
@@ -281,6 +259,7 @@ class MLXBackend(Backend):
         latest position with that row's residue (what the loop leaves behind)."""
         cfg = self.cfg
         m = cfg.ratio(il)
+        overlap = cfg.compressor_lanes(il) > 1
         d = cfg.indexer_head_dim if indexer else cfg.head_dim
         prefix = "index" if indexer else "comp"
         n = a.shape[0]
@@ -289,7 +268,7 @@ class MLXBackend(Backend):
         kv_new = w.kv.matmul(a)  # [n, c·d]
         sc_new = w.gate.matmul(a) + mx.take(w.ape.f32(), mx.array(pos % m), axis=0)
         skv, ssc = st[prefix + "_kv"], st[prefix + "_score"]
-        off = 4 if m == 4 else 0  # rows 0..3 of a ratio-4 frontier: the previous window
+        off = m if overlap else 0  # rows 0..m−1 of a two-lane frontier: the previous window
         w0, w1 = p0 // m, T // m  # windows w0 .. w1−1 close in this chunk
         fill = p0 - w0 * m  # tokens of window w0 already in the frontier
         tl_kv = mx.concatenate([skv[: off + fill], kv_new]) if off + fill else kv_new
@@ -300,11 +279,11 @@ class MLXBackend(Backend):
         if nw:
             cur_kv = tl_kv[off: off + nw * m].reshape(nw, m, -1)
             cur_sc = tl_sc[off: off + nw * m].reshape(nw, m, -1)
-            if m == 4:  # previous window's first half of the lanes, current window's second
-                prev_kv = tl_kv[: nw * 4].reshape(nw, 4, -1)
-                prev_sc = tl_sc[: nw * 4].reshape(nw, 4, -1)
-                kv = mx.concatenate([prev_kv[..., :d], cur_kv[..., d:]], axis=1)
-                sc = mx.concatenate([prev_sc[..., :d], cur_sc[..., d:]], axis=1)
+            if overlap:
+                prev_kv = tl_kv[: nw * m].reshape(nw, m, -1)
+                prev_sc = tl_sc[: nw * m].reshape(nw, m, -1)
+                kv = rules.overlapping_lanes(prev_kv, cur_kv, d, mx)
+                sc = rules.overlapping_lanes(prev_sc, cur_sc, d, mx)
             else:
                 kv, sc = cur_kv, cur_sc
             out = self.rms_norm(softmax_pool(sc, kv), w.norm)
@@ -314,13 +293,13 @@ class MLXBackend(Backend):
             st[prefix] = mx.slice_update(st[prefix], out, mx.array([w0]), axes=(0,))
 
         # the new frontier: row off + q % m <- position q for the chunk's last m positions; for
-        # ratio 4 rows 0..3 <- the last window that closed
+        # two lanes rows 0..m−1 <- the last window that closed
         rows = skv.shape[0]
         src = np.arange(rows)
         for q in range(max(w0 * m, T - m), T):
             src[off + q % m] = rows + q - t0
-        if m == 4 and nw:
-            src[:4] = rows + (w1 - 1) * 4 - t0 + np.arange(4)
+        if overlap and nw:
+            src[:m] = rows + (w1 - 1) * m - t0 + np.arange(m)
         src = mx.array(src.astype(np.int32))
         st[prefix + "_kv"] = mx.take(mx.concatenate([skv, tl_kv]), src, axis=0)
         st[prefix + "_score"] = mx.take(mx.concatenate([ssc, tl_sc]), src, axis=0)
@@ -336,7 +315,7 @@ class MLXBackend(Backend):
         n = qr.shape[0]
         m = cfg.ratio(il)
         pos = np.arange(p0, p0 + n)
-        visible = (pos + 1) // m  # compressed rows each query may see
+        visible = rules.visible_compressed_rows(pos, m)
         k = cfg.indexer_top_k
         if visible.max() <= k:
             return None
@@ -379,7 +358,7 @@ class MLXBackend(Backend):
             s = (qb @ raw.T) / scale  # [b, H, cap]
             mask = mx.array((held >= 0) & (held >= t - W + 1) & (held <= t))
             if C:
-                vis = mx.array(np.arange(C)[None, :] < (t + 1) // m)
+                vis = mx.array(np.arange(C)[None, :] < rules.visible_compressed_rows(t, m))
                 if selected is not None:
                     vis = vis & selected[i0:i1]
                 s = mx.concatenate([s, (qb @ comp.T) / scale], axis=-1)
@@ -407,8 +386,7 @@ class MLXBackend(Backend):
             ids = topk_ids_stable(p if bias is None else p + bias.f32(), cfg.n_expert_used)
         ids = ids.astype(mx.uint32)
         w = mx.take_along_axis(p, ids, axis=1)
-        w = w / mx.maximum(w.sum(axis=1, keepdims=True), _f32(6.1035e-5))
-        return ids, w * _f32(cfg.expert_weights_scale)
+        return ids, rules.router_weights(w, cfg.expert_weights_scale, mx, _f32)
 
     def _experts_mm(self, x, w: Weight, idx):
         """x [n, s, 1, in] (s = 1 or k) through expert w[idx[t, j]] -> [n, k, 1, out]."""
@@ -464,7 +442,7 @@ class MLXBackend(Backend):
         x = X[-1:]  # [1, HC, E]
         flat = self._rms(x.reshape(1, -1))
         mix = hc.fn.matmul(flat)
-        pre = _sigmoid(mix * hc.scale.f32()[0] + hc.base.f32()) + _f32(cfg.hc_eps)
+        pre = rules.mhc_pre_weights(mix, hc.scale.f32()[0], hc.base.f32(), cfg.hc_eps, mx, _f32)
         h = self.rms_norm((pre[:, None, :] @ x)[:, 0, :], norm)  # [1, E]
         if out.form == "affine":
             return out.matmul(h)[0]

@@ -14,6 +14,7 @@ from collections import OrderedDict
 import numpy as np
 
 from ...core import numerics as nx
+from ...core import rules
 from ...core.config import ModelConfig
 from ...core.gguf_model import Tensor
 from ...core.quants import dequantize_rows
@@ -41,8 +42,7 @@ def _matvecs(x: np.ndarray, m: np.ndarray) -> np.ndarray:
     return out
 
 
-def _sigmoid(x):
-    return 1.0 / (1.0 + np.exp(-x))
+_sigmoid = rules.sigmoid
 
 
 def _softplus(x):
@@ -122,11 +122,9 @@ class ReferenceBackend(Backend):
         n, HC, E = X.shape
         flat = _rms(X.reshape(n, HC * E), cfg.rms_eps)
         mix = _matvecs(flat, self._matrix(hc.fn))  # [n, (2+HC)·HC]
-        scale, base = self._vector(hc.scale), self._vector(hc.base)
-        pre = _sigmoid(mix[:, :HC] * scale[0] + base[:HC]) + np.float32(cfg.hc_eps)
-        post = 2 * _sigmoid(mix[:, HC:2 * HC] * scale[1] + base[HC:2 * HC])
-        c = (mix[:, 2 * HC:] * scale[2] + base[2 * HC:]).reshape(n, HC, HC)
-        comb = sinkhorn(c, cfg.hc_sinkhorn_iter, cfg.hc_eps)
+        pre, post, comb = rules.mhc_split(mix, self._vector(hc.scale), self._vector(hc.base), HC,
+                                          cfg.hc_sinkhorn_iter, cfg.hc_eps)
+        comb = comb.astype(np.float32)
         x_in = (pre[:, :, None] * X).sum(axis=1)
         return x_in.astype(np.float32), post.astype(np.float32), comb
 
@@ -158,6 +156,8 @@ class ReferenceBackend(Backend):
     def compressor(self, st, a, w, p0, il, indexer):
         cfg = self.cfg
         m = cfg.ratio(il)
+        overlap = cfg.compressor_lanes(il) > 1
+        off = m if overlap else 0  # frontier rows 0..m−1 of a two-lane compressor: previous window
         d = cfg.indexer_head_dim if indexer else cfg.head_dim
         prefix = "index" if indexer else "comp"
         state_kv, state_score, rows = st[prefix + "_kv"], st[prefix + "_score"], st[prefix]
@@ -167,14 +167,14 @@ class ReferenceBackend(Backend):
         freq = self._freq[il]
         for i in range(a.shape[0]):
             pos = p0 + i
-            row = m + pos % m if m == 4 else pos % m
+            row = off + pos % m
             state_kv[row] = kv_all[i]
             state_score[row] = sc_all[i] + ape[pos % m]
             if (pos + 1) % m:
                 continue
-            if m == 4:  # two overlapping lanes: previous window's first half, current's second
-                sc = np.concatenate([state_score[:4, :d], state_score[4:, d:]])
-                kv = np.concatenate([state_kv[:4, :d], state_kv[4:, d:]])
+            if overlap:
+                sc = rules.overlapping_lanes(state_score[:m], state_score[m:], d)
+                kv = rules.overlapping_lanes(state_kv[:m], state_kv[m:], d)
             else:
                 sc, kv = state_score, state_kv
             pooled = softmax_pool(sc, kv)
@@ -184,16 +184,16 @@ class ReferenceBackend(Backend):
                 out = nx.indexer_qat(out) if indexer else nx.fp8_kv_roundtrip(out, cfg.n_nope)
                 out = nx.f16_round(out)
             rows[pos // m] = out[0]
-            if m == 4:
-                state_kv[:4] = state_kv[4:]
-                state_score[:4] = state_score[4:]
+            if overlap:
+                state_kv[:m] = state_kv[m:]
+                state_score[:m] = state_score[m:]
 
     def indexer_scores(self, st, qr, a, w, p0, il) -> list[np.ndarray]:
         """§3.6: each query's score of every compressed row it may see, Σ_h w_h·relu(q_h·k)."""
         cfg = self.cfg
         n = qr.shape[0]
         pos = np.arange(p0, p0 + n)
-        visible = (pos + 1) // cfg.ratio(il)  # compressed rows each query may see
+        visible = rules.visible_compressed_rows(pos, cfg.ratio(il))
         IH, ID = cfg.indexer_heads, cfg.indexer_head_dim
         iq = self.linear(qr, w.q_b).reshape(n, IH, ID)
         iq = rope_tail(iq, pos, self._freq[il], cfg.n_rot)
@@ -205,7 +205,7 @@ class ReferenceBackend(Backend):
     def indexer_select(self, st, qr, a, w, p0, il):
         cfg = self.cfg
         n = qr.shape[0]
-        visible = (np.arange(p0, p0 + n) + 1) // cfg.ratio(il)
+        visible = rules.visible_compressed_rows(np.arange(p0, p0 + n), cfg.ratio(il))
         if visible.max() <= cfg.indexer_top_k:
             return None
         C = int(visible.max())
@@ -231,7 +231,7 @@ class ReferenceBackend(Backend):
             t = p0 + i
             keys = raw[np.arange(max(0, t - W + 1), t + 1) % raw.shape[0]]
             if m:
-                visible = np.arange((t + 1) // m)
+                visible = np.arange(rules.visible_compressed_rows(t, m))
                 if selected is not None:
                     visible = visible[selected[i, : visible.size]]
                 keys = np.concatenate([keys, st["comp"][visible]])
@@ -264,9 +264,8 @@ class ReferenceBackend(Backend):
             ids = table[np.asarray(tokens, dtype=np.int64)].astype(np.int64)
         else:
             ids = np.argsort(-sel, axis=1, kind="stable")[:, : cfg.n_expert_used]
-        w = np.take_along_axis(p, ids, axis=1)
-        w = w / np.maximum(w.sum(axis=1, keepdims=True), np.float32(6.1035e-5))
-        return ids, (w * np.float32(cfg.expert_weights_scale)).astype(np.float32)
+        w = rules.router_weights(np.take_along_axis(p, ids, axis=1), cfg.expert_weights_scale)
+        return ids, w.astype(np.float32)
 
     def moe(self, f, ids, weights, gate, up, down, il):
         clamp = self.cfg.swiglu_clamp[il]
@@ -295,7 +294,7 @@ class ReferenceBackend(Backend):
         cfg = self.cfg
         flat = _rms(X.reshape(X.shape[0], -1), cfg.rms_eps)
         mix = _matvecs(flat, self._matrix(hc.fn))
-        pre = _sigmoid(mix * self._vector(hc.scale)[0] + self._vector(hc.base)) + np.float32(cfg.hc_eps)
+        pre = rules.mhc_pre_weights(mix, self._vector(hc.scale)[0], self._vector(hc.base), cfg.hc_eps)
         return self.rms_norm((pre[:, :, None] * X).sum(axis=1).astype(np.float32), norm)
 
     def _head_blocks(self, out):
@@ -328,24 +327,9 @@ class ReferenceBackend(Backend):
         return ids
 
 
-def sinkhorn(c: np.ndarray, iters: int, eps: float) -> np.ndarray:
-    """§3.2: row softmax + eps, a column normalisation, then iters−1 row/column rounds."""
-    c = np.exp(c - c.max(axis=-1, keepdims=True))
-    c = c / c.sum(axis=-1, keepdims=True) + np.float32(eps)
-    c = c / (c.sum(axis=-2, keepdims=True) + np.float32(eps))
-    for _ in range(iters - 1):
-        c = c / (c.sum(axis=-1, keepdims=True) + np.float32(eps))
-        c = c / (c.sum(axis=-2, keepdims=True) + np.float32(eps))
-    return c.astype(np.float32)
-
-
 def softmax_pool(scores: np.ndarray, values: np.ndarray) -> np.ndarray:
-    """Per-dimension softmax over rows of `scores` applied to `values`; all −∞ -> 0."""
-    mx = scores.max(axis=0)
-    safe = np.where(np.isfinite(mx), mx, 0)
-    p = np.exp(scores - safe)
-    den = p.sum(axis=0)
-    return np.where(den > 0, (p * values).sum(axis=0) / np.where(den > 0, den, 1), 0).astype(np.float32)
+    """§3.5 (core.rules.softmax_pool) over the rows of one window [rows, d]."""
+    return rules.softmax_pool(scores, values, 0).astype(np.float32)
 
 
 def rope_tail(x: np.ndarray, positions: np.ndarray, inv_freq: np.ndarray, n_rot: int,

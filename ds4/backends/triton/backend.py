@@ -41,6 +41,7 @@ from ...core.config import ARCH, ConfigError, ModelConfig  # noqa: E402
 from ...core.gguf_model import ModelError, Tensor  # noqa: E402
 from ...core.quants import IQ2XXS_GRID, IQ2XXS_KSIGNS, GGMLType, dequantize, row_bytes  # noqa: E402
 from ...core.rope import layer_inv_freq  # noqa: E402
+from ...core.rules import ROUTER_WEIGHT_FLOOR, visible_compressed_rows  # noqa: E402
 from ...core.sampling import unsorted_path  # noqa: E402
 from ..base import Backend  # noqa: E402
 from . import kernels as K  # noqa: E402
@@ -1196,8 +1197,8 @@ class TritonBackend(Backend):
         self._set_pos(p0)
         m = cfg.ratio(il)
         d = cfg.indexer_head_dim if indexer else cfg.head_dim
-        csa = m == 4
-        C = (2 if csa else 1) * d
+        csa = cfg.compressor_lanes(il) > 1
+        C = cfg.compressor_lanes(il) * d
         prefix = "index" if indexer else "comp"
         skv, ssc, rows = st[prefix + "_kv"], st[prefix + "_score"], st[prefix]
         with self.branch():  # (in a decode step: the two products on two streams)
@@ -1226,7 +1227,7 @@ class TritonBackend(Backend):
         n = qr.shape[0]
         top_k = cfg.indexer_top_k
         if self._step is None:
-            cs = (p0 + n) // m
+            cs = visible_compressed_rows(p0 + n - 1, m)
             if cs <= top_k:
                 return None
         else:
@@ -1301,7 +1302,7 @@ class TritonBackend(Backend):
         if self._step is not None:
             ncomp = (cfg.indexer_top_k if sel else st["comp"].shape[0]) if comp else 0
         else:
-            vis = (p0 + n) // m if comp else 0
+            vis = visible_compressed_rows(p0 + n - 1, m) if comp else 0
             ncomp = min(vis, cfg.indexer_top_k) if sel else vis
         RS = self.attn_split_rows
         S = max(1, _cdiv(W + ncomp, RS))
@@ -1362,7 +1363,7 @@ class TritonBackend(Backend):
         self._launch(K.router_kernel, (n,), logits, NE, bias.vec if bias is not None else self._dummy_f,
                      tid2eid.i32 if tid2eid is not None else self._dummy_i, tok, ids, wts,
                      float(cfg.expert_weights_scale), KSEL=k, KP=_pow2(k), BE=_pow2(NE),
-                     HAS_BIAS=bias is not None, HASH=tid2eid is not None,
+                     HAS_BIAS=bias is not None, HASH=tid2eid is not None, FLOOR=ROUTER_WEIGHT_FLOOR,
                      num_warps=1, nbytes=8 * n * NE)  # one warp: its 20 reductions need no barrier
         return ids, wts
 

@@ -1576,9 +1576,9 @@ def moe_reduce_kernel(src_ptr, inv_ptr, out_ptr, E, KSLOTS: tl.constexpr, BE: tl
 @triton.jit
 def router_kernel(logit_ptr, NE, bias_ptr, tid_ptr, tok_ptr, ids_ptr, w_ptr, scale,
                   KSEL: tl.constexpr, KP: tl.constexpr, BE: tl.constexpr,
-                  HAS_BIAS: tl.constexpr, HASH: tl.constexpr):
+                  HAS_BIAS: tl.constexpr, HASH: tl.constexpr, FLOOR: tl.constexpr):
     """p = sqrt(softplus(logits)); ids = hash table row or top-k of p + bias (ties: lower id);
-    weights = p[ids] / max(Σ, 6.1035e-5) · scale (spec §3.7)."""
+    weights = p[ids] / max(Σ, FLOOR) · scale (spec §3.7; FLOOR: core.rules.ROUTER_WEIGHT_FLOOR)."""
     t = tl.program_id(0)
     idx = tl.arange(0, BE)
     em = idx < NE
@@ -1609,7 +1609,7 @@ def router_kernel(logit_ptr, NE, bias_ptr, tid_ptr, tok_ptr, ids_ptr, w_ptr, sca
             w = tl.where(kk == j, tl.sum(tl.where(idx == i, p, 0.0), axis=0), w)
             sel = tl.where(idx == i, float("-inf"), sel)
     tot = tl.sum(w, axis=0)
-    w = w / tl.maximum(tot, 6.1035e-5) * scale
+    w = w / tl.maximum(tot, FLOOR) * scale
     tl.store(ids_ptr + t * KSEL + kk, ids, mask=km)
     tl.store(w_ptr + t * KSEL + kk, w, mask=km)
 

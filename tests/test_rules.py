@@ -1,0 +1,95 @@
+"""ds4/core/rules.py against the spec's statements of each rule, written out here by hand."""
+
+import numpy as np
+import pytest
+
+from ds4.core import rules
+
+
+@pytest.mark.parametrize("m", [2, 4, 128])
+def test_visible_compressed_rows_are_the_closed_windows(m):
+    # §3.5: compressed row r pools positions r·m .. r·m + m − 1 and exists once the last of them
+    # has been seen; the query at t sees exactly the rows that exist then.
+    for t in range(0, 3 * m + 2):
+        closed = sum(1 for r in range(t + 1) if r * m + m - 1 <= t)
+        assert rules.visible_compressed_rows(t, m) == closed
+    t = np.arange(0, 3 * m + 2)
+    expect = [sum(1 for r in range(int(x) + 1) if r * m + m - 1 <= x) for x in t]
+    np.testing.assert_array_equal(rules.visible_compressed_rows(t, m), expect)
+
+
+def test_overlapping_lanes_take_the_spec_candidates():
+    # §3.5, m = 4: candidates for dim j are rows 0..3 at lane j and rows 4..7 at lane d + j
+    rng = np.random.default_rng(7)
+    m, d = 4, 3
+    frontier = rng.standard_normal((2 * m, 2 * d)).astype(np.float32)
+    out = rules.overlapping_lanes(frontier[:m], frontier[m:], d)
+    assert out.shape == (2 * m, d)
+    for j in range(d):
+        cand = [frontier[r, j] for r in range(m)] + [frontier[m + r, d + j] for r in range(m)]
+        np.testing.assert_array_equal(out[:, j], cand)
+
+
+def test_router_weights_divide_by_the_floor_and_scale():
+    w = np.array([[1.0, 3.0], [0.0, 0.0], [1e-6, 1e-6]], dtype=np.float32)
+    got = rules.router_weights(w, 1.5)
+    floor = np.float32(6.1035e-5)  # §3.7
+    np.testing.assert_allclose(got[0], [0.375, 1.125], rtol=1e-7)
+    np.testing.assert_array_equal(got[1], [0.0, 0.0])
+    np.testing.assert_allclose(got[2], np.float32(1e-6) / floor * np.float32(1.5), rtol=1e-6)
+    assert got.dtype == np.float32
+
+
+def test_mhc_split_follows_section_3_2():
+    rng = np.random.default_rng(11)
+    HC, n, iters, eps = 4, 3, 20, 1e-6
+    mix = rng.standard_normal((n, (2 + HC) * HC)).astype(np.float32)
+    scale = rng.standard_normal(3).astype(np.float32)
+    base = rng.standard_normal((2 + HC) * HC).astype(np.float32)
+    pre, post, comb = rules.mhc_split(mix, scale, base, HC, iters, eps)
+    sig = lambda x: 1 / (1 + np.exp(-x.astype(np.float64)))  # noqa: E731
+    np.testing.assert_allclose(pre, sig(mix[:, :HC] * scale[0] + base[:HC]) + eps, rtol=1e-6)
+    np.testing.assert_allclose(post, 2 * sig(mix[:, HC:2 * HC] * scale[1] + base[HC:2 * HC]),
+                               rtol=1e-6)
+    # the Sinkhorn of §3.2 in float64, loop by loop
+    for t in range(n):
+        C = (mix[t, 2 * HC:].astype(np.float64) * scale[2] + base[2 * HC:]).reshape(HC, HC)
+        C = np.exp(C - C.max(axis=1, keepdims=True))
+        C = C / C.sum(axis=1, keepdims=True) + eps
+        C = C / (C.sum(axis=0, keepdims=True) + eps)
+        for _ in range(iters - 1):
+            C = C / (C.sum(axis=1, keepdims=True) + eps)
+            C = C / (C.sum(axis=0, keepdims=True) + eps)
+        np.testing.assert_allclose(comb[t], C, rtol=1e-5, atol=1e-7)
+    # the head's collapse (§3.8) is the same pre rule on HC mixes
+    np.testing.assert_array_equal(rules.mhc_pre_weights(mix[:, :HC], scale[0], base[:HC], eps), pre)
+
+
+def test_mlx_runs_the_same_float32_operations():
+    mx = pytest.importorskip("mlx.core")
+    f32 = lambda v: mx.array(np.float32(v))  # noqa: E731
+    rng = np.random.default_rng(5)
+    HC = 4
+    mix = rng.standard_normal((5, (2 + HC) * HC)).astype(np.float32)
+    scale = rng.standard_normal(3).astype(np.float32)
+    base = rng.standard_normal((2 + HC) * HC).astype(np.float32)
+    ref = rules.mhc_split(mix, scale, base, HC, 20, 1e-6)
+    got = rules.mhc_split(mx.array(mix), mx.array(scale), mx.array(base), HC, 20, 1e-6, mx, f32)
+    for a, b in zip(ref, got):
+        np.testing.assert_allclose(np.array(b), a, rtol=2e-6, atol=1e-7)
+    w = np.abs(rng.standard_normal((5, 6))).astype(np.float32)
+    np.testing.assert_allclose(np.array(rules.router_weights(mx.array(w), 1.5, mx, f32)),
+                               rules.router_weights(w, 1.5), rtol=1e-6)
+
+
+def test_softmax_pool_per_dimension_and_empty_windows():
+    rng = np.random.default_rng(3)
+    scores = rng.standard_normal((4, 3)).astype(np.float32)
+    values = rng.standard_normal((4, 3)).astype(np.float32)
+    scores[:, 2] = -np.inf  # a dimension with no score yet pools to 0 (§3.5)
+    got = rules.softmax_pool(scores, values, 0)
+    for j in range(2):
+        s = scores[:, j].astype(np.float64)
+        e = np.exp(s - s.max())
+        np.testing.assert_allclose(got[j], (e / e.sum()) @ values[:, j], rtol=1e-6)
+    assert got[2] == 0.0
