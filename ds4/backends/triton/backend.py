@@ -1,4 +1,4 @@
-"""The Triton backend: every op of ds4/backends/base.py as Triton kernels (kernels.py); torch
+"""The Triton backend: every op of ds4/backends/base.py as Triton kernels (kernels/); torch
 only allocates, holds CUDA graphs and does the little glue of the prefill MoE grouping.
 
 Weights stay quantized on the device: GGUF blocks, with Q8_0 rows rearranged into 256-value chunks
