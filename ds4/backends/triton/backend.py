@@ -30,9 +30,9 @@ Four things are backend-internal and invisible to the graph:
 from __future__ import annotations
 
 import contextlib
-import json
-import os
+import dataclasses
 from collections import OrderedDict
+from collections.abc import Mapping
 
 import numpy as np
 import torch
@@ -46,7 +46,9 @@ from ..base import Backend  # noqa: E402
 from . import kernels as K  # noqa: E402
 from . import kernels_mm16 as K16  # noqa: E402
 from .lanes import Lanes  # noqa: E402
+from .formats import FLOAT_DECODER, Decoder, KernelType  # noqa: E402
 from .layout import device_layout, iq2_views, q2_views  # noqa: E402
+from .tuning import load_mv_shapes, load_tuning, parse_mv_shapes  # noqa: E402,F401
 
 MM_MIN = 16  # tokens from which linear layers use the matrix-matrix kernels (tl.dot needs 16)
 
@@ -307,12 +309,23 @@ def _op(fn):
     return wrapper
 
 
+# decoder groups of _mv_cfg: the decoders without a fused RMSNorm; those that load x 16 bytes at a
+# time (kernels._ld4); the IQ2_XXS group decoders (four row sets); the unrolled ones (values per unit)
+_UNNORMED = (Decoder.Q2_K_UNROLLED, Decoder.Q2_K_XQ, Decoder.Q2S_HALVES_XQ, Decoder.IQ2_UNROLLED,
+             Decoder.IQ2_GROUPS, Decoder.IQ2_GROUPS_SMEM, Decoder.IQ2_GROUPS_XQ)
+_X16_ONLY = (Decoder.Q2_K_UNROLLED, Decoder.IQ2_GROUPS, Decoder.IQ2_GROUPS_SMEM)
+_IQ2_GROUPS = (Decoder.IQ2_GROUPS, Decoder.IQ2_GROUPS_SMEM, Decoder.IQ2_GROUPS_XQ)
+_UNROLLED_VB = {Decoder.IQ2_UNROLLED: 32, Decoder.Q2_K_UNROLLED: 64, Decoder.Q2_K_XQ: 64}
+
 class TritonBackend(Backend):
     name = "triton"
     # the specialised matrix-vector decoders of each layout (mv_types picks one)
-    # (418, 111 and 113 read x in XQ form, so only the routed experts take them: _mv_cfg's xq)
-    MV_PATHS = {K.Q8C: (308, 309), int(K.IQ2_XXS): (216, 416, 417, 418), int(K.Q2_K): (110, 111, 113)}
-    XQ_PATHS = {418: 417, 111: 110, 113: 110, 309: 308}  # integer decoder -> the float one where x is not in XQ form
+    # (the *_XQ decoders read x in XQ form, so only the routed experts take them: _mv_cfg's xq)
+    MV_PATHS = {KernelType.Q8C: (Decoder.Q8C_FLOAT, Decoder.Q8C_XQ8),
+                KernelType.IQ2_XXS: (Decoder.IQ2_UNROLLED, Decoder.IQ2_GROUPS, Decoder.IQ2_GROUPS_SMEM,
+                                     Decoder.IQ2_GROUPS_XQ),
+                KernelType.Q2_K: (Decoder.Q2_K_UNROLLED, Decoder.Q2_K_XQ, Decoder.Q2S_HALVES_XQ)}
+    XQ_PATHS = FLOAT_DECODER  # integer decoder -> the float one where x is not in XQ form
 
     @staticmethod
     def runs_here() -> bool:
@@ -337,16 +350,12 @@ class TritonBackend(Backend):
         self.cuda_graphs = (self.dev.type == "cuda") if cuda_graphs is None else bool(cuda_graphs)
         self.synthetic = synthetic
         self.seed = seed
-        # prefill products: "bf16x3" multiplies Q8_0 quants (exact integers) on bf16 tensor cores
-        # with x split exactly in three bf16 terms and applies the block scales in float32, and
-        # the IQ2_XXS / Q2_K experts as exact integers on fp16 tensor cores (moe_int16 below);
-        # other weights, and every weight under "tf32x3" / "tf32" / "ieee", go through tl.dot at
-        # that precision on float32-decoded tiles (bench/triton/README.md measured each way)
-        self.prec = dot_precision or os.environ.get("DS4_TRITON_DOT") or "bf16x3"
-        if self.prec not in ("bf16x3", "tf32x3", "tf32", "ieee"):
-            raise ValueError(f"DS4_TRITON_DOT: expected bf16x3, tf32x3, tf32 or ieee, got {self.prec!r}")
+        self.tuning = load_tuning(self.interpret, _max_shared(self.dev) if self.dev.type == "cuda" else None,
+                                  dot_precision)
+        for f in dataclasses.fields(self.tuning):  # per-instance copies that tests and benchmarks set
+            v = getattr(self.tuning, f.name)
+            setattr(self, f.name, dict(v) if isinstance(v, Mapping) else v)
         self.prec_f = ("ieee" if self.interpret else "tf32x3") if self.prec == "bf16x3" else self.prec
-        self.units_per_step = int(os.environ.get("DS4_TRITON_UNITS", "1"))
         d = self.dev
         self._gridp = torch.tensor(_grid_table(), dtype=torch.int32, device=d)
         self._ksigns = torch.tensor(_ksign_table(), dtype=torch.int32, device=d)
@@ -359,7 +368,7 @@ class TritonBackend(Backend):
         # a decode step's token for the host, written by the GPU into pinned host memory at slot
         # p0 % 4 and read once the event recorded after the step's replay has passed; and the
         # draw (T, min_p, U) the host copies to the device's slot before it queues a step (the
-        # step sets T back to 0; read straight from host memory, an idle sampler cost 0.28 ms)
+        # step sets T back to 0; read straight from host memory, an idle sampler was slower)
         n = self._CHAIN_SLOTS
         pin = d.type == "cuda"
         self._chain_tokens = torch.zeros(n, dtype=torch.int32, pin_memory=pin)
@@ -368,7 +377,6 @@ class TritonBackend(Backend):
         self._chain_draws_np = self._chain_draws_host.numpy().reshape(n, 3)
         self._chain_done = [torch.cuda.Event() for _ in range(n)] if pin else []
         self._chain_best = None  # (and _at, _mass, _cnt, _top) the step's last kernels' scratch
-        self.chain_block = 2048  # logits per program of greedy_next_kernel / sample_next_kernel
         self._tok_np = None
         self._tok_t = None
         self._dummy_f = torch.zeros(16, dtype=torch.float32, device=d)
@@ -381,12 +389,6 @@ class TritonBackend(Backend):
         # split-K tickets of the matrix-vector kernels, one per output tile (_split_store); each
         # launch leaves them at zero
         self._split_cnt = torch.zeros(1 << 16, dtype=torch.int32, device=d)
-        # side streams of a decode step (lanes.py): the branches graph.py marks run beside the
-        # main path; 0 runs every launch in order on one stream
-        lanes = os.environ.get("DS4_TRITON_LANES", "6")
-        if not lanes.isdigit():
-            raise ValueError(f"DS4_TRITON_LANES: expected a whole number of side streams (0 = none), got {lanes!r}")
-        self.lanes = int(lanes)
         self._lanes: Lanes | None = None
         self._step: _Step | None = None
         self._graphs: OrderedDict[int, _GraphEntry] = OrderedDict()
@@ -394,140 +396,6 @@ class TritonBackend(Backend):
         self._cap_ctx = None
         self._cap_stream = None
         self.ledger: list | None = None  # (kernel name, bytes) per launch when profiling
-        # matrix-matrix tile (prefill linears): rows of x, rows of W, warps
-        self.mm_tile = tuple(int(v) for v in os.environ.get("DS4_TRITON_MM", "64,64,8").split(","))
-        self.mm_tile_q8 = (64, 128, 4)  # the bf16x3 Q8_0 path (tune_paths.py)
-        # grouped-expert tiles (prefill MoE): rows of W per program and warps, BM = 64 assignments
-        # "shared": the shared expert's Q8_0 gate/up under bf16x3 (whole tokens, no grouping)
-        self.moe_tile = {"gateup": (32, 8), "down": (64, 8), "shared": (128, 4)}
-        self.moe_tile.update({k: tuple(v) for k, v in json.loads(os.environ.get("DS4_TRITON_MOE", "{}")).items()})
-        if self.interpret:
-            self.moe_tile = {"gateup": (64, 4), "down": (64, 4), "shared": (64, 4)}
-        # prefill experts in IQ2_XXS (gate/up) and Q2_K (down) under "bf16x3": exact integers on
-        # fp16 tensor cores (kernels_mm16.py). moe16_bm assignments per tile; per kernel: rows of
-        # W per program, K-step (a divisor of 256), warps, pipeline stages (1: the pipeliner
-        # would stage the decoders' table lookups through shared memory); DS4_TRITON_MOE16_TILE
-        # overrides them, as JSON
-        self.moe_int16 = os.environ.get("DS4_TRITON_MOE16", "1") == "1"
-        self.moe16_bm = 64
-        self.moe16_tile = {"gateup": (64, 128, 4, 1), "down": (64, 128, 4, 1)}
-        self.moe16_tile.update({k: tuple(v) for k, v in
-                                json.loads(os.environ.get("DS4_TRITON_MOE16_TILE", "{}")).items()})
-        # Q8_0 prefill products (dense linears, shared-expert gate/up) the same way, x in two fp16
-        # terms instead of three bf16 ones (off by default until measured): rows of x, rows of W,
-        # warps, pipeline stages
-        self.q8_int16 = os.environ.get("DS4_TRITON_Q8_16", "0") == "1"
-        self.q8_16_tile = {"linear": (64, 64, 4, 1), "gateup": (64, 64, 8, 1)}
-        self.topk_reg_max = 16384  # indexer rows that top-k keeps in registers
-        # one-query top-k (decode) from the key counts and buckets the scores kernel makes
-        # (idx_score_kernel HIST, topk_one_kernel) instead of 32 bisection passes in one program;
-        # the keys a bucket keeps, rows and warps per top-k program. Alone on the H200 (scores +
-        # top-k, bench/triton/README.md): 15.6 against 37.7 µs at 8192
-        # indexer rows, 12.0 against 12.6 at 1024; 8 warps 8.5 against 9.6 µs of top-k for 4 at
-        # 8192. A decode step at 32768: 6.57 against 7.47 GPU ms (bench/triton/README.md)
-        self.topk_hist = True
-        self.topk_bucket = 256 if not self.interpret else 32
-        self.topk_rows = 1024 if not self.interpret else 64
-        self.topk_warps = 8
-        # prefill attention (one program per query and head group): heads per program, rows per
-        # step, warps, pipeline stages, for its products on fp16 tensor cores (attn_f16: ds4
-        # numerics only, whose cache rows are f16 values; decode's too) and on tf32 pairs.
-        # Shared memory at 512-value heads (sm_80/89/90 compiles): 132 KB for the fp16 tile
-        # measured on the H200, 65 KB for the fallback below; 96 KB for the tf32 tile (the fp16
-        # one would need 256 KB in tf32)
-        self.attn_f16 = True
-        self.attn_tile = (32, 32, 8, 2)
-        if self.dev.type == "cuda" and _max_shared(self.dev) < 135168:
-            self.attn_tile = (16, 16, 8, 2)
-        self.attn_tile_tf32 = (16, 16, 8, 3)
-        # mHC mixing projections: (the chunk size from which a program takes several tokens, tokens
-        # per program); tl.dot needs 16 rows on a GPU
-        self.hc_mix_bt = (16, 64) if not self.interpret else (2, 16)
-        # decode: the mixing kernel of an mHC collapse computes the pending expand (hc_post) itself
-        self.fuse_expand = True
-        # decode mHC: K parts of the mixing projections (programs per token), collapse values per
-        # finalize program, and whether a one-token finalize computes post and comb (the Sinkhorn
-        # iterations) in a launch of its own, beside the sublayer in a decode step, instead of
-        # before it (hc_finalize_kernel PART). 7.11 against 7.50 GPU ms a step at 4096 with 64
-        # parts, 1024 values and one launch (bench/triton/README.md)
-        self.hc_mix_split = 128
-        self.hc_fin_be = 256
-        self.hc_comb_beside = True
-        # decode steps in a layer with an indexer: the query's product waits for the indexer's
-        # scores ("score") or its query RoPE ("rope"), or for neither ("none"): it fills every
-        # SM, and the indexer's small kernels behind it (RoPE, scores, top-k) are the layer's
-        # critical chain. With the one-program top-k "score" won (7.80 against 8.05 for "none"
-        # and 8.02 for "rope" GPU ms at 32768; bench/triton/README.md); with topk_one_kernel
-        # "rope": 6.43 against 6.57 ("score") and 6.51 ("none") GPU ms at 4096, 6.54 against 6.67
-        # and 6.62 at 32768 (bench/triton/README.md)
-        self.query_waits_index = "rope"
-        # decode steps: the products on XQ8 x (decoder 309: wq_b, wo_a, wo_b, the head) launch
-        # while the kernel ahead of them on their stream still runs (programmatic dependent
-        # launch: that kernel, named in pdl_dep, lets them from its start), load their first
-        # K-step's weights, then wait for it before they read x (kernels._q8c_xq_rows PDL).
-        # Same call on the H200: 6.37 against 6.43 GPU ms a step at 4096, 6.48 against 6.56 at
-        # 32768, same logits bit for bit (bench/triton/README.md)
-        self.pdl_xq = True
-        self.pdl_dep = ("rms", "combine", "xq")
-        # decode products fuse a pending RMSNorm of x (every program normalises the x values it
-        # loads) unless their programs together would read x this many times over or more; then x
-        # is normalised once first. The query's 32768-row product (4096 programs over 1024
-        # values) took 14.7 µs on normalised x and 20-25 µs with the norm fused, the 1024-row
-        # one 4.9 against 6.1 (bench/triton/README.md);
-        # a decode step 8.60 against 9.05 GPU ms with every norm fused.
-        self.norm_fuse_max = 1 << 22
-        # decode attention merge: value pairs of a head per program (a power of two, at least 16
-        # where the merge also stores XQ8 blocks; the interpreter's small heads still take several
-        # programs per head). 32 since the merge stores XQ8: 6.79 against 6.85 GPU ms a step at
-        # 4096 for 64, same run (bench/triton/README.md)
-        self.combine_pairs = 32 if not self.interpret else 16
-        # decode RoPE: heads per program. 16 left 4 programs for a token's 64 heads; the query's
-        # RoPE then took 7 µs and the indexer's (with its Hadamard + FP4 simulation) 14 µs on
-        # the critical path of a layer (bench/triton/README.md);
-        # a decode step 8.60 against 8.86 GPU ms with 16
-        self.rope_rows_decode = 2 if not self.interpret else 64
-        # decode attention: KV rows per program (the splits attn_combine_kernel merges)
-        self.attn_split_rows = 32
-        # decoder per layout in matrix-vector kernels: Q8C chunks with R rows per thread sharing
-        # each x load (308); IQ2_XXS in 32-value groups, four rows per thread sharing each x
-        # load, levels as nibbles from one lookup, signs computed (416), the lookups from the
-        # table in shared memory (417: 8.60 against 8.86 GPU ms a decode step at 4096, same run;
-        # 216 = one row per thread, levels and signs as looked-up bytes), and on x in XQ form with
-        # integer products (418); Q2_K with the 64 values of a 16-byte run unrolled (110), on h in
-        # XQ form (111; 418 + 111: 7.92 against 8.73 GPU ms a step for 417 + 110, same run), and in
-        # 128-value halves of Q2S blocks, two rows per thread, the slots added per tile element
-        # (113: 6.52 against 6.78 GPU ms a step at 4096 for 111, same run; bench/triton/README.md);
-        # anything else (GGUF-layout Q8_0 included) the generic block decoder
-        self.mv_types = {K.Q8C: 308, int(K.IQ2_XXS): 418, int(K.Q2_K): 113}
-        # 418 issues each K-step's group loads one step ahead (kernels._iq2_group_rows: PF; 7.46
-        # against 7.80 GPU ms a step, same run: bench/triton/README.md). The same in
-        # the Q8C (308) and Q2_K (111) decoders made the step slower (8.06 ms with all three) and is
-        # not kept.
-        self.mv_prefetch = True
-        # decode: a Q8C product whose result the next one reads in XQ8 form (309) stores that form
-        # too (matvec_xq_kernel's XQOUT: wo_a for wo_b), instead of an xq_kernel launch between them
-        self.xq_out = True
-        if os.environ.get("DS4_TRITON_MV_PLAIN") == "1":
-            self.mv_types = {}
-        # matrix-vector tiling per decoder: (K-step values, rows per program, warps), from
-        # bench/triton/tune_paths.py and the decode benchmark on an H200; a fourth
-        # value splits K in that many parts (_split_store), a fifth is 308 / 309 / 113's rows per thread
-        self.mv_tune = {"default": (256, 8, 4), 308: (1024, 4, 4, 1, 4), 309: (1024, 4, 4, 1, 4), 110: (1024, 8, 4),
-                        216: (512, 16, 4), 416: (1024, 32, 4), 417: (1024, 32, 4), 418: (1024, 32, 4),
-                        111: (1024, 4, 2, 2), 113: (2048, 8, 2, 1, 2), int(K.F16): (512, 4, 4)}
-        self.mv_tune.update({int(k): tuple(v) for k, v in
-                             json.loads(os.environ.get("DS4_TRITON_MV_TUNE", "{}")).items()})
-        # per-shape decoder choices, (kind, GGUF type, rows, K) -> (decoder, its tuning), measured on
-        # the H200 (bench/triton/tune_paths.py --pick writes the table); DS4_TRITON_MV_SHAPES names
-        # another table (a JSON file), "" none
-        self.mv_shapes: dict[tuple, tuple] = {}
-        table = os.environ.get("DS4_TRITON_MV_SHAPES")
-        if table is None:
-            table = os.path.join(os.path.dirname(__file__), "mv_shapes_h200.json")
-        elif table and not os.path.exists(table):
-            raise ValueError(f"DS4_TRITON_MV_SHAPES: expected a JSON file or \"\", got {table!r} (no such file)")
-        if table and not self.interpret:  # (the interpreter's tests use small shapes of their own)
-            self.mv_shapes = load_mv_shapes(table)
         self._synth = None
 
     @property
@@ -683,7 +551,7 @@ class TritonBackend(Backend):
     def _blocks(self, ttype: int, K_: int, cap: int) -> tuple[int, int]:
         """(NB, VB): units per K-step and values per unit, NB·VB dividing K."""
         VB = K.UNIT[int(ttype)]
-        if ttype in (K.F32, K.F16, K.BF16):
+        if ttype in (KernelType.F32, KernelType.F16, KernelType.BF16):
             VB = _largest_pow2_divisor(K_, VB)
         if K_ % VB:
             raise ValueError(f"K={K_} is not a multiple of the {VB}-value unit of type {ttype}")
@@ -693,7 +561,7 @@ class TritonBackend(Backend):
     def _mm_cfg(self, kt: int, K_: int) -> dict:
         """K-step of a matrix-matrix kernel: integer units (U values, NB per step) or float tiles."""
         ttype = int(kt)
-        if self.prec == "bf16x3" and ttype in (K.Q8_0, K.Q8C):
+        if self.prec == "bf16x3" and ttype in (KernelType.Q8_0, KernelType.Q8C):
             NB = _largest_pow2_divisor(K_ // 32, self.units_per_step)
             return dict(NB=NB, VB=32, U=32, PREC=self.prec_f)
         NB, VB = self._blocks(ttype, K_, 64 if not self.interpret else 128)
@@ -729,37 +597,39 @@ class TritonBackend(Backend):
             tune = self.mv_tune.get(t, self.mv_tune["default"])
         # the generic decoder where a specialised one has no fused RMSNorm, or loads x 16 bytes at
         # a time (kernels._ld4) and x rows do not start on 16 bytes
-        if (norm and t in (110, 111, 113, 216, 416, 417, 418)) or (not x16 and t in (110, 416, 417)):
+        if (norm and t in _UNNORMED) or (not x16 and t in _X16_ONLY):
             t, tune = ttype, self.mv_tune.get(ttype, self.mv_tune["default"])
+        t = int(t)  # (the kernels' TYPE: a plain int, as the per-shape table gives it)
         cap, BN, warps = tune[:3]
         S = tune[3] if len(tune) > 3 else 1  # K split in S parts (_split_store)
-        R = {308: 4, 309: 4, 113: 2}.get(t, 1)  # rows per thread (308 / 309 / 113: a fifth tuning value)
-        if t in (308, 309, 113) and len(tune) > 4:
+        # rows per thread (Q8C_FLOAT / Q8C_XQ8 / Q2S_HALVES_XQ: a fifth tuning value)
+        R = {Decoder.Q8C_FLOAT: 4, Decoder.Q8C_XQ8: 4, Decoder.Q2S_HALVES_XQ: 2}.get(t, 1)
+        if t in (Decoder.Q8C_FLOAT, Decoder.Q8C_XQ8, Decoder.Q2S_HALVES_XQ) and len(tune) > 4:
             R = tune[4]
         if self.interpret:  # few, large programs (a per-shape entry keeps its K-step: tests split K)
             cap = cap if (kind, ttype, int(N), int(K_)) in self.mv_shapes else 1024
-            BN = min(256 if t == 113 else 64, _pow2(N))  # (113's unrolled slots cost per program)
-        elif t != 113:  # (113's programs are [BN / R, halves] threads: its tuning sets BN as it is)
-            while BN > (4 if t in (416, 417, 418) else R) and _cdiv(N, BN) * slots * S < 264:  # two programs per SM
+            BN = min(256 if t == Decoder.Q2S_HALVES_XQ else 64, _pow2(N))  # (unrolled slots cost per program)
+        elif t != Decoder.Q2S_HALVES_XQ:  # (its programs are [BN / R, halves] threads: the tuning sets BN)
+            while BN > (4 if t in _IQ2_GROUPS else R) and _cdiv(N, BN) * slots * S < 264:  # two programs per SM
                 BN //= 2
-        pf = dict(PF=True) if t == 418 and self.mv_prefetch else {}
-        if t in (416, 417, 418):  # four row sets of BN/4 rows × NB groups; no more threads than set elements
+        pf = dict(PF=True) if t == Decoder.IQ2_GROUPS_XQ and self.mv_prefetch else {}
+        if t in _IQ2_GROUPS:  # four row sets of BN/4 rows × NB groups; no more threads than set elements
             NB = _largest_pow2_divisor(K_ // 32, max(1, cap // 32))
             BN = max(BN, 4)
             warps = max(1, min(warps, (BN // 4) * NB // 32))
             return dict(TYPE=t, BN=BN, NB=NB, VB=32, VA=1, S=self._split(S, K_, NB * 32), num_warps=warps, **pf)
-        if t in (308, 309):  # NB 256-value chunks per K-step, R rows per thread
+        if t in (Decoder.Q8C_FLOAT, Decoder.Q8C_XQ8):  # NB 256-value chunks per K-step, R rows per thread
             NB = _largest_pow2_divisor(K_ // 256, max(1, cap // 256))
             BN = max(BN, R)
             return dict(TYPE=t, BN=BN, NB=NB, VB=256, VA=R, S=self._split(S, K_, NB * 256), num_warps=warps)
-        if t == 113:  # NB 128-value halves of Q2_K blocks per K-step, R rows per thread
+        if t == Decoder.Q2S_HALVES_XQ:  # NB 128-value halves of Q2_K blocks per K-step, R rows per thread
             NB = _largest_pow2_divisor(K_ // 128, max(1, cap // 128))
             BN = max(BN, R)
             warps = max(1, min(warps, (BN // R) * NB // 32))
             S = self._split(S, K_, NB * 128)
             return dict(TYPE=t, BN=BN, NB=NB, VB=128, VA=R, S=S, IS=K_ // (NB * 128) // S, num_warps=warps)
-        if t in (110, 111, 216):  # unrolled units: 32 (IQ2_XXS) or 64 (Q2_K) values per tile element
-            VB = {216: 32, 110: 64, 111: 64}[t]
+        if t in _UNROLLED_VB:  # unrolled units: 32 (IQ2_XXS) or 64 (Q2_K) values per tile element
+            VB = _UNROLLED_VB[t]
             NB = _largest_pow2_divisor(K_ // VB, max(1, cap // VB))
             return dict(TYPE=t, BN=BN, NB=NB, VB=VB, VA=1, S=self._split(S, K_, NB * VB), num_warps=warps)
         NB, VB = self._blocks(ttype, K_, cap)
@@ -778,16 +648,16 @@ class TritonBackend(Backend):
 
     def _takes_xq8(self, w: QWeight, n: int) -> bool:
         """Whether a decode product of n tokens on w reads x in XQ8 form (decoder 309)."""
-        return n < MM_MIN and w.kt == K.Q8C and self._mv_cfg(w.kt, w.N, w.K, n, xq=True)["TYPE"] == 309
+        return n < MM_MIN and w.kt == KernelType.Q8C and self._mv_cfg(w.kt, w.N, w.K, n, xq=True)["TYPE"] == Decoder.Q8C_XQ8
 
     def _linear(self, x, w: QWeight, group_rows: int = 0, group_stride: int = 0, xq_out: bool = False):
         """x [n, K(·groups)] -> [n, N]. Rows of group g read x columns [g·stride, +K). xq_out: the
         result also in XQ8 form where the product can store it (309; then a _Quantized)."""
         N, Kd = w.N, w.K
         gr = group_rows or (1 << 30)
-        if x.shape[0] < MM_MIN and w.kt == K.Q8C and group_stride % 32 == 0:
+        if x.shape[0] < MM_MIN and w.kt == KernelType.Q8C and group_stride % 32 == 0:
             c = self._mv_cfg(w.kt, N, Kd, x.shape[0], xq=True)  # (the test of _takes_xq8, its config kept)
-            if c["TYPE"] == 309:
+            if c["TYPE"] == Decoder.Q8C_XQ8:
                 return self._linear_xq(x, w, c, gr, group_stride, xq_out)
         norm = 0
         nw = self._dummy_f
@@ -987,8 +857,7 @@ class TritonBackend(Backend):
         default sampling path where the host asked for one (sample_next_kernel). They write the
         token where the step's next replay reads it and into the host's ring, and advance the
         device's position. Replays then chain on the device (Session.sample) and the host's work
-        between steps (the launch, Python) overlaps the GPU's instead of adding to it. On the
-        H200 the two add no measurable time to a step, a draw 0.01 ms (bench/triton/README.md)."""
+        between steps (the launch, Python) overlaps the GPU's instead of adding to it."""
         # after every launch of the step: kernels still running on side streams (the last layer's
         # compressors) read the position this kernel advances
         self._end_lanes()
@@ -1381,7 +1250,7 @@ class TritonBackend(Backend):
         S = c["S"]
         self._tiles_ok(_cdiv(F, c["BN"]) * slots, S)
         hq = hq if qout else (self._dummy_i, self._dummy_f, self._dummy_f)
-        xw, xs = (xq[0], xq[1]) if c["TYPE"] in (418, 309) else (self._dummy_i, self._dummy_f)
+        xw, xs = (xq[0], xq[1]) if c["TYPE"] in (Decoder.IQ2_GROUPS_XQ, Decoder.Q8C_XQ8) else (self._dummy_i, self._dummy_f)
         self._launch(K.moe_gateup_mv_kernel, (_cdiv(F, c["BN"]), slots, S), x, x.stride(0),
                      ids if routed else self._dummy_i, wts if routed else self._dummy_f,
                      gate.b8, gate.i16, gate.f32, up.b8, up.i16, up.f32, self._gridp, self._ksigns, h,
@@ -1399,7 +1268,7 @@ class TritonBackend(Backend):
             c = self._mv_cfg(down.kt, E, F, n, kind="down", x16=_x16(h, F))
         S = c["S"]
         self._tiles_ok(_cdiv(E, c["BN"]) * n, S)
-        hq = hq if c["TYPE"] in (111, 113) else (self._dummy_i, self._dummy_f, self._dummy_f)
+        hq = hq if c["TYPE"] in (Decoder.Q2_K_XQ, Decoder.Q2S_HALVES_XQ) else (self._dummy_i, self._dummy_f, self._dummy_f)
         self._launch(K.moe_down_mv_kernel, (_cdiv(E, c["BN"]), n, S), h, ids, down.b8, down.i16, down.f32,
                      self._gridp, self._ksigns, out, self._new((n, S, E)) if S > 1 else self._dummy_f,
                      self._tickets(), *hq, E, F, down.RB, E * down.RB, KSLOTS=k, **c,
@@ -1412,13 +1281,13 @@ class TritonBackend(Backend):
         (_xq), h from the gate/up's own tiles."""
         E, F = gate.K, gate.N
         cg = self._mv_cfg(gate.kt, F, E, n * k, kind="gateup", xq=E % 32 == 0 and up.kt == gate.kt)
-        xq = self._xq(f) if cg["TYPE"] == 418 else None  # (before _val: the norm's kernel writes both)
+        xq = self._xq(f) if cg["TYPE"] == Decoder.IQ2_GROUPS_XQ else None  # (before _val: the norm's kernel writes both)
         x = self._val(f)
         if xq is None:  # a float decoder of x: its own alignment check
             cg = self._mv_cfg(gate.kt, F, E, n * k, kind="gateup", x16=_x16(x, x.stride(0)))
         # the down's decoder: 111 and 113 read h in XQ form, which the gate/up then also stores
         cd = self._mv_cfg(down.kt, E, F, n, kind="down", xq=F % 32 == 0)
-        hq = self._xq_new(n * k, F) if cd["TYPE"] in (111, 113) else None
+        hq = self._xq_new(n * k, F) if cd["TYPE"] in (Decoder.Q2_K_XQ, Decoder.Q2S_HALVES_XQ) else None
         h = self._gateup_mv(x, gate, up, ids, wts, n * k, k, clamp, c=cg, xq=xq, hq=hq)
         if hq is None:  # a float decoder of h: its own alignment check
             cd = self._mv_cfg(down.kt, E, F, n, kind="down", x16=_x16(h, F))
@@ -1499,8 +1368,8 @@ class TritonBackend(Backend):
         # host: a stream synchronisation per layer, and the GPU then idles while the host queues
         # the next kernels (the 8192-token prefill's GPU was idle 6 % of the time with it)
         counts = torch.zeros(NE, dtype=torch.int64, device=self.dev).index_add_(0, flat, torch.ones_like(flat))
-        gu16 = self._moe16(gate, K.IQ2_XXS) and up.type == gate.type
-        dn16 = self._moe16(down, K.Q2_K)
+        gu16 = self._moe16(gate, KernelType.IQ2_XXS) and up.type == gate.type
+        dn16 = self._moe16(down, KernelType.Q2_K)
         BM = self.moe16_bm if gu16 or dn16 else 64
         T, tile_e, tile_r0, tile_end = self._tiles(n * k, counts, BM)
         tok_sorted = (order // k).to(torch.int32)
@@ -1552,7 +1421,7 @@ class TritonBackend(Backend):
     def _q8_16(self, w: QWeight, x: torch.Tensor, group_stride: int = 0) -> bool:
         """Whether a Q8_0 product with x [n, columns] takes the fp16 integer path: whole 256-value
         chunks of x (split16_kernel) and groups starting on chunk boundaries."""
-        return (self.q8_int16 and self.prec == "bf16x3" and w.kt == K.Q8C
+        return (self.q8_int16 and self.prec == "bf16x3" and w.kt == KernelType.Q8C
                 and x.shape[1] % 256 == 0 and group_stride % 256 == 0 and x.stride(1) == 1)
 
     def _split16(self, x: torch.Tensor, sums: bool):
@@ -1581,7 +1450,7 @@ class TritonBackend(Backend):
                          BLOCK=1024, nbytes=12 * N)
             return self._linear(h, down)
         if (isinstance(f, _Normed) and f.shape[0] < MM_MIN and f.shape[1] % 32 == 0
-                and self.mv_types.get(int(K.IQ2_XXS)) == 418):
+                and self.mv_types.get(KernelType.IQ2_XXS) == Decoder.IQ2_GROUPS_XQ):
             # the routed experts' gate/up (418) reads f in XQ form: the norm's kernel here, beside
             # the router, writes it with the float f this reads (else it would be a launch of its
             # own between the router and the routed experts)
@@ -1592,8 +1461,8 @@ class TritonBackend(Backend):
         clamp = cfg.swiglu_clamp[il]
         if n < MM_MIN:
             c = self._mv_cfg(gate.kt, F, E, n, kind="gateup", x16=_x16(x, x.stride(0)),
-                             xq=gate.kt == K.Q8C and up.kt == gate.kt)
-            xq = self._xq(f, perm=True) if c["TYPE"] == 309 else None  # (f's norm wrote XQ: a launch)
+                             xq=gate.kt == KernelType.Q8C and up.kt == gate.kt)
+            xq = self._xq(f, perm=True) if c["TYPE"] == Decoder.Q8C_XQ8 else None  # (f's norm wrote XQ: a launch)
             h = self._gateup_mv(x, gate, up, None, None, n, 1, clamp, c=c, xq=xq)
         elif self._q8_16(gate, x) and up.type == gate.type:
             BM, BN, warps, stages = self.q8_16_tile["gateup"]
@@ -1642,28 +1511,6 @@ def _max_shared(dev: torch.device) -> int:
     from triton.compiler.compiler import max_shared_mem
 
     return int(max_shared_mem(dev.index if dev.index is not None else torch.cuda.current_device()))
-
-
-def load_mv_shapes(path: str) -> dict[tuple, tuple]:
-    """A per-shape decoder table: JSON {"kind,type,rows,K": [decoder, tuning...]}."""
-    with open(path) as f:
-        raw = json.load(f)
-    return parse_mv_shapes(raw.get("shapes", raw), path)
-
-
-def parse_mv_shapes(raw: dict, where: str) -> dict[tuple, tuple]:
-    """{"kind,type,rows,K": [decoder, tuning...]} -> the backend's mv_shapes entries."""
-    out = {}
-    for key, val in raw.items():
-        try:
-            kind, ttype, n, k = key.split(",")
-            if kind not in ("linear", "gateup", "down"):
-                raise ValueError(kind)
-            out[(kind, int(ttype), int(n), int(k))] = tuple(int(v) for v in val)
-        except ValueError:
-            raise ValueError(f"{where}: shape {key!r}: expected \"linear|gateup|down,type,rows,K\": "
-                             f"[decoder, K-step, rows, warps(, K parts)], got {val!r}") from None
-    return out
 
 
 def _grid_table() -> np.ndarray:

@@ -8,7 +8,7 @@ import triton
 import triton.language as tl
 from triton.language.extra.cuda import gdc_launch_dependents
 
-from .common import F16, _NEG, _cos, _dot16, _dot_f32, _f16_round, _fp8_rows, _hi_lo, _pow2_scale, _qat_rows, _sin
+from .common import _NEG, _cos, _dot16, _dot_f32, _f16_round, _fp8_rows, _hi_lo, _pow2_scale, _qat_rows, _sin
 from .decode import _xq_store
 
 
@@ -534,8 +534,8 @@ def attn_combine_kernel(mo_ptr, lo_ptr, ao_ptr, sink_ptr, freq_ptr, pos_ptr, out
                         ROPE_INV: tl.constexpr, BI: tl.constexpr, XQ8: tl.constexpr = False,
                         DEP: tl.constexpr = False):
     """Merge the S splits of one (query, head) with the sink, for the pairs [BI·program, +BI) of
-    the head (grid axis 2: one program per head left most SMs idle, 10 µs for the 20 splits of
-    a decode query over top-k rows); optionally the inverse tail RoPE. XQ8 (2·BI a multiple of
+    the head (grid axis 2: one program per head left most SMs idle for the few splits of a
+    decode query over top-k rows); optionally the inverse tail RoPE. XQ8 (2·BI a multiple of
     32): the result also in XQ8 form (qw_ptr, qs_ptr, qsum_ptr: a token's H·D values a row), for
     the output projection's decoder 309. DEP: as matvec_xq_kernel."""
     if DEP:

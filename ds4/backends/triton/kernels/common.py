@@ -10,9 +10,8 @@ import os
 
 import triton
 import triton.language as tl
-from triton.language.extra.cuda import gdc_launch_dependents
 
-from ..layout import Q8C
+from ..formats import Decoder, KernelType
 
 INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
 _INTERP = tl.constexpr(INTERPRET)
@@ -36,7 +35,7 @@ else:  # the interpreter gives scalars shape (1,), which numpy >= 2 refuses to i
         # Two speed-ups that keep the semantics of the compiled kernels: no int32 overflow
         # checks (the GPU has none outside debug mode), and float32 dots through einsum
         # (np.matmul with an explicit dtype takes numpy's slow generic loop, and BLAS threads
-        # thrash on a busy 2-core CI machine: 15 ms for a 64×128×64 product instead of 0.3).
+        # thrash on a busy CI machine with few cores).
         import dataclasses as _dc
 
         _ti.interpreter_builder.options = _dc.replace(_ti.interpreter_builder.options,
@@ -50,8 +49,18 @@ else:  # the interpreter gives scalars shape (1,), which numpy >= 2 refuses to i
 
         _ti.InterpreterBuilder.create_dot = _create_dot
 
-# GGML type ids (ds4.core.quants.GGMLType), and Q8C: Q8_0 rows in 256-value chunks (above)
-F32, F16, Q8_0, Q2_K, Q4_K, IQ2_XXS, BF16 = 0, 1, 8, 10, 12, 16, 30
+# the kernels' type ids as plain ints (formats.KernelType; Q8C: Q8_0 rows in 256-value chunks)
+F32, F16, Q8_0, Q2_K, Q4_K, IQ2_XXS, BF16, Q8C = (int(t) for t in (
+    KernelType.F32, KernelType.F16, KernelType.Q8_0, KernelType.Q2_K, KernelType.Q4_K, KernelType.IQ2_XXS,
+    KernelType.BF16, KernelType.Q8C))
+# the same ids as constexprs for the kernels' TYPE tests (Triton reads only constexpr globals in
+# @triton.jit code), and the specialised decoders (formats.Decoder)
+T_F32, T_F16, T_BF16, T_Q8_0, T_Q2_K, T_Q4_K, T_Q8C = (tl.constexpr(t) for t in (F32, F16, BF16, Q8_0, Q2_K, Q4_K, Q8C))
+D_Q2_K_UNROLLED, D_Q2_K_XQ, D_Q2S_HALVES_XQ = (tl.constexpr(int(d)) for d in (
+    Decoder.Q2_K_UNROLLED, Decoder.Q2_K_XQ, Decoder.Q2S_HALVES_XQ))
+D_IQ2_UNROLLED, D_IQ2_GROUPS, D_IQ2_GROUPS_SMEM, D_IQ2_GROUPS_XQ = (tl.constexpr(int(d)) for d in (
+    Decoder.IQ2_UNROLLED, Decoder.IQ2_GROUPS, Decoder.IQ2_GROUPS_SMEM, Decoder.IQ2_GROUPS_XQ))
+D_Q8C_FLOAT, D_Q8C_XQ8 = tl.constexpr(int(Decoder.Q8C_FLOAT)), tl.constexpr(int(Decoder.Q8C_XQ8))
 # values per unit (values sharing one scale) in the decoded tiles
 UNIT = {F32: 32, F16: 32, BF16: 32, Q8_0: 32, Q2_K: 16, Q4_K: 32, IQ2_XXS: 8, Q8C: 32}
 
@@ -88,8 +97,7 @@ def _ld4(p, INT: tl.constexpr = False, NC: tl.constexpr = True):
     """The 4 floats at p (16-byte aligned) as 4 tensors shaped like p: one 16-byte load per
     element instead of four 4-byte ones. In the routed decoders a warp's lanes walk different
     groups of x, so every load of x touches a sector per lane; this issues a quarter of those
-    requests for the same sectors (Q2_K down 1232 → 1020 µs a decode step, IQ2_XXS gate/up
-    2306 → 2228: bench/triton/README.md). INT: 4 int32
+    requests for the same sectors. INT: 4 int32
     words (x in XQ form). NC: through the non-coherent (read-only) path, which assumes the words
     do not change while the kernel runs. Not so in a kernel launched before the one that writes
     them ends (programmatic dependent launch): ptxas moved such a load above the kernel's wait
@@ -328,24 +336,24 @@ def _wtile(wb, wh, wf, gridp, ksigns, row_off, rmask, u0,
     m = rmask[:, None, None]
     u = u0 + tl.arange(0, NB)[None, :, None]
     iv = tl.arange(0, VB)[None, None, :]
-    if TYPE == 0:  # F32
+    if TYPE == T_F32:
         w = tl.load(wf + ro // 4 + u * VB + iv, mask=m, other=0.0)
-    elif TYPE == 1:  # F16
+    elif TYPE == T_F16:
         w = tl.load(wh + ro // 2 + u * VB + iv, mask=m, other=0).to(tl.float16, bitcast=True).to(tl.float32)
-    elif TYPE == 30:  # BF16: the top half of a float32
+    elif TYPE == T_BF16:  # BF16: the top half of a float32
         b = tl.load(wh + ro // 2 + u * VB + iv, mask=m, other=0).to(tl.int32) & 0xFFFF
         w = (b << 16).to(tl.float32, bitcast=True)
-    elif TYPE == 8:  # Q8_0: f16 d | int8 q[32]
+    elif TYPE == T_Q8_0:  # Q8_0: f16 d | int8 q[32]
         base = ro + u * 34
         d = _ld_f16(wh, base, m)
         q = tl.load(wb + base + 2 + iv, mask=m, other=0).to(tl.int8, bitcast=True).to(tl.float32)
         w = q * d
-    elif TYPE == 80:  # Q8C: the values of block u in K order, gathered from their bytes
+    elif TYPE == T_Q8C:  # Q8C: the values of block u in K order, gathered from their bytes
         so, qo = _q8c_block(ro, u)
         d = _ld_f16(wh, so, m)
         q = tl.load(wb + qo + (iv % 8) * 4 + iv // 8, mask=m, other=128).to(tl.int32)
         w = (q - 128).to(tl.float32) * d
-    elif TYPE == 10:  # Q2_K in Q2S (layout.py): qs[64] | scales[16] | f16 d, dmin; unit = 16-value sub-block
+    elif TYPE == T_Q2_K:  # Q2_K in Q2S (layout.py): qs[64] | scales[16] | f16 d, dmin; unit = 16-value sub-block
         B = _q2_blk(ro) + u // 16
         s = u % 16
         sc = tl.load(wb + B * 16 + s, mask=m, other=0).to(tl.int32)
@@ -360,7 +368,7 @@ def _wtile(wb, wh, wf, gridp, ksigns, row_off, rmask, u0,
         dl = d * (sc & 15).to(tl.float32)
         ml = dmin * (sc >> 4).to(tl.float32)
         w = dl * q - ml
-    elif TYPE == 12:  # Q4_K: f16 d | f16 dmin | scales[12] | qs[128]; unit = 32-value sub-block
+    elif TYPE == T_Q4_K:  # Q4_K: f16 d | f16 dmin | scales[12] | qs[128]; unit = 32-value sub-block
         blk = u // 8
         s = u % 8
         base = ro + blk * 144
@@ -397,10 +405,9 @@ def _wint(wb, wh, row_off, rmask, u, TYPE: tl.constexpr):
     """Q8_0 (TYPE 8) or Q8C (80) block u of the rows at byte offsets row_off [BN]: its quants as
     exact float32 integers [BN, 32] in K order and its scale [BN] (W = scale · q). Q8C's 32
     bytes load contiguously and are put in K order in registers ([word, byte] -> [byte, word]);
-    gathered in K order from memory instead, they made a 2048-token prefill 1.5× slower
-    (bench/triton/README.md)."""
+    gathered in K order from memory instead, they made prefill slower."""
     p = tl.arange(0, 32)[None, :]
-    if TYPE == 80:
+    if TYPE == T_Q8C:
         so, qo = _q8c_block(row_off, u)
         qb = tl.load(wb + qo[:, None] + p, mask=rmask[:, None], other=128)
         BN: tl.constexpr = qb.shape[0]

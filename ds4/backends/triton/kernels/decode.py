@@ -7,7 +7,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from .common import _INTERP, _iq2_blk, _ld4, _ld_f16, _q2_blk, _s8f, _u8f, _wtile
+from .common import D_IQ2_UNROLLED, D_Q2_K_UNROLLED, _INTERP, _iq2_blk, _ld4, _ld_f16, _q2_blk, _s8f, _u8f, _wtile
 
 
 @triton.jit
@@ -16,7 +16,7 @@ def _mv_step(xb, k0, wb, wh, wf, gridp, ksigns, row_off, rmask, rs, nw_ptr,
     """One K-step of a matrix-vector product: W[rows, k0 : k0 + NB·VB] ⊙ x̂, as a tile whose sum
     is the step's contribution. 216 (IQ2_XXS) and 110 (Q2_K) unroll the values of a unit and
     return [BN, NB, 1]; the generic decoder (_wtile) returns [BN, NB, VB]."""
-    if TYPE == 216:  # IQ2_XXS, one 32-value group per tile element, levels and signs as bytes
+    if TYPE == D_IQ2_UNROLLED:  # IQ2_XXS, one 32-value group per tile element, levels and signs as bytes
         u = k0 // 32 + tl.arange(0, NB)[None, :]  # group index in the row
         m = rmask[:, None]
         blk = _iq2_blk(row_off)[:, None] + u // 8  # IQ2S (layout.py)
@@ -40,7 +40,7 @@ def _mv_step(xb, k0, wb, wh, wf, gridp, ksigns, row_off, rmask, rs, nw_ptr,
                     q = _s8f(sv >> (8 * j))
                     part += q * tl.load(xu + 8 * sub + 4 * h + j)[None, :]
         return (db * part)[:, :, None]
-    elif TYPE == 110:  # Q2_K: 16 bytes (4 words) × 4 shifts = 64 values per tile element
+    elif TYPE == D_Q2_K_UNROLLED:  # Q2_K: 16 bytes (4 words) × 4 shifts = 64 values per tile element
         u = k0 // 64 + tl.arange(0, NB)[None, :]
         m = rmask[:, None]
         base, h, half, d, dmin, w0, w1, w2, w3 = _q2k_unit(wh, wf, row_off, m, u)

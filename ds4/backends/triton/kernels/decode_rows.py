@@ -85,8 +85,7 @@ def _iq2_group_step(xu, wh, wf, gridp, rb, m, u, tab, SMEM: tl.constexpr = False
     (gridp[768:1024]); its signs are computed (parity, then spread to bit 2 of each nibble), not
     looked up; one byte permute per 4 values gives the biased bytes 128 ± level (_iq2_lut) and
     _b2f the floats. (Looking up 8-byte levels and 8-byte sign masks instead, two gathers per entry
-    and row, kept the L1 busy: 52.8 against 42.5 µs for the Flash routed gate/up,
-    bench/triton/README.md.) SMEM (TYPE 417): the 16 lookups
+    and row, kept the L1 busy.) SMEM (TYPE 417): the 16 lookups
     of the step come from the table in shared memory (tab, _lut16), not through the L1."""
     gs = _iq2_group_words(wh, wf, rb, m, u)
     if SMEM:
@@ -119,8 +118,7 @@ def _iq2_group_rows(xb, wh, wf, gridp, row_off, rmask, K, sk, BN: tl.constexpr, 
     XQ form, xb its words and xs its block scales (an IQ2_XXS group and an XQ block are the same
     32 values). PF (with XQ): each step first issues the next step's group loads, then works on the
     ones the previous step issued (software pipelining by hand: a thread has two steps' weights in
-    flight; alone 24.8 against 26.9 µs for the Flash routed gate/up, and 7.46 against 7.80 GPU ms
-    a decode step, bench/triton/README.md)."""
+    flight)."""
     tab = 0
     if SMEM or XQ:  # the level table, loaded once (_lut16 stores it to shared memory per K-step)
         tab = tl.load(gridp + 768 + tl.arange(0, 256))
@@ -292,10 +290,10 @@ def _q2s_slots(ids_ptr, t, hw_ptr, hs_ptr, hsum_ptr, wb, wh, wf, rows, rmask, F,
     where 110 / 111 on GGUF's 84-byte blocks took four word loads, a load per scale byte and two
     for d, dmin. The tile is [BN / R, NH], a warp's lanes along the halves of a row; the slots
     add into it, and it is reduced over the halves once at the end (a reduction per slot, with
-    its layout conversions through shared memory: 12.1 against 10.5 µs for the routed down;
-    lanes along rows instead, sharing each load of h: 14.9 at best; bench/triton/README.md).
+    its layout conversions through shared memory, was slower, and so were lanes along rows
+    sharing each load of h).
     Each slot's weights are loaded before the slot before it computes, and the code has no loops
-    (IS is a constexpr): a loop counted at run time took 17.3 against 14.6 µs. Rows past the
+    (IS is a constexpr): a loop counted at run time was slower. Rows past the
     tensor read the expert's first row."""
     rsel = tl.where(rmask, rows, 0).to(tl.int64) * RB
     es = ()

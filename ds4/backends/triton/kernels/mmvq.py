@@ -8,7 +8,7 @@ import triton
 import triton.language as tl
 from triton.language.extra.cuda import gdc_launch_dependents
 
-from .common import _ld4
+from .common import D_IQ2_GROUPS, D_IQ2_GROUPS_SMEM, D_Q8C_FLOAT, _ld4
 from .decode import _dp4a, _mv_step, _xq_store
 from .decode_rows import _iq2_group_rows, _q8c_rows, _row_join, _row_sets
 
@@ -164,9 +164,9 @@ def _mv_rows(xb, wb, wh, wf, gridp, ksigns, row_off, rmask, K, sk, rs, nw_ptr, e
     matrix-vector kernel (308: VA is the rows per thread, NB the chunks per K-step). NORM with
     S = 1: the norm's scale comes from the x values the loop loads (rs unused); with S > 1 the
     caller passes it (matvec_kernel's prologue: a program then sees only part of x)."""
-    if TYPE == 416 or TYPE == 417:  # no fused norm (nor in 216, 110: _mv_cfg picks the generic one then)
-        y = _iq2_group_rows(xb, wh, wf, gridp, row_off, rmask, K, sk, BN, NB, S, TYPE == 417)
-    elif TYPE == 308:
+    if TYPE == D_IQ2_GROUPS or TYPE == D_IQ2_GROUPS_SMEM:  # no fused norm (nor in 216, 110: _mv_cfg picks the generic one then)
+        y = _iq2_group_rows(xb, wh, wf, gridp, row_off, rmask, K, sk, BN, NB, S, TYPE == D_IQ2_GROUPS_SMEM)
+    elif TYPE == D_Q8C_FLOAT:
         y, ss = _q8c_rows(xb, wf, wh, row_off, rmask, K, sk, rs, nw_ptr, BN, NB, VA, NORM, S)
     else:
         BK: tl.constexpr = NB * VB

@@ -7,7 +7,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from .common import _dot_units, _swiglu, _wtile
+from .common import D_IQ2_GROUPS_XQ, D_Q2S_HALVES_XQ, D_Q2_K_XQ, D_Q8C_XQ8, _dot_units, _swiglu, _wtile
 from .decode import _xq_store
 from .decode_rows import _iq2_group_rows, _q2k_int_rows, _q2s_slots
 from .mmvq import _mv_rows, _q8c_xq_rows, _split_last, _split_reset, _split_store, _split_sum
@@ -42,12 +42,12 @@ def moe_gateup_mv_kernel(x_ptr, sx_t, ids_ptr, wts_ptr,
     rmask = rows < F
     row_off = e * EXP_BYTES + rows.to(tl.int64) * RB
     xb = x_ptr + t * sx_t
-    if TYPE == 418:
+    if TYPE == D_IQ2_GROUPS_XQ:
         xw = xw_ptr + t * (K // 2)
         xs = xs_ptr + t * (K // 32)
         g = _iq2_group_rows(xw, gh, gf, gridp, row_off, rmask, K, sk, BN, NB, S, False, xs, True, PF)
         u = _iq2_group_rows(xw, uh, uf, gridp, row_off, rmask, K, sk, BN, NB, S, False, xs, True, PF)
-    elif TYPE == 309:
+    elif TYPE == D_Q8C_XQ8:
         xw = xw_ptr + t * (K // 2)
         xs = xs_ptr + t * (K // 32)
         g = _q8c_xq_rows(xw, xs, gf, gh, row_off, rmask, K, sk, BN, NB, VA, S)
@@ -94,7 +94,7 @@ def moe_down_mv_kernel(h_ptr, ids_ptr, db, dh, df, gridp, ksigns, out_ptr, ws_pt
     rows = pid * BN + tl.arange(0, BN)
     rmask = rows < E
     out = tl.zeros([BN], tl.float32)
-    if TYPE == 113:
+    if TYPE == D_Q2S_HALVES_XQ:
         out = _q2s_slots(ids_ptr, t, hw_ptr, hs_ptr, hsum_ptr, db, dh, df, rows, rmask, F, RB, EXP_BYTES, sk,
                          KSLOTS, BN, NB, VA, IS)
     else:
@@ -103,7 +103,7 @@ def moe_down_mv_kernel(h_ptr, ids_ptr, db, dh, df, gridp, ksigns, out_ptr, ws_pt
             e = tl.load(ids_ptr + s).to(tl.int64)
             row_off = e * EXP_BYTES + rows.to(tl.int64) * RB
             hb = h_ptr + s * F
-            if TYPE == 111:
+            if TYPE == D_Q2_K_XQ:
                 out += _q2k_int_rows(hw_ptr + s * (F // 2), hs_ptr + s * (F // 32), hsum_ptr + s * (F // 16),
                                      db, dh, df, row_off, rmask, F, sk, BN, NB, S)
             else:

@@ -8,7 +8,7 @@ import triton
 import triton.language as tl
 from triton.language.extra.cuda import gdc_launch_dependents
 
-from .common import _cos, _dot_f32, _qat_rows, _sigmoid, _sin, _swiglu, _wtile
+from .common import T_F16, _cos, _dot_f32, _qat_rows, _sigmoid, _sin, _swiglu, _wtile
 from .decode import _xq_store
 
 
@@ -72,8 +72,8 @@ def hc_mix_kernel(x_ptr, wb, wh, wf, gridp, ksigns, part_ptr, ss_ptr, n, NR, K, 
     """Partial mHC mixing projections fn[NR, K] · X[t] over one K chunk, and the partial Σ X²,
     for tokens [BT·program, +BT). BT = 1 (decode): FMAs. BT > 1 (prefill): tf32 tensor-core
     products to float32 accuracy (_dot_f32; F16 weights are exact in tf32), so that a weight
-    tile read from L2 serves BT tokens instead of one (one token per program read all of fn,
-    0.8 MB, per token: 26 ms of a 2048-token prefill).
+    tile read from L2 serves BT tokens instead of one (one token per program read all of fn
+    per token).
     EXPAND (BT = 1): X is first computed from the previous sublayer, as hc_post_kernel would
     (X[j] = post[j]·(y + y2) + Σ_i comb[i][j]·Xo[i]), and stored to x_ptr; the expand then
     needs no launch of its own on the decode path."""
@@ -120,7 +120,7 @@ def hc_mix_kernel(x_ptr, wb, wh, wf, gridp, ksigns, part_ptr, ss_ptr, n, NR, K, 
             xt = tl.load(xb + k0 + kk[None, :], mask=tm[:, None], other=0.0)
             ss += xt * xt
             w = tl.reshape(_wtile(wb, wh, wf, gridp, ksigns, row_off, rmask, k0 // VB, TYPE, NB, VB), [NM, BK])
-            acc = _dot_f32(xt, tl.trans(w), acc, TYPE == 1)
+            acc = _dot_f32(xt, tl.trans(w), acc, TYPE == T_F16)
         tp = (t * nsp + sp).to(tl.int64)
         tl.store(part_ptr + tp[:, None] * NM + rows[None, :], acc, mask=tm[:, None])
         tl.store(ss_ptr + tp, tl.sum(ss, axis=1), mask=tm)
@@ -147,8 +147,7 @@ def _sinkhorn4(c_ptr, eps, ITERS):
     """The Sinkhorn normalisation (§3.2) of the 4×4 comb logits at c_ptr (row-major), in place,
     as 16 scalars that every thread holds. As a [4, 4] tile spread over the program's warps each
     of its 40 row / column sums was a cross-warp reduction through shared memory with a barrier;
-    here it is two barriers and arithmetic (the finalize kernel: 6.3 → 5.3–5.6 µs a call on the
-    H200, bench/triton/README.md)."""
+    here it is two barriers and arithmetic."""
     tl.debug_barrier()  # the logits were stored by other threads
     c00, c01, c02, c03 = tl.load(c_ptr + 0), tl.load(c_ptr + 1), tl.load(c_ptr + 2), tl.load(c_ptr + 3)
     c10, c11, c12, c13 = tl.load(c_ptr + 4), tl.load(c_ptr + 5), tl.load(c_ptr + 6), tl.load(c_ptr + 7)
@@ -218,7 +217,7 @@ def hc_finalize_kernel(x_ptr, part_ptr, ss_ptr, scale_ptr, base_ptr, xin_ptr, po
             post = 2.0 * _sigmoid(post * tl.load(scale_ptr + 1) + tl.load(base_ptr + HC + i)[None, :])
             tl.store(post_ptr + tc[:, None] * HC + i[None, :], post, mask=tm[:, None])
             cidx = 2 * HC + i[:, None] * HC + i[None, :]  # [HC, HC]
-            # all SPLIT partials in one tile (a loop of SPLIT dependent steps took 9.4 µs at 128)
+            # all SPLIT partials in one tile (a loop of SPLIT dependent steps is a serial chain)
             cp = part_ptr + (tc[:, None, None, None] * SPLIT + sp[None, :, None, None]) * NM
             c = tl.sum(tl.load(cp + cidx[None, None, :, :]), axis=1) / rs[:, None, None]
             c = c * tl.load(scale_ptr + 2) + tl.load(base_ptr + cidx)[None, :, :]
