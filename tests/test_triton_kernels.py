@@ -654,7 +654,7 @@ def test_q2s_down_rows_past_the_tile(rng):
     assert _rel(out, want) < 1e-5
 
 
-# Compiled for sm_90 in a process without the interpreter (kernels.py picks its inline assembly
+# Compiled for sm_90 in a process without the interpreter (kernels/ picks its inline assembly
 # at import), its SASS listed by the cuobjdump that ships with Triton.
 _PDL_SASS = r"""
 import glob, json, os, subprocess, sys, tempfile

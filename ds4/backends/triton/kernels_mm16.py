@@ -1,6 +1,6 @@
 """Prefill products as exact integers on fp16 tensor cores: the routed experts (IQ2_XXS gate/up,
 Q2_K down) and, optionally (backend.q8_int16), Q8_0 linears and the shared expert's gate/up (in
-the Q8C chunk layout, kernels.py).
+the Q8C chunk layout, kernels/).
 
 The expert weights are block formats whose values are small integers times a few float scales.
 Regrouped so that one float scale covers a whole 256-value super-block of a row, the integers stay
@@ -33,7 +33,8 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from .kernels import _INTERP, _dot16, _iq2_grid_index, _hi_lo, _ld_f16, _pow2_scale, _q8c_block, _q8c_value, _swiglu, _u8f
+from .kernels.common import _INTERP, _dot16, _hi_lo, _ld_f16, _pow2_scale, _q8c_block, _q8c_value, _swiglu, _u8f
+from .kernels.decode import _iq2_grid_index
 
 _MAGIC = tl.constexpr(8388608.0)  # 2^23: an integer OR-ed into its mantissa is exact (see _u8f)
 

@@ -48,8 +48,9 @@ from __future__ import annotations
 import torch
 
 from ...core.quants import GGMLType
+from .formats import KernelType
 
-Q8C = 80  # the kernels' type id of this layout (beside the GGUF type ids they take for the others)
+Q8C = int(KernelType.Q8C)  # the kernels' type id of this layout (beside the GGUF type ids they take for the others)
 
 
 def q8_chunked(ttype: GGMLType, K: int) -> bool:

@@ -1,0 +1,95 @@
+"""Linear layers of the Triton backend: decode products (matrix-vector, or the Q8C_XQ8 path on
+x in XQ8 form) and prefill products (matrix-matrix, or the integer fp16 Q8_0 path)."""
+
+from __future__ import annotations
+
+from . import kernels as K
+from . import kernels_mm16 as K16
+from .formats import Decoder, KernelType
+from .plumbing import MM_MIN, QWeight, _Normed, _Quantized, _cdiv, _largest_pow2_divisor, _x16
+
+
+class _LinearOps:
+    """The linear layers of TritonBackend (a mixin: it uses the state TritonBackend.__init__ sets up)."""
+
+    # ---- linear layers --------------------------------------------------------------------------
+
+    def _takes_xq8(self, w: QWeight, n: int) -> bool:
+        """Whether a decode product of n tokens on w reads x in XQ8 form (decoder 309)."""
+        return n < MM_MIN and w.kt == KernelType.Q8C and self._mv_cfg(w.kt, w.N, w.K, n, xq=True)["TYPE"] == Decoder.Q8C_XQ8
+
+    def _linear(self, x, w: QWeight, group_rows: int = 0, group_stride: int = 0, xq_out: bool = False):
+        """x [n, K(·groups)] -> [n, N]. Rows of group g read x columns [g·stride, +K). xq_out: the
+        result also in XQ8 form where the product can store it (309; then a _Quantized)."""
+        N, Kd = w.N, w.K
+        gr = group_rows or (1 << 30)
+        if x.shape[0] < MM_MIN and w.kt == KernelType.Q8C and group_stride % 32 == 0:
+            c = self._mv_cfg(w.kt, N, Kd, x.shape[0], xq=True)  # (the test of _takes_xq8, its config kept)
+            if c["TYPE"] == Decoder.Q8C_XQ8:
+                return self._linear_xq(x, w, c, gr, group_stride, xq_out)
+        norm = 0
+        nw = self._dummy_f
+        if isinstance(x, _Normed) and x.val is None and x.shape[0] < MM_MIN and not group_rows:
+            src = self._val(x.x)
+            norm = 2 if x.w is None else 1
+            nw = self._dummy_f if x.w is None else x.w.vec
+            c = self._mv_cfg(w.kt, N, Kd, src.shape[0], norm, x16=_x16(src, src.stride(0)))
+            if _cdiv(N, c["BN"]) * Kd >= self.norm_fuse_max:  # normalise x once instead (rms_kernel)
+                src, norm, nw = self._val(x), 0, self._dummy_f
+        else:
+            src = self._val(x)
+        n = src.shape[0]
+        sx_t = src.stride(0)
+        out = self._new((n, N))
+        if n < MM_MIN:
+            c = self._mv_cfg(w.kt, N, Kd, n, norm, x16=_x16(src, sx_t, group_stride))
+            if group_rows:
+                c["BN"] = min(c["BN"], _largest_pow2_divisor(group_rows, c["BN"]))
+            S = c["S"]
+            tiles = _cdiv(N, c["BN"])
+            self._tiles_ok(tiles * n, S)
+            ws = self._new((n, S, N)) if S > 1 else self._dummy_f
+            self._launch(K.matvec_kernel, (tiles, n, S), src, sx_t, group_stride, nw,
+                         w.b8, w.i16, w.f32, self._gridp, self._ksigns, out, N, ws, self._tickets(),
+                         N, Kd, w.RB, gr, self.cfg.rms_eps, NORM=norm, **c,
+                         nbytes=w.RB * N + 4 * n * (Kd + N))
+        elif self._q8_16(w, src, group_stride):
+            xh, xl, xi, _, _ = self._split16(src, sums=False)
+            BM, BN, warps, stages = self.q8_16_tile["linear"]
+            if group_rows:
+                BN = min(BN, _largest_pow2_divisor(group_rows, BN))
+            self._launch(K16.matmul_q8_16_kernel, (_cdiv(n, BM), _cdiv(N, BN)), xh, xl, xi, src.shape[1],
+                         w.i16, out, N, n, N, Kd, w.RB, gr, group_stride, BM=BM, BN=BN,
+                         num_warps=warps, num_stages=stages, nbytes=w.RB * N + 4 * n * (Kd + N))
+        else:
+            mc = self._mm_cfg(w.kt, Kd)
+            BM, BN, warps = self.mm_tile_q8 if mc["U"] and not self.interpret else self.mm_tile
+            if group_rows:
+                BN = min(BN, _largest_pow2_divisor(group_rows, BN))
+            self._launch(K.matmul_kernel, (_cdiv(n, BM), _cdiv(N, BN)), src, sx_t, group_stride,
+                         w.b8, w.i16, w.f32, self._gridp, self._ksigns, out, N,
+                         n, N, Kd, w.RB, gr, TYPE=w.kt, BM=BM, BN=BN, **mc,
+                         num_warps=warps, num_stages=2, nbytes=w.RB * N + 4 * n * (Kd + N))
+        return out
+
+    def _linear_xq(self, x, w: QWeight, c: dict, gr: int, group_stride: int, xq_out: bool):
+        """A decode product on Q8C rows through decoder 309 (c: its _mv_cfg), x in XQ8 form; with
+        xq_out and one K part, the result in XQ8 form too (-> _Quantized)."""
+        xw, xs, _ = self._xq(x, perm=True)
+        n, N = x.shape[0], w.N
+        width = 2 * xw.shape[1]
+        BN = _largest_pow2_divisor(gr, c["BN"])  # a program's rows within one group (gr: 2^30 without groups)
+        S = c["S"]
+        tiles = _cdiv(N, BN)
+        self._tiles_ok(tiles * n, S)
+        xq_out = xq_out and S == 1 and N % 32 == 0
+        if xq_out:
+            self._tiles_ok(n * N // 32, 2)  # a ticket per 32-row block
+        q = self._xq_new(n, N) if xq_out else (self._dummy_i, self._dummy_f, self._dummy_f)
+        out = self._new((n, N))
+        ws = self._new((n, S, N)) if S > 1 else self._dummy_f
+        pdl = dict(PDL=True, DEP=self._pdl("xq"), launch_pdl=True) if self._pdl() else {}
+        self._launch(K.matvec_xq_kernel, (tiles, n, S), xw, xs, width, group_stride, w.i16, w.f32, out, N,
+                     ws, self._tickets(), N, w.K, w.RB, gr, *q, BN=BN, NB=c["NB"], R=c["VA"], S=S, XQOUT=xq_out,
+                     num_warps=c["num_warps"], nbytes=w.RB * N + 2 * n * width + (7 if xq_out else 4) * n * N, **pdl)
+        return _Quantized(out, q) if xq_out else out
