@@ -14,18 +14,16 @@ from __future__ import annotations
 
 from enum import IntEnum
 
+from ...core.quants import GGMLType
 
-class KernelType(IntEnum):
-    """A weight's format as the kernels see it (GGML type ids, ds4.core.quants.GGMLType, and Q8C)."""
+# The kernels' id of Q8_0 rows in 256-value chunks (layout.py), beside the GGUF ids.
+Q8C_ID = 80
+# The GGUF formats the kernels decode as GGUF stores them (or rearranged without a new id).
+_GGUF_DECODED = ("F32", "F16", "Q8_0", "Q2_K", "Q4_K", "IQ2_XXS", "BF16")
 
-    F32 = 0
-    F16 = 1
-    Q8_0 = 8
-    Q2_K = 10
-    Q4_K = 12
-    IQ2_XXS = 16
-    BF16 = 30
-    Q8C = 80  # Q8_0 rows in 256-value chunks (layout.py)
+# A weight's format as the kernels see it: the GGML type ids (ds4.core.quants.GGMLType, the one
+# table of them) and Q8C, Q8_0 rows in 256-value chunks (layout.py).
+KernelType = IntEnum("KernelType", [(n, int(GGMLType[n])) for n in _GGUF_DECODED] + [("Q8C", Q8C_ID)])
 
 
 class Decoder(IntEnum):
