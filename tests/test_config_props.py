@@ -133,25 +133,6 @@ def hf_config_dict(cfg: ModelConfig) -> dict:
         rope_parameters=yarn)
 
 
-def hf_decode(model, prompt: list[int], stable_topk) -> list[np.ndarray]:
-    """transformers' cached decode, one token per call, float64, ds4's top-k tie rule."""
-    import torch
-
-    logits, cache = [], None
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)  # tiny ops: one thread is fastest on a shared machine
-    try:
-        with torch.no_grad(), stable_topk():
-            for pos, tok in enumerate(prompt):
-                out = model(input_ids=torch.tensor([[tok]]), position_ids=torch.tensor([[pos]]),
-                            cache=cache, use_cache=True)
-                cache = out.cache
-                logits.append(out.logits[0, -1].numpy().copy())
-    finally:
-        torch.set_num_threads(threads)
-    return logits
-
-
 def check_reference_against_transformers(cfg: ModelConfig, tmp, seed: int):
     pytest.importorskip("transformers")
     tp = pytest.importorskip("test_parity_transformers")
@@ -170,7 +151,7 @@ def check_reference_against_transformers(cfg: ModelConfig, tmp, seed: int):
     keep = ("name", "context_length")
     assert dataclasses.replace(ours, **{k: getattr(cfg, k) for k in keep}) == cfg, (ours, cfg)
     prompt = prompt_for(cfg, seed)
-    want = hf_decode(model, prompt, tp.stable_topk)
+    want = list(tp._transformers_decode(model, prompt)[0])
     state = {k: v.detach().numpy() for k, v in model.state_dict().items()}
     path = convert_hf_state(state, hf.to_dict(), tmp / f"hf-{seed}.gguf",
                             *synthetic_vocabulary(cfg.n_vocab))
