@@ -19,6 +19,9 @@ from rich.text import Text
 
 from ds4.core.atomic import atomic_file, signals_unwind
 
+from .tp import (DEFAULT_GATE_TIMEOUT_MS, DEFAULT_TP_WAIT_S, DebugHashOption, GateTimeoutOption,
+                 TpListenOption, TpTransportOption, TpWaitOption, open_tp_engine)
+from .wire_options import AuthTokenFileOption
 from .common import (CLIError, err, fail, human_bytes, library_errors, open_engine, out,
                      progress_callback, resolve_model)
 from .options import BackendName, ModelOption, NumericsOption, check_range
@@ -85,6 +88,12 @@ def bench(
     from_csv: Annotated[Optional[list[Path]], typer.Option(
         "--from", metavar="CSV", exists=True, dir_okay=False, show_default=False,
         help="With --plot: plot these CSVs (repeatable) instead of running a benchmark.")] = None,
+    tp_listen: TpListenOption = None,
+    tp_transport: TpTransportOption = "tcp",
+    gate_timeout_ms: GateTimeoutOption = DEFAULT_GATE_TIMEOUT_MS,
+    debug_hash: DebugHashOption = False,
+    tp_wait: TpWaitOption = DEFAULT_TP_WAIT_S,
+    auth_token_file: AuthTokenFileOption = None,
 ) -> None:
     from ds4 import bench as lib
     from ds4.bench_plot import group_rows, plot_bench
@@ -127,6 +136,8 @@ def bench(
             names = [_resolve(n) for n in names]
         else:
             names = [_resolve(backend or "auto")]
+        if tp_listen and compare is not None:
+            raise CLIError("--tp-listen benchmarks one pair: leave out --compare")
 
         _check_model(model, ctx_max, gen_tokens)  # before the CSV is touched
         append = csv_path is not None and _appends_to(csv_path, overwrite)
@@ -144,8 +155,12 @@ def bench(
         if not append:
             lib.write_csv_header(sink)
         sink.flush()
+        tp = None
+        if tp_listen:
+            tp = dict(listen=tp_listen, transport=tp_transport, gate_timeout_ms=gate_timeout_ms,
+                      debug_hash=debug_hash, wait_s=tp_wait, auth_token_file=auth_token_file)
         runs = _run_all(names, model, numerics, ctx_max, gen_tokens, points, prefill_cap, warmup,
-                        repeat, sink, table_console)
+                        repeat, sink, table_console, tp)
 
     if len(runs) > 1:
         _print_ratios(table_console, names, runs)
@@ -158,13 +173,18 @@ def bench(
 
 
 def _run_all(names, model, numerics, ctx_max, gen_tokens, points, prefill_cap, warmup, repeat,
-             sink, table_console) -> list[list]:
-    """Each backend in turn, a CSV row written as soon as it is measured."""
+             sink, table_console, tp: dict | None = None) -> list[list]:
+    """Each backend in turn, a CSV row written as soon as it is measured. `tp`: run the one
+    backend as rank 0 of a tensor-parallel pair (open_tp_engine's options)."""
     from ds4 import bench as lib
 
     runs: list[list] = []
     for name in names:
-        eng = open_engine(model, name, numerics)
+        if tp is not None:
+            listen = tp.pop("listen")
+            eng = open_tp_engine(model, name, numerics, listen, ctx=ctx_max + gen_tokens, **tp)
+        else:
+            eng = open_engine(model, name, numerics)
         with library_errors():
             seq = lib.bench_tokens(eng.tokenizer, ctx_max)
             with progress_callback(f"bench {name}: {len(points)} frontiers up to {ctx_max}",
@@ -182,6 +202,9 @@ def _run_all(names, model, numerics, ctx_max, gen_tokens, points, prefill_cap, w
                                      warmup=warmup, repeat=repeat, on_row=on_row)
         runs.append(rows)
         _print_run(table_console, rows)
+        close = getattr(eng, "close", None)
+        if close is not None:
+            close()
         del eng  # one engine (and its device memory) at a time
     return runs
 

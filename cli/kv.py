@@ -19,6 +19,8 @@ from rich.text import Text
 
 from ds4.core.chat import DEFAULT_SYSTEM
 
+from .tp import (DEFAULT_GATE_TIMEOUT_MS, DEFAULT_TP_WAIT_S, DebugHashOption, GateTimeoutOption,
+                 TpListenOption, TpTransportOption, TpWaitOption, open_tp_engine)
 from .common import (CLIError, err, human_bytes, library_errors, open_engine, out, rate,
                      resolve_model, stream_reply)
 from .wire_options import (AuthTokenFileOption, AuthTokenOption, IoTimeoutOption, TlsCaOption,
@@ -105,8 +107,16 @@ def prefill(
     tls_cert: TlsCertOption = None,
     tls_key: TlsKeyOption = None,
     tls_ca: TlsCaOption = None,
+    tp_listen: TpListenOption = None,
+    tp_transport: TpTransportOption = "tcp",
+    gate_timeout_ms: GateTimeoutOption = DEFAULT_GATE_TIMEOUT_MS,
+    debug_hash: DebugHashOption = False,
+    tp_wait: TpWaitOption = DEFAULT_TP_WAIT_S,
 ) -> None:
-    """Prefill a prompt (no generation) and save or send the session for another node to decode."""
+    """Prefill a prompt (no generation) and save or send the session for another node to decode.
+
+    With --tp-listen HOST:PORT the prefill runs on a tensor-parallel pair (this process and a
+    `ds4 tp-worker`); the payload is the same as one rank's and any node decodes it."""
     from ds4.core.chat import encode_prompt
 
     if (prompt is None) == (prompt_file is None):
@@ -132,7 +142,13 @@ def prefill(
             prompt = prompt_file.read_text(encoding="utf-8")
         elif prompt == "-":
             prompt = sys.stdin.read()
-    eng = open_engine(model, backend, numerics)
+    if tp_listen:
+        eng = open_tp_engine(model, backend, numerics, tp_listen, ctx=ctx, transport=tp_transport,
+                             gate_timeout_ms=gate_timeout_ms, debug_hash=debug_hash, wait_s=tp_wait,
+                             auth_token=auth_token, auth_token_file=auth_token_file,
+                             io_timeout=io_timeout)
+    else:
+        eng = open_engine(model, backend, numerics)
     with library_errors():
         if ctx > eng.config.context_length:
             raise CLIError(f"--ctx {ctx} is more than the model's context_length "
@@ -203,8 +219,16 @@ def decode(
     tls_cert: TlsCertOption = None,
     tls_key: TlsKeyOption = None,
     tls_ca: TlsCaOption = None,
+    tp_listen: TpListenOption = None,
+    tp_transport: TpTransportOption = "tcp",
+    gate_timeout_ms: GateTimeoutOption = DEFAULT_GATE_TIMEOUT_MS,
+    debug_hash: DebugHashOption = False,
+    tp_wait: TpWaitOption = DEFAULT_TP_WAIT_S,
 ) -> None:
-    """Continue a prefilled session (from a file or the network), streaming the text to stdout."""
+    """Continue a prefilled session (from a file or the network), streaming the text to stdout.
+
+    With --tp-listen HOST:PORT the decode runs on a tensor-parallel pair (this process and a
+    `ds4 tp-worker`, which gets the loaded session's state over the pair's control connection)."""
     from ds4.core.payload import check_payload
     from ds4.core.sampling import Rng, SamplingParams
 
@@ -222,7 +246,13 @@ def decode(
     with library_errors():
         token = wire_token(auth_token, auth_token_file) if recv_kv is not None else None
         tls = server_tls(tls_cert, tls_key, tls_ca) if recv_kv is not None else None
-    eng = open_engine(model, backend, numerics)
+    if tp_listen:
+        eng = open_tp_engine(model, backend, numerics, tp_listen, ctx=ctx, transport=tp_transport,
+                             gate_timeout_ms=gate_timeout_ms, debug_hash=debug_hash, wait_s=tp_wait,
+                             auth_token=auth_token, auth_token_file=auth_token_file,
+                             io_timeout=io_timeout)
+    else:
+        eng = open_engine(model, backend, numerics)
     tok = eng.tokenizer
     from ds4.core.atomic import temp_dir
 

@@ -25,8 +25,10 @@ from ds4.core.atomic import signals_unwind
 from ds4.core.chat import DEFAULT_SYSTEM
 from ds4.core.tiny import EXPERT_MIXES, PRESETS
 
-from . import bench, chat, kv, pipe, serve
+from . import bench, chat, kv, pipe, serve, tp
 from .pipe import LayersOption, SplitNextOption, open_split_engine
+from .tp import (DEFAULT_GATE_TIMEOUT_MS, DEFAULT_TP_WAIT_S, DebugHashOption, GateTimeoutOption,
+                 TpListenOption, TpTransportOption, TpWaitOption, open_tp_engine)
 from .wire_options import (AuthTokenFileOption, AuthTokenOption, IoTimeoutOption, TlsCaOption,
                            TlsCertOption, TlsKeyOption)
 from .common import (CLIError, rate, stream_reply, err, human_bytes, library_errors, open_engine, out, print_error,
@@ -258,11 +260,17 @@ def generate(
     tls_cert: TlsCertOption = None,
     tls_key: TlsKeyOption = None,
     tls_ca: TlsCaOption = None,
+    tp_listen: TpListenOption = None,
+    tp_transport: TpTransportOption = "tcp",
+    gate_timeout_ms: GateTimeoutOption = DEFAULT_GATE_TIMEOUT_MS,
+    debug_hash: DebugHashOption = False,
+    tp_wait: TpWaitOption = DEFAULT_TP_WAIT_S,
 ) -> None:
     """Generate a reply to one prompt, streaming the text to stdout (stats go to stderr).
 
     With --split-next HOST:PORT --layers 0:A this process runs layers [0, A) and the
     `ds4 pipe-worker` chain at HOST:PORT runs the rest (token-identical to an unsplit run).
+    With --tp-listen HOST:PORT it is rank 0 of a tensor-parallel pair with a `ds4 tp-worker`.
     """
     from ds4.core.sampling import Rng, SamplingParams
 
@@ -275,11 +283,20 @@ def generate(
     params = SamplingParams(temperature=temp, top_k=top_k, top_p=top_p, min_p=min_p)
     rng = Rng(seed)
 
+    if split_next and tp_listen:
+        with library_errors():
+            raise CLIError("--split-next and --tp-listen do not combine: choose one split")
     if split_next:
         eng = open_split_engine(model, backend, numerics, split_next, layers, ctx=ctx,
                                 sampling=params, auth_token=auth_token,
                                 auth_token_file=auth_token_file, io_timeout=io_timeout,
                                 tls_files=(tls_cert, tls_key, tls_ca), announce=False)
+    elif tp_listen:
+        eng = open_tp_engine(model, backend, numerics, tp_listen, ctx=ctx, transport=tp_transport,
+                             gate_timeout_ms=gate_timeout_ms, debug_hash=debug_hash, wait_s=tp_wait,
+                             auth_token=auth_token, auth_token_file=auth_token_file,
+                             io_timeout=io_timeout, tls_files=(tls_cert, tls_key, tls_ca),
+                             announce=False)
     elif layers:
         with library_errors():
             raise CLIError("--layers is only used with --split-next")
@@ -327,6 +344,7 @@ def _generate(eng, prompt, n, params, rng, seed, nothink, system, ctx, backend_n
 # Commands that live in their own modules (KV handoff, pipeline, bench).
 kv.register(app)
 pipe.register(app)
+tp.register(app)
 bench.register(app)
 serve.register(app)
 chat.register(app)

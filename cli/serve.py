@@ -25,6 +25,8 @@ from ds4.serve import DEFAULT_MAX_BODY
 from .common import CLIError, err, library_errors, open_engine
 from .options import BackendOption, CtxOption, ModelOption, NumericsOption, check_range
 from .pipe import LayersOption, SplitNextOption, open_split_engine
+from .tp import (DEFAULT_GATE_TIMEOUT_MS, DEFAULT_TP_WAIT_S, DebugHashOption, GateTimeoutOption,
+                 TpListenOption, TpTransportOption, TpWaitOption, open_tp_engine)
 from .wire_options import AuthTokenFileOption, AuthTokenOption
 
 API_KEY_ENV = "DS4_API_KEY"
@@ -120,6 +122,11 @@ def serve(
     auth_token: AuthTokenOption = None,
     auth_token_file: AuthTokenFileOption = None,
     verbose: Annotated[bool, typer.Option("--verbose", "-v", help="Log every request.")] = False,
+    tp_listen: TpListenOption = None,
+    tp_transport: TpTransportOption = "tcp",
+    gate_timeout_ms: GateTimeoutOption = DEFAULT_GATE_TIMEOUT_MS,
+    debug_hash: DebugHashOption = False,
+    tp_wait: TpWaitOption = DEFAULT_TP_WAIT_S,
 ) -> None:
     """Serve the model over HTTP: the OpenAI API (/v1/chat/completions, /v1/completions,
     /v1/models) and the Anthropic API (/v1/messages, /v1/messages/count_tokens), streaming as
@@ -139,9 +146,18 @@ def serve(
         if warning:
             err.print(Text(f"warning: {warning}", style="yellow"), soft_wrap=True)
         sock = bind(host, port)
+        if split_next and tp_listen:
+            raise CLIError("--split-next and --tp-listen do not combine: choose one split")
         if split_next:
             eng = open_split_engine(model, backend, numerics, split_next, layers, ctx=ctx,
                                     auth_token=auth_token, auth_token_file=auth_token_file)
+        elif tp_listen:
+            # (a worker that dies is an error on the request under way and 503 on /health until
+            # a `ds4 tp-worker --rejoin` is back; the next request waits up to --tp-wait for it)
+            eng = open_tp_engine(model, backend, numerics, tp_listen, ctx=ctx, transport=tp_transport,
+                                 gate_timeout_ms=gate_timeout_ms, debug_hash=debug_hash,
+                                 wait_s=tp_wait, auth_token=auth_token,
+                                 auth_token_file=auth_token_file)
         elif layers:
             raise CLIError("--layers is only used with --split-next")
         else:

@@ -186,7 +186,8 @@ def run_bench(engine, tokens: list[int], points: Iterable[int], gen_tokens: int,
     if warmup:
         warm_up(engine, tokens)
 
-    backend, device, model = engine.backend.name, describe_device(engine.backend), model_label(engine)
+    backend = getattr(engine, "bench_label", engine.backend.name)  # (a tensor-parallel pair's)
+    device, model = describe_device(engine.backend), model_label(engine)
     rows: list[BenchRow] = []
     prev = 0
     for f in points:

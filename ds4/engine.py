@@ -18,29 +18,34 @@ import numpy as np
 
 from .backends import backend_class
 from .core.gguf_model import GGUFModel
-from .core.graph import chunk_bounds, forward_chunk
+from .core.graph import Partner, chunk_bounds, forward_chunk
 from .core.sampling import GREEDY, Rng, SamplingParams, sample, unsorted_path
 from .core.state import SessionLayout, alloc_states, states_from_host, states_to_host
 from .core.tokenizer import Tokenizer
+from .core.tp_split import RankPart
 from .core.weights import bind_weights
 
 
 class Engine:
-    def __init__(self, model: GGUFModel, backend, weights, layers: range):
+    def __init__(self, model: GGUFModel, backend, weights, layers: range, part: RankPart | None = None):
         self.model = model
         self.config = model.config
         self.backend = backend
         self.weights = weights
         self.layers = layers
+        self.part = part  # a tensor-parallel rank's share of the model (None: all of it)
+        self.partner: Partner | None = None  # its link to the other ranks (ds4/tp sets it)
 
     @classmethod
     def open(cls, path: str | os.PathLike | None = None, backend: str = "reference",
-             numerics: str = "ds4", layers: range | None = None, **backend_options) -> "Engine":
+             numerics: str = "ds4", layers: range | None = None, part: RankPart | None = None,
+             **backend_options) -> "Engine":
         """Map the GGUF (None = the embedded default model) and bind it to a backend.
 
         `layers` (default: all) binds only a contiguous layer range, as a pipeline stage does:
         the embedding is bound when the range starts at 0, the output head when it ends at the
-        last layer.
+        last layer. `part` binds a tensor-parallel rank's share (ds4/core/tp_split.py); its
+        sessions need `partner` set before they run (ds4/tp does both).
         """
         if path is None:
             from .core.default_model import default_model_path
@@ -54,10 +59,13 @@ class Engine:
         if layers.step != 1 or not 0 <= layers.start < layers.stop <= n_layer:
             raise ValueError(f"layers: expected a contiguous range within [0, {n_layer}), got "
                              f"{layers.start}:{layers.stop}")
-        be = backend_class(backend)(model.config, numerics=numerics, **backend_options)
+        if part is not None and layers != range(n_layer):
+            raise ValueError("layers: a tensor-parallel rank runs every layer")
+        cfg = model.config if part is None else part.config(model.config)
+        be = backend_class(backend)(cfg, numerics=numerics, **backend_options)
         weights = bind_weights(model, be.upload, layers=layers, embedding=layers.start == 0,
-                               head=layers.stop == n_layer)
-        return cls(model, be, weights, layers)
+                               head=layers.stop == n_layer, part=part)
+        return cls(model, be, weights, layers, part)
 
     @cached_property
     def tokenizer(self) -> Tokenizer:
@@ -145,7 +153,8 @@ class Session:
         # of 0.34 ms of host time before the step's launch at 32768 tokens, 0.11 without)
         for a, b in chunk_bounds(start, end, self.layout.prefill_cap):
             part = new[a - start:b - start]
-            out = forward_chunk(be, w, self.states, np.asarray(part, dtype=np.int64), a, logits=(b == end))
+            out = forward_chunk(be, w, self.states, np.asarray(part, dtype=np.int64), a,
+                                logits=(b == end), tp=self.engine.partner)
             self._tokens.extend(part)  # (the session's own list: tokens / snapshot hand out copies)
         self._logits = np.asarray(be.to_numpy(out), dtype=np.float32)
 

@@ -23,6 +23,7 @@ LEADER = ds4t.Hello.for_model(ds4t.Role.LEADER, fingerprint=FP, n_layer=4, n_emb
 WORKER = dataclasses.replace(LEADER, role=ds4t.Role.WORKER, rank=1, ctx=4096)
 LIMITS = ds4t.Limits.from_hello(LEADER, max_rows=16)
 SMALL = ds4t.Limits(n_layer=4, n_embd=64, n_vocab=5, ctx=128, max_rows=16)  # LOGITS: rows 2..4
+STATEFUL = dataclasses.replace(LIMITS, max_state_bytes=5)  # STATE payloads of up to 5 bytes
 U32 = 0xFFFFFFFF
 PROPS = settings(max_examples=150, deadline=None, derandomize=True)
 FEW = settings(max_examples=25, deadline=None, derandomize=True)
@@ -40,7 +41,7 @@ HELLO_BYTES = h(
     "8877665544332211"  # fingerprint
     "04000000 40000000 e9030000 08000000"  # n_layer 4, n_embd 64, n_vocab 1001, n_expert 8
     "04000000 80000000 08000000 02000000"  # n_head 4, ctx 128, gates_per_token 8, n_rank 2
-    "00000000 000000000000000000000000")  # rank 0, reserved
+    "00000000 00000000 0000000000000000")  # rank 0, backend 0 (reference), reserved
 
 FRAMES = [  # (frame, limits, bytes): header {magic "DS4C", type, bytes} + payload
     (ds4t.Sync(5, np.array([1, 1000])), LIMITS,
@@ -58,6 +59,7 @@ FRAMES = [  # (frame, limits, bytes): header {magic "DS4C", type, bytes} + paylo
     (ds4t.SessionDestroy(9), LIMITS, h("43345344 0e000000 08000000 0900000000000000")),
     (ds4t.CommandAck(9, ds4t.AckStatus.FAILED), LIMITS,
      h("43345344 11000000 0c000000 0900000000000000 ffffffff")),
+    (ds4t.State(9, b"\x01\x02\x03"), STATEFUL, h("43345344 19000000 0b000000 0900000000000000 010203")),
 ]
 
 GATE_BYTES = h("47345344 0300 0100 0807060504030201 02000000 0100 0000")  # "DS4G", layer 3, FFN, …
@@ -89,6 +91,20 @@ def test_frame_layout_and_round_trip(frame, limits, wire):
     assert same_frame(ds4t.unpack_frame(wire, limits), frame)
     rec = Recorder(wire)
     assert same_frame(ds4t.read_frame(rec, limits), frame) and rec.pos == len(wire)
+
+
+def test_state_is_bounded_by_this_ends_limit():
+    frame = ds4t.pack_frame(ds4t.State(9, bytes(6)))
+    with pytest.raises(ds4t.DS4TError, match="STATE expected 9..13 bytes"):
+        ds4t.unpack_frame(frame, STATEFUL)
+    with pytest.raises(ds4t.DS4TError, match="STATE expected"):  # no bound: no STATE at all
+        ds4t.unpack_frame(ds4t.pack_frame(ds4t.State(9, b"x")), LIMITS)
+
+
+def test_debug_hash_is_the_leaders_choice():
+    worker = dataclasses.replace(WORKER, flags=WORKER.flags | ds4t.FLAG_DEBUG_HASH)
+    assert ds4t.check_peer(LEADER, worker) == LEADER.ctx
+    assert ds4t.Hello.unpack(worker.pack()) == worker
 
 
 def test_every_type_has_a_layout_and_a_sender():
@@ -157,7 +173,7 @@ def test_reduce_is_in_rank_order():
     ("version", 2, "version"), ("n_layer", 0, "n_layer"), ("n_embd", 1 << 17, "n_embd"),
     ("ctx", 0, "ctx"), ("gates_per_token", 7, "gates_per_token"), ("n_rank", 3, "n_rank"),
     ("rank", 1, "rank"), ("n_expert", 9, "n_expert"), ("n_head", 5, "n_head"),
-    ("flags", 2, "flags"),
+    ("flags", 8, "flags"),  # (bits 0-2 are AUTH, DEBUG_HASH, TORCH_GATES; bit 3 is unknown)
 ])
 def test_hello_consistency_names_the_field(field, value, name):
     with pytest.raises(ds4t.DS4TError) as e:
@@ -165,7 +181,8 @@ def test_hello_consistency_names_the_field(field, value, name):
     assert e.value.field == name
 
 
-@pytest.mark.parametrize("offset,field", [(0, "magic"), (8, "role"), (60, "reserved"), (68, "reserved")])
+@pytest.mark.parametrize("offset,field", [(0, "magic"), (8, "role"), (60, "backend"), (64, "reserved"),
+                                          (68, "reserved")])
 def test_hello_bad_bytes_name_the_field(offset, field):
     buf = bytearray(HELLO_BYTES)
     buf[offset] ^= 0x40
@@ -428,9 +445,32 @@ def test_gate_desync_names_expected_and_actual(pair, field, change):
         me.exchange(3, ds4t.Gate.FFN, 8, _rows(2))
 
 
+PARTIAL_GATES = [ds4t.Gate.ATTN, ds4t.Gate.FFN]  # (n_embd wide; HIDDEN and ROUTE below)
+
+
+def test_canonical_records_have_their_own_widths():
+    lim = dataclasses.replace(LIMITS, n_hc=4, n_route=6)
+    assert [lim.width(g) for g in ds4t.Gate] == [64, 64, 4 * 64, 2 * 6]
+    a, b = socket.socketpair()
+    try:
+        me, peer = (ds4t.GateChannel(s, lim, r, 1 - r, gate_timeout_ms=2000) for r, s in ((0, a), (1, b)))
+        with pytest.raises(ValueError, match=r"expected \[1..16, 12\]"):
+            me.exchange(0, ds4t.Gate.ROUTE, 1, _rows(0, 1))
+        mine = np.arange(12, dtype=np.float32).reshape(1, 12)
+        out = {}
+        t = threading.Thread(target=lambda: out.update(p=peer.exchange(0, ds4t.Gate.ROUTE, 1, -mine)))
+        t.start()
+        got = me.exchange(0, ds4t.Gate.ROUTE, 1, mine)
+        t.join()
+        assert np.array_equal(got, -mine) and np.array_equal(out["p"], mine)
+    finally:
+        a.close()
+        b.close()
+
+
 @FEW
-@given(st.integers(0, 3), st.sampled_from(list(ds4t.Gate)), st.integers(1, 2**64 - 1),
-       st.integers(1, 16), st.integers(0, 3), st.sampled_from(list(ds4t.Gate)),
+@given(st.integers(0, 3), st.sampled_from(PARTIAL_GATES), st.integers(1, 2**64 - 1),
+       st.integers(1, 16), st.integers(0, 3), st.sampled_from(PARTIAL_GATES),
        st.integers(1, 2**64 - 1), st.integers(1, 16))
 def test_any_mismatch_is_a_desync_never_a_sum(layer, gate, seq, rows, layer2, gate2, seq2, rows2):
     a, b = socket.socketpair()

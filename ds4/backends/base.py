@@ -160,6 +160,18 @@ class Backend(ABC):
     def moe(self, f: Array, ids: Array, weights: Array, gate, up, down, il: int) -> Array:
         """Σ_i w_i · down_e(swiglu(gate_e·f, up_e·f)) over the selected experts -> [n, E]."""
 
+    def ids_from_numpy(self, ids: np.ndarray) -> Array:
+        """Host expert ids [n, k] as the ids `router` returns (a canonical tensor-parallel
+        pair's worker adopts the leader's routing, wire.md §2)."""
+        raise NotImplementedError(f"{self.name}: ids_from_numpy")
+
+    @abstractmethod
+    def expert_part(self, ids: Array, weights: Array, first: int, count: int) -> tuple[Array, Array]:
+        """A tensor-parallel rank's view of the routing (wire.md §2): it holds experts
+        [first, first + count) as local 0..count-1. -> (local ids, weights): a slot routed to
+        another rank's expert gets local id 0 and weight exactly 0, so `moe` adds an exact zero
+        for it and the slots keep their order."""
+
     @abstractmethod
     def shared_expert(self, f: Array, gate, up, down, il: int) -> Array: ...
 

@@ -9,13 +9,31 @@ Spec §3 has every formula; the comments here point at its sections.
 
 from __future__ import annotations
 
+from typing import Any, Protocol
+
 import numpy as np
 
-
+from .tp_split import Gate
 from .weights import LayerWeights, ModelWeights
 
 
-def attention_sublayer(be, L: LayerWeights, st, X, p0: int):
+class Partner(Protocol):
+    """A tensor-parallel rank's link to the other ranks (ds4/tp): the two gates of each layer
+    sum the ranks' partial sublayer outputs. Ranks on different backends also take the
+    leader's routing (`routing`) and hidden state (`adopt`), which same-backend ranks already
+    compute bit for bit (wire.md §2); `layer_done` sees the hidden state after each layer (the
+    --debug-hash check). None in the graph's arguments = one rank, the whole model."""
+
+    def gate(self, be, il: int, gate: Gate, partial) -> Any: ...
+
+    def routing(self, be, il: int, ids, weights) -> tuple[Any, Any]: ...
+
+    def adopt(self, be, il: int, gate: Gate, X) -> Any: ...
+
+    def layer_done(self, be, il: int, X) -> None: ...
+
+
+def attention_sublayer(be, L: LayerWeights, st, X, p0: int, tp: Partner | None = None):
     """§3.4: mHC collapse, Q/KV projections, tail RoPE, cache update, sink attention, output."""
     il = L.il
     x_in, post, comb = be.hc_pre(X, L.hc_attn)
@@ -42,35 +60,54 @@ def attention_sublayer(be, L: LayerWeights, st, X, p0: int):
     q = be.rope(be.head_norm(be.linear(qr, L.attn_q_b)), p0, il)
     o = be.attention(q, st, L.attn_sinks, p0, il, selected)
     y = be.grouped_output(be.rope(o, p0, il, inverse=True), L.attn_output_a, L.attn_output_b)
-    return be.hc_post(y, X, post, comb)
+    if tp is None:
+        return be.hc_post(y, X, post, comb)
+    y = tp.gate(be, il, Gate.ATTN, y)  # this rank's heads only: sum the ranks' outputs (wire.md §2)
+    return tp.adopt(be, il, Gate.ATTN, be.hc_post(y, X, post, comb))
 
 
-def ffn_sublayer(be, L: LayerWeights, X, tokens: np.ndarray):
+def ffn_sublayer(be, L: LayerWeights, X, tokens: np.ndarray, tp: Partner | None = None):
     """§3.7: mHC collapse, routing (hash or top-k), routed + shared experts, mHC expand."""
     il = L.il
     x_in, post, comb = be.hc_pre(X, L.hc_ffn)
     f = be.rms_norm(x_in, L.ffn_norm)
     ids, weights = be.router(f, L.ffn_gate_inp, L.exp_probs_b, L.tid2eid, tokens, il)
-    with be.branch():  # the shared expert does not wait for the routing, nor the routed ones for it
-        shared = be.shared_expert(f, L.ffn_gate_shexp, L.ffn_up_shexp, L.ffn_down_shexp, il)
-    routed = be.moe(f, ids, weights, L.ffn_gate_exps, L.ffn_up_exps, L.ffn_down_exps, il)
-    return be.hc_post(be.add(routed, shared), X, post, comb)
+    if tp is not None:
+        ids, weights = tp.routing(be, il, ids, weights)
+    if L.experts is not None:  # a tensor-parallel rank holds a contiguous part of the experts
+        ids, weights = be.expert_part(ids, weights, L.experts.start, len(L.experts))
+    shared = None
+    if L.ffn_gate_shexp is not None:  # (a tensor-parallel rank other than 0 has none)
+        with be.branch():  # the shared expert does not wait for the routing, nor the routed for it
+            shared = be.shared_expert(f, L.ffn_gate_shexp, L.ffn_up_shexp, L.ffn_down_shexp, il)
+    y = be.moe(f, ids, weights, L.ffn_gate_exps, L.ffn_up_exps, L.ffn_down_exps, il)
+    if shared is not None:
+        y = be.add(y, shared)
+    if tp is None:
+        return be.hc_post(y, X, post, comb)
+    y = tp.gate(be, il, Gate.FFN, y)
+    return tp.adopt(be, il, Gate.FFN, be.hc_post(y, X, post, comb))
 
 
-def run_layers(be, w: ModelWeights, states: dict, X, tokens: np.ndarray, p0: int, layers: range):
+def run_layers(be, w: ModelWeights, states: dict, X, tokens: np.ndarray, p0: int, layers: range,
+               tp: Partner | None = None):
     """Layers [first, end) over a chunk; X is the mHC state [n, HC, E] entering `first`."""
     for il in layers:
         L = w.layers[il]
-        X = attention_sublayer(be, L, states[il], X, p0)
-        X = ffn_sublayer(be, L, X, tokens)
+        X = attention_sublayer(be, L, states[il], X, p0, tp)
+        X = ffn_sublayer(be, L, X, tokens, tp)
+        if tp is not None:
+            tp.layer_done(be, il, X)
     return X
 
 
-def forward_chunk(be, w: ModelWeights, states: dict, tokens: np.ndarray, p0: int, logits: bool = True):
-    """Embed, all layers, and (optionally) the logits of the chunk's last token."""
+def forward_chunk(be, w: ModelWeights, states: dict, tokens: np.ndarray, p0: int, logits: bool = True,
+                  tp: Partner | None = None):
+    """Embed, all layers, and (optionally) the logits of the chunk's last token (a tensor-parallel
+    rank: of its vocabulary part)."""
     be.begin_chunk(states, tokens, p0, logits)
     X = be.embed(w.token_embd, tokens)
-    X = run_layers(be, w, states, X, tokens, p0, range(w.cfg.n_layer))
+    X = run_layers(be, w, states, X, tokens, p0, range(w.cfg.n_layer), tp)
     return be.output_logits(X, w.output_hc, w.output_norm, w.output) if logits else None
 
 

@@ -12,6 +12,7 @@ from typing import Any, Callable
 
 from .config import CSA, ModelConfig
 from .gguf_model import GGUFModel, Tensor
+from .tp_split import RankPart
 
 Handle = Any  # whatever the backend's upload returned
 
@@ -61,9 +62,10 @@ class LayerWeights:
     ffn_gate_exps: Handle
     ffn_up_exps: Handle
     ffn_down_exps: Handle
-    ffn_gate_shexp: Handle
-    ffn_up_shexp: Handle
-    ffn_down_shexp: Handle
+    ffn_gate_shexp: Handle | None  # None on a tensor-parallel rank other than 0
+    ffn_up_shexp: Handle | None
+    ffn_down_shexp: Handle | None
+    experts: range | None = None  # the routed experts held (a tensor-parallel rank); None = all
 
 
 @dataclass
@@ -77,13 +79,18 @@ class ModelWeights:
 
 
 def bind_weights(model: GGUFModel, upload: Callable[[Tensor], Handle],
-                 layers: range | None = None, embedding: bool = True, head: bool = True) -> ModelWeights:
-    """Upload the tensors a node needs: its layer range, and optionally the embedding and head."""
+                 layers: range | None = None, embedding: bool = True, head: bool = True,
+                 part: RankPart | None = None) -> ModelWeights:
+    """Upload the tensors a node needs: its layer range, optionally the embedding and head, and
+    of a tensor-parallel rank (`part`) only its part of each split tensor (core/tp_split.py)."""
     cfg = model.config
     layers = range(cfg.n_layer) if layers is None else layers
 
-    def up(name: str) -> Handle:
-        return upload(model.tensor(name))
+    def up(name: str) -> Handle | None:
+        t = model.tensor(name)
+        if part is None:
+            return upload(t)
+        return upload(part.slice(t, cfg)) if part.holds(name) else None
 
     def maybe(name: str) -> Handle | None:
         t = model.get(name)
@@ -133,5 +140,6 @@ def bind_weights(model: GGUFModel, upload: Callable[[Tensor], Handle],
             ffn_gate_shexp=up(p + "ffn_gate_shexp.weight"),
             ffn_up_shexp=up(p + "ffn_up_shexp.weight"),
             ffn_down_shexp=up(p + "ffn_down_shexp.weight"),
+            experts=None if part is None else part.experts,
         )
     return w

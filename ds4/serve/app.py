@@ -128,8 +128,9 @@ def create_app(driver: Driver, *, model_id: str, max_tokens_limit: int, api_key:
 
     @app.get("/health")
     async def health():
-        if driver.split and not driver.available and not await asyncio.to_thread(driver.probe):
-            return JSONResponse({"status": "unavailable", "reason": "the pipeline's next stage is away"},
+        if driver.remote and not driver.available and not await asyncio.to_thread(driver.probe):
+            return JSONResponse({"status": "unavailable", "reason": "the pipeline's next stage or "
+                                 "the tensor-parallel worker is away"},
                                 status_code=503)
         return {"status": "ok", "model": model_id}
 

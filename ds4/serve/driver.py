@@ -109,8 +109,9 @@ class Job:
 
 def _unavailable_errors() -> tuple[type[BaseException], ...]:
     from ds4.pipeline import PipelineError
+    from ds4.tp import TPError
 
-    return (PipelineError, OSError)
+    return (PipelineError, TPError, OSError)
 
 
 class Driver:
@@ -123,6 +124,8 @@ class Driver:
         self.metrics = metrics or Metrics()
         self.session = engine.session(ctx=ctx)
         self.split = not isinstance(self.session, Session)
+        # a pipeline's next stage or a tensor-parallel worker can go away and come back
+        self.remote = self.split or hasattr(engine, "ensure_worker")
         # A host copy of the session at the previous prompt less its last token (see
         # _prefill_with_snapshot); it costs one copy of the state per new prompt.
         self.snapshots = snapshots
@@ -154,9 +157,9 @@ class Driver:
         self.metrics.queue_depth.set(self._inflight - self._running)
 
     def probe(self) -> bool:
-        """For /health while a pipeline's next stage is away: try to reach it again (the
-        engine's lock keeps this apart from a generation)."""
-        if self.split and not self.available:
+        """For /health while a pipeline's next stage or the tensor-parallel worker is away: try
+        to reach it again (the engine's lock keeps this apart from a generation)."""
+        if self.remote and not self.available:
             try:
                 self.engine.connect()
                 self.available = True

@@ -14,14 +14,18 @@ Hello (72 bytes, both directions):
     0  u32 magic 0x44533454 ("DS4T")   36  u32 n_expert
     4  u32 version (1)                  40  u32 n_head
     8  u32 role (0 leader, 1 worker)    44  u32 ctx
-   12  u32 flags (bit0 AUTH)            48  u32 gates_per_token (= 2 × n_layer)
+   12  u32 flags (bit0 AUTH,            48  u32 gates_per_token (= 2 × n_layer)
+       bit1 DEBUG_HASH, bit2 TORCH_GATES)
    16  u64 fingerprint (first 8 bytes   52  u32 n_rank (2)
        of the model's SHA-256, LE)      56  u32 rank (0 leader, 1 worker)
-   24  u32 n_layer                      60  12 bytes reserved, zero
+   24  u32 n_layer                      60  u32 backend (Backend: 0 reference,
+                                            1 mlx, 2 triton)
+                                        64  8 bytes reserved, zero
    28  u32 n_embd
    32  u32 n_vocab
 
-`check_peer`: everything but ctx must be equal (the worker adopts the leader's ctx); roles and
+`check_peer`: everything but ctx and DEBUG_HASH must be equal (the worker adopts the leader's ctx
+and its DEBUG_HASH, the `--debug-hash` lockstep check, which only the leader chooses); roles and
 ranks must differ. flags bit0 (AUTH) says "the shared mutual-auth handshake follows the hellos
 on this connection"; both ends must agree on it, and when it is set `handshake` calls the
 shared handshake (its `authenticate` argument) right after the hellos are exchanged and before
@@ -54,8 +58,9 @@ the payload is read. Types keep ds4_tp.h's numbers:
    13  SESSION_CREATE   u64 session, u32 ctx                        (1 ≤ ctx ≤ agreed ctx)
    14  SESSION_DESTROY  u64 session
    17  COMMAND_ACK      u64 session, i32 status                     (AckStatus: 0, 1, -1)
+   25  STATE            u64 session, then a DSV4 session payload    (≤ Limits.max_state_bytes)
 
-The leader sends 1–6, 13 and 14; the worker sends 6 (its hash for the same seq), 10 and 17
+The leader sends 1–6, 13, 14 and 25; the worker sends 6 (its hash for the same seq), 10 and 17
 (`SENT_BY`); a frame from the wrong end is refused on its header. EVAL's seq is the gate seq
 of the first record that token exchanges, so a worker that drifted is caught at the command,
 not a layer later. A worker may idle any time for the next header; once a header is in, the
@@ -65,9 +70,10 @@ Gate record on the data connection (24-byte header + payload):
 
     0  u32 magic 0x44533447 ("DS4G")    16  u32 rows
     4  u16 layer                        20  u16 rank (the sender's)
-    6  u16 gate (0 ATTN, 1 FFN)         22  u16 reserved, zero
+    6  u16 gate (0 ATTN, 1 FFN,         22  u16 reserved, zero
+       2 HIDDEN, 3 ROUTE)
     8  u64 seq
-   then rows × n_embd f32: the sender's partial sum, row-major
+    then rows × width f32, row-major: ATTN / FFN the sender's partial sum (width n_embd)
 
 Each side writes its record while reading the peer's (full duplex, so a bulk slab larger than
 the socket buffers cannot deadlock two writers); the receiver checks the header against what it
@@ -77,6 +83,18 @@ counter both ranks advance by one per exchanged record, from 1. Decode: one row 
 prefill: one bulk record per layer and gate with all rows of the chunk (rows ≤ the chunk cap
 given to `Limits`). The whole exchange has one deadline, `--gate-timeout-ms` (default 750): a
 frozen peer is `GateTimeout`, not a hang; a failed channel refuses further exchanges.
+
+Ranks on different backends (the hellos' `backend` differ) compute the replicated ops (mHC,
+norms, router) with different roundings, so their hidden states would drift apart in the last
+bits and, worse, a near-tie in the router could send one token to different experts on the two
+ranks (an expert counted twice or not at all). Such a pair runs *canonical*: the leader's
+hidden state and routing are the pair's. Two more records then travel each layer, both ends
+sending as for any gate (the worker's copy is ignored, so the exchange, its deadline and its
+checks stay one mechanism): ROUTE after the router (width 2·k: the k expert ids as int32 bits,
+then the k weights) and HIDDEN after each sublayer's mHC expand (width n_hc·n_embd: the whole
+hidden state), which the worker adopts. Same-backend pairs compute the same bits on both ranks
+and send neither. The widths come from the receiver's own model (the fingerprint says it is
+the same one), as do its bounds.
 
 DS4 changes from ds4_tp.h (why):
 * The hello carries DS4's split dimensions (n_expert, n_head) and the rank count and index
@@ -89,6 +107,20 @@ DS4 changes from ds4_tp.h (why):
   assumed, and an N-rank reduce knows whose partial it holds.
 * LOGITS states which vocab part it carries (vocab_first, count) instead of relying on the
   receiver's arithmetic; it must be exactly a worker rank's part.
+* STATE (25, new) hands a session's whole state to the worker as a DSV4 payload (spec §4.1):
+  every rank holds the whole session state (the KV cache is one latent; compressors and indexer
+  are replicated), so a session loaded from a payload, restored from a snapshot or rebuilt for
+  a worker that re-joined is one transfer, not a replay. Its bound is the payload of a full
+  ctx, computed by the receiver from its own model (0 = refused).
+* TORCH_GATES (`--tp-transport nccl|gloo`): the gate records do not travel on the data
+  connection but through `torch.distributed` (an all-gather of the partials, each stamped with
+  the same 24-byte header fields, checked the same way). Right after the data connection's
+  handshake the leader sends `{u32 store_port, u32 reserved 0}`: the port of the
+  `torch.distributed` TCPStore it opened on its own address, where the worker joins as rank 1.
+  Both ends must set it alike.
+* After every command the worker answers, in order: with DEBUG_HASH one HASH per layer that
+  ran (seq = that layer's FFN gate seq, value = a hash of the hidden state after the layer), a
+  LOGITS when the command produced logits, then COMMAND_ACK.
 * Not used by DS4 and refused as unknown types: the RDMA frames (7, 9, 19, 20), SYNC_ACK (8),
   speculative VERIFY (11, 12), EVAL/MIXED_BATCH (15, 16), multimodal SYNC (18), GLM_MTP (21),
   SYNC_CHECKPOINT (22), DSPARK_DRAFT (23), SPEC_RESTORE (24). Transport is TCP only.
@@ -117,6 +149,7 @@ from typing import Callable, ClassVar
 
 import numpy as np
 
+from ..core.tp_split import Gate
 from . import auth
 
 MAGIC = 0x44533454  # "DS4T": the hello
@@ -124,8 +157,10 @@ FRAME_MAGIC = 0x44533443  # "DS4C": a control frame
 GATE_MAGIC = 0x44533447  # "DS4G": a gate record
 VERSION = 1
 FLAG_AUTH = 1 << 0
+FLAG_DEBUG_HASH = 1 << 1  # the leader's choice; the worker adopts it
+FLAG_TORCH_GATES = 1 << 2  # gates through torch.distributed (NCCL / gloo), not the data connection
 PROTOCOL = struct.pack("<I", MAGIC)  # the auth proofs' protocol name: b"T4SD", as it travels
-KNOWN_FLAGS = FLAG_AUTH
+KNOWN_FLAGS = FLAG_AUTH | FLAG_DEBUG_HASH | FLAG_TORCH_GATES
 N_RANK = 2  # the only rank count this version serves
 GATES_PER_LAYER = 2
 DEFAULT_GATE_TIMEOUT_MS = 750
@@ -151,9 +186,14 @@ class Role(IntEnum):
     WORKER = 1
 
 
-class Gate(IntEnum):
-    ATTN = 0  # after the grouped attention output projection
-    FFN = 1  # after shared + routed experts
+class Backend(IntEnum):
+    REFERENCE = 0
+    MLX = 1
+    TRITON = 2
+
+    @classmethod
+    def named(cls, name: str) -> "Backend":
+        return cls[name.upper()]
 
 
 class FrameType(IntEnum):
@@ -167,13 +207,14 @@ class FrameType(IntEnum):
     SESSION_CREATE = 13
     SESSION_DESTROY = 14
     COMMAND_ACK = 17
+    STATE = 25
 
 
 # Who may send what on the control connection: a frame from the wrong end is a protocol error.
 SENT_BY = {
     Role.LEADER: frozenset({FrameType.SYNC, FrameType.EVAL, FrameType.REWIND, FrameType.INVALIDATE,
                             FrameType.STOP, FrameType.HASH, FrameType.SESSION_CREATE,
-                            FrameType.SESSION_DESTROY}),
+                            FrameType.SESSION_DESTROY, FrameType.STATE}),
     Role.WORKER: frozenset({FrameType.HASH, FrameType.LOGITS, FrameType.COMMAND_ACK}),
 }
 
@@ -226,33 +267,42 @@ class Hello:
     n_rank: int
     rank: int
     version: int = VERSION
+    backend: int = Backend.REFERENCE
 
     @classmethod
-    def for_gguf(cls, model, role: Role, ctx: int, *, auth: bool = False) -> "Hello":
+    def for_gguf(cls, model, role: Role, ctx: int, *, auth: bool = False,
+                 debug_hash: bool = False, torch_gates: bool = False,
+                 backend: str = "reference") -> "Hello":
         """The hello for a loaded `ds4.core.gguf_model.GGUFModel` (its config and fingerprint)."""
         c = model.config
         return cls.for_model(role, fingerprint=model.fingerprint64, n_layer=c.n_layer,
                              n_embd=c.n_embd, n_vocab=c.n_vocab, n_expert=c.n_expert,
-                             n_head=c.n_head, ctx=ctx, auth=auth)
+                             n_head=c.n_head, ctx=ctx, auth=auth, debug_hash=debug_hash,
+                             torch_gates=torch_gates, backend=backend)
 
     @classmethod
     def for_model(cls, role: Role, *, fingerprint: int, n_layer: int, n_embd: int, n_vocab: int,
-                  n_expert: int, n_head: int, ctx: int, auth: bool = False) -> "Hello":
+                  n_expert: int, n_head: int, ctx: int, auth: bool = False,
+                  debug_hash: bool = False, torch_gates: bool = False,
+                  backend: str = "reference") -> "Hello":
         """The hello of a two-rank pair member (rank = role)."""
-        return cls(Role(role), FLAG_AUTH if auth else 0, fingerprint, n_layer, n_embd, n_vocab,
-                   n_expert, n_head, ctx, GATES_PER_LAYER * n_layer, N_RANK, int(role))
+        flags = ((FLAG_AUTH if auth else 0) | (FLAG_DEBUG_HASH if debug_hash else 0)
+                 | (FLAG_TORCH_GATES if torch_gates else 0))
+        return cls(Role(role), flags, fingerprint, n_layer, n_embd, n_vocab,
+                   n_expert, n_head, ctx, GATES_PER_LAYER * n_layer, N_RANK, int(role),
+                   backend=Backend.named(backend))
 
     def pack(self) -> bytes:
         return HELLO.pack(MAGIC, self.version, self.role, self.flags, self.fingerprint,
                           self.n_layer, self.n_embd, self.n_vocab, self.n_expert, self.n_head,
-                          self.ctx, self.gates_per_token, self.n_rank, self.rank, 0, 0, 0)
+                          self.ctx, self.gates_per_token, self.n_rank, self.rank, self.backend, 0, 0)
 
     @classmethod
     def unpack(cls, buf: bytes) -> "Hello":
         if len(buf) != HELLO.size:
             raise DS4TError("hello", f"expected {HELLO.size} bytes, got {len(buf)}")
         (magic, version, role, flags, fp, n_layer, n_embd, n_vocab, n_expert, n_head, ctx,
-         gpt, n_rank, rank, *reserved) = HELLO.unpack(buf)
+         gpt, n_rank, rank, backend, *reserved) = HELLO.unpack(buf)
         if magic != MAGIC:
             raise DS4TError("magic", f"expected {MAGIC:#010x} (DS4T hello), got {magic:#010x}")
         if version != VERSION:
@@ -263,8 +313,10 @@ class Hello:
             raise DS4TError("flags", f"unknown bits {flags & ~KNOWN_FLAGS:#x}")
         if any(reserved):
             raise DS4TError("reserved", f"expected zero, got {reserved}")
+        if backend not in tuple(Backend):
+            raise DS4TError("backend", f"expected one of {[int(b) for b in Backend]}, got {backend}")
         hello = cls(Role(role), flags, fp, n_layer, n_embd, n_vocab, n_expert, n_head, ctx, gpt,
-                    n_rank, rank, version)
+                    n_rank, rank, version, Backend(backend))
         hello.check()
         return hello
 
@@ -302,8 +354,13 @@ def check_peer(mine: Hello, theirs: Hello) -> int:
 
     for name in _MUST_MATCH:
         a, b = getattr(mine, name), getattr(theirs, name)
+        if name == "flags":  # (DEBUG_HASH is the leader's alone)
+            a, b = a & ~FLAG_DEBUG_HASH, b & ~FLAG_DEBUG_HASH
         if a != b:
-            why = " (one end has a shared secret, the other not)" if name == "flags" else ""
+            why = ""
+            if name == "flags":
+                why = (" (one end has a shared secret, the other not)" if (a ^ b) & FLAG_AUTH else
+                       " (one end exchanges gates through torch.distributed, the other over TCP)")
             raise HelloRefused(name, f"this {mine.role.name.lower()} has {show(name, a)}, the peer "
                                f"{theirs.role.name.lower()} has {show(name, b)}{why}")
     if mine.role == theirs.role:
@@ -329,23 +386,36 @@ class Limits:
     ctx: int
     max_rows: int  # rows of one bulk gate record (the prefill chunk cap)
     n_rank: int = N_RANK
+    max_state_bytes: int = 0  # a STATE frame's payload (a full-ctx DSV4 payload); 0 refuses STATE
+    n_hc: int = 1  # HIDDEN records carry n_hc × n_embd per row (from this end's model)
+    n_route: int = 1  # ROUTE records carry 2 × n_route per row (experts per token)
 
     @classmethod
-    def from_hello(cls, hello: Hello, max_rows: int, ctx: int | None = None) -> "Limits":
-        """`ctx`: the agreed one (check_peer's result); default the hello's own."""
+    def from_hello(cls, hello: Hello, max_rows: int, ctx: int | None = None,
+                   max_state_bytes: int = 0, n_hc: int = 1, n_route: int = 1) -> "Limits":
+        """`ctx`: the agreed one (check_peer's result); default the hello's own.
+        `max_state_bytes`, `n_hc`, `n_route`: from this end's own model and ctx."""
         lim = cls(hello.n_layer, hello.n_embd, hello.n_vocab, hello.ctx if ctx is None else ctx,
-                  max_rows, hello.n_rank)
+                  max_rows, hello.n_rank, max_state_bytes, n_hc, n_route)
         if not 1 <= lim.ctx <= MAX_CTX:
             raise DS4TError("ctx", f"expected 1..{MAX_CTX}, got {lim.ctx}")
         if not 1 <= max_rows <= lim.ctx:
             raise DS4TError("max_rows", f"expected 1..ctx={lim.ctx}, got {max_rows}")
-        if lim.slab_bytes(max_rows) > MAX_SLAB_BYTES:
-            raise DS4TError("max_rows", f"a slab of {max_rows} rows × {lim.n_embd} f32 is over "
+        if lim.slab_bytes(max_rows, Gate.HIDDEN) > MAX_SLAB_BYTES:
+            raise DS4TError("max_rows", f"a slab of {max_rows} rows × {lim.width(Gate.HIDDEN)} f32 is over "
                             f"{MAX_SLAB_BYTES} bytes")
         return lim
 
-    def slab_bytes(self, rows: int) -> int:
-        return rows * self.n_embd * F32.itemsize
+    def width(self, gate: Gate) -> int:
+        """f32 words per row of a record of this gate."""
+        if gate == Gate.HIDDEN:
+            return self.n_hc * self.n_embd
+        if gate == Gate.ROUTE:
+            return 2 * self.n_route
+        return self.n_embd
+
+    def slab_bytes(self, rows: int, gate: Gate = Gate.ATTN) -> int:
+        return rows * self.width(gate) * F32.itemsize
 
     def worker_vocab_parts(self) -> dict[int, int]:
         """vocab_first -> count for every rank that sends LOGITS (all but the leader)."""
@@ -357,6 +427,8 @@ class Limits:
             return Sync.FIXED.size + U32.itemsize * self.ctx
         if ftype == FrameType.LOGITS:
             return Logits.FIXED.size + F32.itemsize * max(self.worker_vocab_parts().values())
+        if ftype == FrameType.STATE:
+            return State.FIXED.size + self.max_state_bytes
         return FRAME_TYPES[ftype].FIXED.size
 
 
@@ -513,14 +585,33 @@ class Logits:
         return cls(first, np.frombuffer(buf, F32, count, cls.FIXED.size))
 
 
-Frame = Sync | Eval | Rewind | Invalidate | Stop | Hash | Logits | SessionCreate | SessionDestroy | CommandAck
+@dataclass(frozen=True, eq=False)
+class State:
+    session: int
+    payload: bytes  # a DSV4 session payload (its own reader checks it against the model)
+    TYPE: ClassVar = FrameType.STATE
+    FIXED: ClassVar = struct.Struct("<Q")
+
+    def payload_parts(self) -> list:
+        return [self.FIXED.pack(self.session), self.payload]
+
+    @classmethod
+    def decode(cls, buf: memoryview, limits: Limits) -> "State":
+        (session,) = cls.FIXED.unpack_from(buf)
+        return cls(session, bytes(buf[cls.FIXED.size:]))
+
+
+Frame = (Sync | Eval | Rewind | Invalidate | Stop | Hash | Logits | SessionCreate | SessionDestroy
+         | CommandAck | State)
 FRAME_TYPES: dict[FrameType, type] = {cls.TYPE: cls for cls in (
-    Sync, Eval, Rewind, Invalidate, Stop, Hash, Logits, SessionCreate, SessionDestroy, CommandAck)}
-_VARIABLE = (FrameType.SYNC, FrameType.LOGITS)
+    Sync, Eval, Rewind, Invalidate, Stop, Hash, Logits, SessionCreate, SessionDestroy, CommandAck,
+    State)}
+_VARIABLE = (FrameType.SYNC, FrameType.LOGITS)  # (STATE: any byte count up to its bound)
 
 
 def pack_frame(frame: Frame) -> bytes:
-    body = b"".join(memoryview(p).cast("B") for p in frame.payload())
+    parts = frame.payload_parts() if isinstance(frame, State) else frame.payload()
+    body = b"".join(memoryview(p).cast("B") for p in parts)
     return FRAME_HEADER.pack(FRAME_MAGIC, frame.TYPE, len(body)) + body
 
 
@@ -543,6 +634,10 @@ def check_frame_header(buf: bytes, limits: Limits, sender: Role | None = None) -
         if not fixed <= nbytes <= top or (nbytes - fixed) % 4:
             raise DS4TError("bytes", f"{ftype.name} expected {fixed}..{top} bytes "
                             f"({fixed} + 4 × n), got {nbytes}")
+    elif ftype == FrameType.STATE:
+        if not fixed < nbytes <= top:
+            raise DS4TError("bytes", f"STATE expected {fixed + 1}..{top} bytes (this end's bound "
+                            f"for a full-ctx payload), got {nbytes}")
     elif nbytes != fixed:
         raise DS4TError("bytes", f"{ftype.name} expected {fixed} bytes, got {nbytes}")
     return ftype, nbytes
@@ -595,7 +690,7 @@ class GateHeader:
             raise DS4TError("magic", f"expected {GATE_MAGIC:#010x} (DS4T gate record), "
                             f"got {magic:#010x}")
         if gate not in tuple(Gate):
-            raise DS4TError("gate", f"expected 0 (ATTN) or 1 (FFN), got {gate}")
+            raise DS4TError("gate", f"expected 0 (ATTN), 1 (FFN), 2 (HIDDEN) or 3 (ROUTE), got {gate}")
         if reserved:
             raise DS4TError("reserved", f"expected zero, got {reserved}")
         return cls(layer, Gate(gate), seq, rows, rank)
@@ -648,8 +743,9 @@ class GateChannel:
         if mine.ndim == 1:
             mine = mine.reshape(1, -1)
         rows = mine.shape[0]
-        if mine.ndim != 2 or mine.shape[1] != self.limits.n_embd or not 1 <= rows <= self.limits.max_rows:
-            raise ValueError(f"partial: expected [1..{self.limits.max_rows}, {self.limits.n_embd}], "
+        width = self.limits.width(Gate(gate))
+        if mine.ndim != 2 or mine.shape[1] != width or not 1 <= rows <= self.limits.max_rows:
+            raise ValueError(f"partial: expected [1..{self.limits.max_rows}, {width}], "
                              f"got {list(partial.shape)}")
         if not 0 <= layer < self.limits.n_layer:
             raise ValueError(f"layer: expected 0..{self.limits.n_layer - 1}, got {layer}")

@@ -430,6 +430,14 @@ class MLXBackend(Backend):
             out = out + y[:, j]
         return out
 
+    def ids_from_numpy(self, ids):
+        return mx.array(np.asarray(ids, dtype=np.uint32))
+
+    def expert_part(self, ids, weights, first, count):
+        mine = (ids >= first) & (ids < first + count)
+        return (mx.where(mine, ids - first, 0).astype(ids.dtype),
+                mx.where(mine, weights, mx.array(0.0, dtype=weights.dtype)))
+
     def shared_expert(self, f, gate, up, down, il):
         h = self._swiglu(gate.matmul(f), up.matmul(f), self.cfg.swiglu_clamp[il])
         return down.matmul(h)

@@ -282,6 +282,13 @@ class ReferenceBackend(Backend):
             out += contrib[:, k]
         return out
 
+    def ids_from_numpy(self, ids):
+        return np.asarray(ids, dtype=np.int64)
+
+    def expert_part(self, ids, weights, first, count):
+        mine = (ids >= first) & (ids < first + count)
+        return np.where(mine, ids - first, 0), np.where(mine, weights, np.float32(0)).astype(np.float32)
+
     def shared_expert(self, f, gate, up, down, il):
         h = _swiglu(self.linear(f, gate), self.linear(f, up), self.cfg.swiglu_clamp[il])
         return self.linear(h, down)

@@ -236,6 +236,15 @@ class _MoeOps:
         return xh, xl, xi, gh, gl
 
     @_op
+    def ids_from_numpy(self, ids):
+        return torch.from_numpy(np.asarray(ids, dtype=np.int32)).to(self.dev)
+
+    @_op
+    def expert_part(self, ids, weights, first, count):
+        mine = (ids >= first) & (ids < first + count)
+        return (torch.where(mine, ids - first, torch.zeros_like(ids)),
+                torch.where(mine, weights, torch.zeros_like(weights)))
+
     def shared_expert(self, f, gate, up, down, il):
         cfg = self.cfg
         if gate.kt != up.kt or gate.RB != up.RB:

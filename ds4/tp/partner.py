@@ -1,0 +1,197 @@
+"""The gate exchange of a tensor-parallel rank (the `Partner` of ds4/core/graph.py).
+
+Two transports, one rule: each gate gathers the ranks' partial sublayer outputs and every rank
+sums them in rank order, `p0 + p1`, so both ranks continue from the same bits whatever backend
+each runs.
+
+* `WirePartner` — DS4T gate records on the data connection (wire.md §2): the partial goes to
+  the host, `GateChannel.all_reduce` swaps and sums it, and the sum goes back to the backend.
+* `TorchPartner` — `torch.distributed` (NCCL between the GPUs of one host, gloo between CPU
+  processes, which is how the tests cover this path): an all-gather of [header | partial] and
+  the same rank-order sum, on the device when the backend's arrays are torch tensors.
+
+Both count gate records with the same `seq` (from 1, one per record) and check the peer's
+layer, gate, seq and row count before using its partial: a mismatch is a gate desync, never a
+silently wrong sum. A `canonical` partner (ranks on different backends) also swaps the ROUTE
+and HIDDEN records, and the worker adopts the leader's. With `debug_hash` a partner records a
+hash of the hidden state after every layer, which the worker reports and the leader compares
+(--debug-hash).
+"""
+
+from __future__ import annotations
+
+import hashlib
+from dataclasses import dataclass, field
+from datetime import timedelta
+
+import numpy as np
+
+from ..core.tp_split import Gate
+from ..wire import ds4t
+
+F32 = np.float32
+HEADER_WORDS = 8  # the header an all-gathered record carries, as int32 words (see _header)
+
+
+def hidden_hash(x: np.ndarray) -> int:
+    """A 64-bit hash of a hidden state's float32 bytes (blake2b)."""
+    data = np.ascontiguousarray(x, dtype=F32).tobytes()
+    return int.from_bytes(hashlib.blake2b(data, digest_size=8).digest(), "little")
+
+
+@dataclass
+class LayerHash:
+    seq: int  # the seq of the layer's FFN gate record
+    layer: int
+    value: int
+
+
+@dataclass
+class _Base:
+    rank: int
+    debug_hash: bool = False
+    canonical: bool = False  # the ranks run different backends: the leader's routing and state rule
+    seq: int = 0  # gate records exchanged so far; the next one is seq + 1
+    hashes: list[LayerHash] = field(default_factory=list)
+
+    def _swap(self, il: int, gate: Gate, mine: np.ndarray) -> np.ndarray:
+        """One record each way; -> the peer's [rows, width] f32."""
+        raise NotImplementedError
+
+    def _leaders(self, il: int, gate: Gate, mine: np.ndarray) -> np.ndarray:
+        self.seq += 1
+        theirs = self._swap(il, gate, np.ascontiguousarray(mine, dtype=F32))
+        return mine if self.rank == 0 else theirs
+
+    def routing(self, be, il: int, ids, weights):
+        if not self.canonical:
+            return ids, weights
+        i = np.asarray(be.to_numpy(ids)).astype(np.int32)
+        w = np.asarray(be.to_numpy(weights), dtype=F32)
+        rows = self._leaders(il, Gate.ROUTE, np.concatenate([i.view(F32), w], axis=1))
+        k = i.shape[1]
+        return be.ids_from_numpy(np.ascontiguousarray(rows[:, :k]).view(np.int32)), be.from_numpy(rows[:, k:])
+
+    def adopt(self, be, il: int, gate: Gate, X):
+        if not self.canonical:
+            return X
+        x = np.asarray(be.to_numpy(X), dtype=F32)
+        rows = self._leaders(il, Gate.HIDDEN, x.reshape(x.shape[0], -1))
+        return X if self.rank == 0 else be.from_numpy(rows.reshape(x.shape))
+
+    def layer_done(self, be, il: int, X) -> None:
+        if self.debug_hash:
+            self.hashes.append(LayerHash(self.seq, il, hidden_hash(be.to_numpy(X))))
+
+    def take_hashes(self) -> list[LayerHash]:
+        out, self.hashes = self.hashes, []
+        return out
+
+
+class WirePartner(_Base):
+    """Gates over a DS4T data connection; sums on the host in float32."""
+
+    def __init__(self, channel: ds4t.GateChannel, rank: int, debug_hash: bool = False,
+                 canonical: bool = False):
+        super().__init__(rank, debug_hash, canonical)
+        self.channel = channel
+
+    def _swap(self, il: int, gate: Gate, mine: np.ndarray) -> np.ndarray:
+        return self.channel.exchange(il, ds4t.Gate(int(gate)), self.seq, mine)
+
+    def gate(self, be, il: int, gate: Gate, partial):
+        self.seq += 1
+        mine = np.ascontiguousarray(be.to_numpy(partial), dtype=F32)
+        return be.from_numpy(self.channel.all_reduce(il, ds4t.Gate(int(gate)), self.seq, mine))
+
+    def close(self) -> None:
+        self.channel.sock.close()
+
+
+class TorchPartner(_Base):
+    """Gates through a torch.distributed process group of two ranks (NCCL or gloo)."""
+
+    def __init__(self, rank: int, device, debug_hash: bool = False, canonical: bool = False,
+                 group=None):
+        super().__init__(rank, debug_hash, canonical)
+        import torch
+
+        self.torch, self.device, self.group = torch, device, group
+
+    @classmethod
+    def join(cls, backend: str, host: str, store_port: int, rank: int, timeout_ms: int,
+             device=None, debug_hash: bool = False, canonical: bool = False,
+             store=None) -> "TorchPartner":
+        """Join (rank 1) or form (rank 0, with the `store` it opened) the two-rank group."""
+        import torch
+        import torch.distributed as dist
+
+        if store is None:
+            store = dist.TCPStore(host, store_port, 2, False, timeout=timedelta(milliseconds=timeout_ms * 20))
+        if device is None:
+            device = torch.device("cuda", torch.cuda.current_device()) if backend == "nccl" else torch.device("cpu")
+        dist.init_process_group(backend, store=store, rank=rank, world_size=ds4t.N_RANK,
+                                timeout=timedelta(milliseconds=timeout_ms),
+                                **({"device_id": device} if backend == "nccl" else {}))
+        return cls(rank, device, debug_hash, canonical)
+
+    @staticmethod
+    def open_store(host: str, timeout_ms: int):
+        """The leader's TCPStore on a free port of its own address (-> store, port)."""
+        import torch.distributed as dist
+
+        store = dist.TCPStore(host, 0, ds4t.N_RANK, True, timeout=timedelta(milliseconds=timeout_ms * 20),
+                              wait_for_workers=False)
+        return store, store.port
+
+    def _header(self, il: int, gate: Gate, rows: int) -> list[int]:
+        # seq as two 32-bit halves: int32 words travel bit-exactly inside the f32 record
+        return [ds4t.GATE_MAGIC, il, int(gate), self.seq & 0x7FFFFFFF, self.seq >> 31,
+                rows, self.rank, 0]
+
+    def _swap(self, il: int, gate: Gate, mine: np.ndarray) -> np.ndarray:
+        both = self._gather(il, gate, self.torch.from_numpy(mine).to(self.device))
+        return both[1 - self.rank].cpu().numpy()
+
+    def gate(self, be, il: int, gate: Gate, partial):
+        torch = self.torch
+        self.seq += 1
+        on_device = hasattr(be, "torch_value")
+        x = be.torch_value(partial) if on_device else torch.from_numpy(
+            np.ascontiguousarray(be.to_numpy(partial), dtype=F32))
+        both = self._gather(il, gate, x.reshape(-1, x.shape[-1]).to(self.device, torch.float32))
+        total = both[0] + both[1]  # rank order: p0 + p1
+        return total if on_device else be.from_numpy(total.cpu().numpy())
+
+    def _gather(self, il: int, gate: Gate, x):
+        """All-gather this rank's [rows, width] record with its header; the peer's header is
+        checked before its rows are used. -> [2, rows, width], rank order."""
+        torch = self.torch
+        rows, width = x.shape
+        mine = torch.empty(HEADER_WORDS + rows * width, dtype=torch.float32, device=self.device)
+        mine[:HEADER_WORDS].view(torch.int32).copy_(
+            torch.tensor(self._header(il, gate, rows), dtype=torch.int32, device=self.device))
+        mine[HEADER_WORDS:].copy_(x.reshape(-1))
+        both = torch.empty((ds4t.N_RANK, mine.numel()), dtype=torch.float32, device=self.device)
+        try:
+            self.torch.distributed.all_gather_into_tensor(both, mine, group=self.group)
+        except Exception as e:  # (a dead or frozen peer: the group's timeout, as a gate error)
+            raise ds4t.GateTimeout("timeout", f"gate layer {il} {Gate(gate).name} seq {self.seq}: "
+                                   f"torch.distributed all-gather failed: {e}") from None
+        heads = both[:, :HEADER_WORDS].view(torch.int32).cpu().tolist()
+        for r, head in enumerate(heads):
+            want = self._header(il, gate, rows)
+            want[6] = r
+            if head != want:
+                got = ds4t.GateHeader(head[1], ds4t.Gate(head[2]) if head[2] in (0, 1) else head[2],
+                                      head[3] | (head[4] << 31), head[5], head[6])
+                exp = ds4t.GateHeader(il, ds4t.Gate(int(gate)), self.seq, rows, r)
+                raise ds4t.GateDesync("gate", f"gate desync: expected {exp.describe()}, rank {r} "
+                                      f"sent {got.describe() if isinstance(got.gate, ds4t.Gate) else head}")
+        return both[:, HEADER_WORDS:].reshape(ds4t.N_RANK, rows, width)
+
+    def close(self) -> None:
+        import torch.distributed as dist
+
+        if dist.is_initialized():
+            dist.destroy_process_group()
