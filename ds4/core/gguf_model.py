@@ -14,8 +14,9 @@ from __future__ import annotations
 import hashlib
 import os
 import struct
+from collections.abc import Callable
 from collections import Counter
-from dataclasses import dataclass
+from dataclasses import dataclass, field as dataclass_field
 from functools import cached_property
 from pathlib import Path
 
@@ -38,6 +39,11 @@ class Tensor:
     type: GGMLType
     dims: tuple[int, ...]  # GGUF order (dims[0] contiguous)
     raw: np.ndarray  # uint8 view of the tensor's bytes in the mapped file, shape [..., row_bytes]
+    # A tensor-parallel rank's part (core/tp_split.py): the tensor it was cut from, and the cut
+    # as a function of that tensor's flat bytes (numpy or torch), so a backend that makes its
+    # own bytes (Triton's synthetic weights) can cut them the same way.
+    whole: "Tensor | None" = dataclass_field(default=None, compare=False, repr=False)
+    cut: Callable | None = dataclass_field(default=None, compare=False, repr=False)
 
     @property
     def n_bytes(self) -> int:

@@ -146,14 +146,23 @@ def _scaled(r: range, unit: int) -> range:
     return range(r.start * unit, r.stop * unit)
 
 
+def _flat(x):
+    """A contiguous flat copy of a numpy array or a torch tensor (the cut runs on either)."""
+    return np.ascontiguousarray(x).reshape(-1) if isinstance(x, np.ndarray) else x.contiguous().reshape(-1)
+
+
 def _outer(t: Tensor, part: range) -> Tensor:
     """Slice the outermost axis (GGUF dims[-1]): whole rows or whole experts, contiguous bytes."""
     outer = t.dims[-1]
     if part.stop > outer:
         raise ValueError(f"{t.name}: part {part.start}:{part.stop} is past its {outer} entries")
     per = t.raw.size // outer
-    return Tensor(t.name, t.type, (*t.dims[:-1], len(part)),
-                  t.raw.reshape(-1)[part.start * per:part.stop * per])
+    b0, b1 = part.start * per, part.stop * per
+
+    def cut(raw):
+        return raw.reshape(-1)[b0:b1]
+
+    return Tensor(t.name, t.type, (*t.dims[:-1], len(part)), cut(t.raw), whole=t, cut=cut)
 
 
 def _inner(t: Tensor, part: range) -> Tensor:
@@ -163,8 +172,11 @@ def _inner(t: Tensor, part: range) -> Tensor:
     if part.start % f.block_values or part.stop % f.block_values:
         raise ConfigError(f"{t.name}: tensor parallel cuts its rows at values {part.start}:"
                           f"{part.stop}, not on its {f.name} blocks of {f.block_values} values")
-    rows = t.raw.reshape(-1, t.row_bytes)
+    rb = t.row_bytes
     b0 = row_bytes(t.type, part.start) if part.start else 0
     b1 = row_bytes(t.type, part.stop)
-    return Tensor(t.name, t.type, (len(part), *t.dims[1:]),
-                  np.ascontiguousarray(rows[:, b0:b1]).reshape(-1))
+
+    def cut(raw):
+        return _flat(raw.reshape(-1, rb)[:, b0:b1])
+
+    return Tensor(t.name, t.type, (len(part), *t.dims[1:]), cut(t.raw), whole=t, cut=cut)

@@ -22,6 +22,7 @@ import io
 import logging
 import socket
 import threading
+import weakref
 from collections.abc import Container, Iterator
 
 import numpy as np
@@ -53,6 +54,7 @@ class TPEngine:
         self.generation = 0  # pairs formed so far; a session belongs to one
         self._next_session = 1
         self._joining = threading.Lock()
+        self._dead: list[tuple[int, int]] = []  # (session, generation) gone on this side
 
     @classmethod
     def open(cls, path, listen_addr: tuple[str, int], backend: str = "reference",
@@ -124,7 +126,21 @@ class TPEngine:
         layout = SessionLayout.create(self.config, ctx, prefill_cap)
         sid = self._next_session
         self._next_session += 1
-        return TPSession(self, layout, sid)
+        s = TPSession(self, layout, sid)
+        # a session dropped here is destroyed on the worker before the next command
+        weakref.finalize(s, self._dead.append, (sid, s.worker_generation))
+        return s
+
+    def _bury(self, pair: Pair) -> None:
+        """SESSION_DESTROY for the sessions dropped on this side that the worker still holds."""
+        while self._dead:
+            sid, generation = self._dead.pop()
+            if generation[0] != self.generation:
+                continue
+            pair.control.send(ds4t.SessionDestroy(sid))
+            while not isinstance(pair.control.recv(idle_timeout=pair.control.io_timeout),
+                                 ds4t.CommandAck):
+                pass
 
     # ---- the pair -------------------------------------------------------------------------------
 
@@ -178,13 +194,28 @@ class TPSession(Session):
     def __init__(self, tp: TPEngine, layout, sid: int):
         self.tp = tp
         self.sid = sid
-        self.generation = 0  # the pair this session's worker side lives on (0: none yet)
+        # the pair this session's worker side lives on (0: none yet), in a list the engine's
+        # finalizer can read after this object is gone
+        self.worker_generation = [0]
         super().__init__(tp.engine, layout)
+
+    @property
+    def generation(self) -> int:
+        return self.worker_generation[0]
+
+    @generation.setter
+    def generation(self, value: int) -> None:
+        self.worker_generation[0] = value
 
     # ---- the mirrored command -------------------------------------------------------------------
 
     def _pair(self) -> Pair:
         pair = self.tp.ensure_worker()
+        if self.tp._dead:
+            try:
+                self.tp._bury(pair)
+            except ds4t.DS4TError as e:
+                raise self.tp.fail("session destroy", e) from None
         if self.generation != self.tp.generation:
             # a new worker: it has no state for this session; continue from an empty one
             if self._tokens:

@@ -142,7 +142,6 @@ class TritonBackend(_LinearOps, _DecodeSteps, _HcOps, _AttentionOps, _MoeOps, Ba
         self._cap_ctx = None
         self._cap_stream = None
         self.ledger: list | None = None  # (kernel name, bytes) per launch when profiling
-        self._synth = None
 
     @property
     def device(self) -> str:
@@ -159,11 +158,15 @@ class TritonBackend(_LinearOps, _DecodeSteps, _HcOps, _AttentionOps, _MoeOps, Ba
                              f"expected a row length (dims[0]) that is a multiple of {ROW_UNIT}, got "
                              f"{tensor.dims[0]} ({tensor.type.name})")
         if self.synthetic:
-            from .synthetic import synthetic_bytes
+            from .synthetic import synthetic_bytes, tensor_generator
 
-            if self._synth is None:
-                self._synth = torch.Generator(device=self.dev).manual_seed(self.seed)
-            u8 = synthetic_bytes(tensor.name, tensor.type, tensor.dims, self.cfg, self.dev, self._synth)
+            # a tensor-parallel rank makes the whole tensor and cuts its part, so both ranks
+            # hold the parts of one model (each tensor's bytes depend on its name alone)
+            src = tensor.whole if tensor.whole is not None else tensor
+            u8 = synthetic_bytes(src.name, src.type, src.dims, self.cfg, self.dev,
+                                 tensor_generator(src.name, self.seed, self.dev))
+            if tensor.cut is not None:
+                u8 = tensor.cut(u8)
         else:
             host = torch.from_numpy(np.array(tensor.raw, dtype=np.uint8, copy=True).reshape(-1))
             u8 = host.to(self.dev) if self.dev.type != "cpu" else host

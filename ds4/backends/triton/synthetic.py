@@ -11,6 +11,7 @@ the wanted RMS with a factor measured on a small CPU sample of the same distribu
 
 from __future__ import annotations
 
+import zlib
 from functools import lru_cache
 
 import numpy as np
@@ -64,6 +65,12 @@ def _quant_blocks(t: T, n_values: int, scale: float, dev, g: torch.Generator) ->
     else:
         raise ValueError(f"no random blocks for {t.name}")
     return blocks.reshape(-1)
+
+
+def tensor_generator(name: str, seed: int, dev) -> torch.Generator:
+    """The generator of one tensor's bytes: seeded by the model seed and the tensor's name, so
+    a tensor's bytes do not depend on which other tensors were made before it."""
+    return torch.Generator(device=dev).manual_seed((seed << 32) ^ zlib.crc32(name.encode()))
 
 
 def synthetic_bytes(name: str, ttype, dims: tuple[int, ...], cfg, dev, g: torch.Generator) -> torch.Tensor:
