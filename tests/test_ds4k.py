@@ -155,7 +155,7 @@ def test_a_probe_proves_the_token_and_the_receiver_waits(eng, payload, tmp_path)
     r = receiver(eng, auth_token="s3cret")
     land = Landing(r, tmp_path / "s.dsv4")  # max_failures=1: a probe counted as one would end it
     land.start()
-    # by hand, from the layout in ds4k.py and auth.py
+    # by hand, from the layout in ds4/wire/ds4k/__init__.py and auth.py
     with socket.create_connection(("127.0.0.1", r.port), timeout=T_OUT) as c:
         hello = ds4k._recv_exact(c, 48, "hello")
         assert struct.unpack_from("<4I", hello) == (0x4B345344, 2, 1, 0)

@@ -1,4 +1,4 @@
-"""DS4T records (wire.md §2): byte layouts written out by hand from ds4/wire/ds4t.py's docstring,
+"""DS4T records (wire.md §2): byte layouts written out by hand from ds4/wire/ds4t/__init__.py's docstring,
 round trips, hostile and truncated bytes (only DS4TError, lengths refused before payloads are
 read), gate desync and stalled peers over real socketpairs, and the hello handshake.
 """

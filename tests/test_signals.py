@@ -28,7 +28,7 @@ ROOT = Path(__file__).resolve().parents[1]
 DS4 = "import sys; from cli.main import main; sys.argv[0] = 'ds4'; main()"
 T_OUT = 30.0
 SIGNALS = [signal.SIGTERM, signal.SIGINT]
-HELLO_BYTES, REPLY_BYTES = 48, 8  # DS4K (ds4/wire/ds4k.py)
+HELLO_BYTES, REPLY_BYTES = 48, 8  # DS4K (ds4/wire/ds4k/)
 DS4K_MAGIC = 0x4B345344
 
 

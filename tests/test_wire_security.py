@@ -251,7 +251,7 @@ def test_cli_kv_send_refuses_an_impostor(model_path, payload, tmp_path):
 
 
 def test_ds4k_auth_bytes_follow_the_layout(payload, tmp_path):
-    """A hand-written sender that follows ds4k.py's steps 1-5 with proofs from the layout."""
+    """A hand-written sender that follows ds4/wire/ds4k's steps 1-5 with proofs from the layout."""
     r = ds4k.Receiver(0, auth_token="tok", timeout=T_OUT)
     out = {}
     t = threading.Thread(target=lambda: out.update(m=r.receive(tmp_path / "p", T_OUT, max_failures=1)))

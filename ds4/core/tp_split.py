@@ -35,7 +35,7 @@ from .quants import block_format, row_bytes
 
 
 class Gate(IntEnum):
-    """The records ranks exchange within a layer (wire.md §2; ds4/wire/ds4t.py's gate records)."""
+    """The records ranks exchange within a layer (wire.md §2; ds4/wire/ds4t/'s gate records)."""
 
     ATTN = 0  # after the grouped attention output projection: the partial sums
     FFN = 1  # after the routed experts (+ the shared expert on rank 0): the partial sums

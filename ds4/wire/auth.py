@@ -15,7 +15,7 @@ Byte layout (HMAC-SHA256, key = the token as UTF-8, `||` = concatenation):
 
 `protocol` is the wire's 4-byte magic as it travels (b"5pkq" for qkp5's little-endian u32,
 b"DS4K", b"T4SD" for DS4T's 0x44533454). Each wire decides where the nonces and proofs sit in
-its records (see qkp.py, ds4k.py and ds4t.py; on DS4T the leader is the server); the order
+its records (see qkp.py, ds4k/ and ds4t/; on DS4T the leader is the server); the order
 is always: both nonces exchanged, server proof checked by the client, then client proof
 checked by the server, then model data. Proofs are compared in
 constant time (`hmac.compare_digest`).

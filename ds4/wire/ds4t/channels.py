@@ -1,0 +1,146 @@
+"""DS4T on a socket, except the gates: `recv_exact` (exactly n bytes within a deadline, TLS-aware
+through `_tls_pending`), the `ControlChannel` that carries frames between leader and worker,
+and connection setup: `handshake` (exchange and check the hellos) with `mutual_auth`, the
+shared-secret proof that runs right after the hellos when FLAG_AUTH is set.
+"""
+
+from __future__ import annotations
+
+import select
+import socket
+import time
+from typing import Callable
+
+from .. import auth
+from .base import FLAG_AUTH, FRAME_HEADER, HELLO, PROTOCOL, DS4TClosed, DS4TError
+from .frames import Frame, Limits, pack_frame, read_frame
+from .hello import Hello, Role, check_peer
+
+
+def _tls_pending(sock: socket.socket) -> bool:
+    """Whether TLS holds decrypted bytes of this socket in its own buffer, which a poll of the
+    descriptor cannot see (a plain socket has none)."""
+    pending = getattr(sock, "pending", None)
+    return bool(pending and pending())
+
+
+def recv_exact(sock: socket.socket, n: int, timeout: float | None, what: str) -> bytearray:
+    """Exactly n bytes from a blocking socket, all within `timeout` seconds (None: no limit)."""
+    buf, got = bytearray(n), 0
+    view = memoryview(buf)
+    deadline = None if timeout is None else time.monotonic() + timeout
+    poller = select.poll()
+    poller.register(sock, select.POLLIN)
+    while got < n:
+        # wait in poll, never in recv: the socket's own timeout is for sends only
+        if deadline is None:
+            wait = -1
+        else:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise DS4TClosed("timeout", f"{what}: {got} of {n} bytes within {timeout:g} s")
+            wait = max(1, int(left * 1000))
+        if not _tls_pending(sock) and not poller.poll(wait):
+            continue
+        try:
+            k = sock.recv_into(view[got:])
+        except OSError as e:
+            raise DS4TClosed("eof", f"{what}: {e}") from None
+        if k == 0:
+            raise DS4TClosed("eof", f"{what}: the peer closed the connection after {got} of {n} bytes")
+        got += k
+    return buf
+
+
+class ControlChannel:
+    """The control connection: mirrored commands leader -> worker, acks and LOGITS back."""
+
+    def __init__(self, sock: socket.socket, limits: Limits, peer_role: Role, io_timeout: float):
+        self.sock, self.limits, self.io_timeout = sock, limits, io_timeout
+        self.peer_role = Role(peer_role)
+        sock.settimeout(io_timeout)  # sends
+
+    def send(self, frame: Frame) -> None:
+        try:
+            self.sock.sendall(pack_frame(frame))
+        except TimeoutError:
+            raise DS4TClosed("timeout", f"sending {frame.TYPE.name}: the peer did not read it "
+                             f"within {self.io_timeout:g} s") from None
+        except OSError as e:
+            raise DS4TClosed("eof", f"sending {frame.TYPE.name}: {e}") from None
+
+    def recv(self, idle_timeout: float | None = None) -> Frame:
+        """The next frame. The header may take `idle_timeout` (None: a worker idles until the
+        leader sends or closes); the rest of the frame must follow within the io timeout."""
+        head = recv_exact(self.sock, FRAME_HEADER.size, idle_timeout, "control frame header")
+        return read_frame(lambda n: recv_exact(self.sock, n, self.io_timeout, "control frame"),
+                          self.limits, header=bytes(head), sender=self.peer_role)
+
+
+def mutual_auth(token: str | bytes, role: Role, timeout: float) -> Callable[[socket.socket], None]:
+    """The `authenticate` callable for `handshake` on one end: `ds4.wire.auth`'s mutual proof of
+    `token`, the leader as the server. Every read of it ends within `timeout` seconds in all."""
+    role = Role(role)
+    if not token:  # refused here, not at the first connection
+        raise ValueError("auth token: expected a non-empty secret")
+
+    def send(sock: socket.socket, data: bytes, what: str) -> None:
+        try:
+            sock.sendall(data)
+        except OSError as e:
+            raise DS4TClosed("eof", f"sending {what}: {e}") from None
+
+    def read(sock: socket.socket, n: int, what: str, until: float) -> bytes:
+        left = until - time.monotonic()
+        if left <= 0:
+            raise DS4TClosed("timeout", f"{what}: the auth exchange took over {timeout:g} s")
+        return bytes(recv_exact(sock, n, left, what))
+
+    def as_leader(sock: socket.socket) -> None:
+        until = time.monotonic() + timeout
+        me = auth.ServerAuth(token, PROTOCOL)
+        client_nonce = read(sock, auth.NONCE_BYTES, "the worker's auth nonce", until)
+        send(sock, me.nonce + me.proof(client_nonce), "the leader's auth proof")
+        try:
+            me.check_client(read(sock, auth.PROOF_BYTES, "the worker's auth proof", until))
+        except auth.AuthError as e:
+            raise DS4TError("auth", f"the worker did not prove the shared secret: {e}") from None
+
+    def as_worker(sock: socket.socket) -> None:
+        until = time.monotonic() + timeout
+        me = auth.ClientAuth(token, PROTOCOL)
+        send(sock, me.nonce, "the worker's auth nonce")
+        server_nonce = read(sock, auth.NONCE_BYTES, "the leader's auth nonce", until)
+        try:
+            me.check_server(server_nonce, read(sock, auth.PROOF_BYTES, "the leader's auth proof",
+                                               until))
+        except auth.AuthError:
+            raise DS4TError("auth", "the leader did not prove the shared secret (it does not know "
+                            "it, or it is not the leader you meant to reach); it got only this "
+                            "worker's hello and nonce") from None
+        send(sock, me.proof(), "the worker's auth proof")
+
+    return as_leader if role == Role.LEADER else as_worker
+
+
+def handshake(sock: socket.socket, mine: Hello, *, timeout: float,
+              authenticate: Callable[[socket.socket], None] | None = None) -> tuple[Hello, int]:
+    """Both ends: send this end's hello, read and check the peer's; -> (peer hello, agreed ctx).
+
+    With FLAG_AUTH set (on both ends, or check_peer refuses), `authenticate(sock)` runs the
+    shared mutual-auth handshake (both ends prove the secret) after the 72-byte hellos and
+    before anything else on this connection; it must raise on a failed proof.
+    """
+    if mine.flags & FLAG_AUTH and authenticate is None:
+        raise ValueError("mine.flags has FLAG_AUTH but no authenticate callable was given")
+    sock.settimeout(timeout)
+    try:
+        sock.sendall(mine.pack())
+    except OSError as e:
+        raise DS4TClosed("eof", f"sending the hello: {e}") from None
+    theirs = Hello.unpack(bytes(recv_exact(sock, HELLO.size, timeout, "the peer's hello")))
+    if (mine.flags ^ theirs.flags) & FLAG_AUTH:
+        check_peer(mine, theirs)  # raises, naming flags
+    if mine.flags & FLAG_AUTH:
+        authenticate(sock)
+    return theirs, check_peer(mine, theirs)
