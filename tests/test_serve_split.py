@@ -48,3 +48,44 @@ def test_split_worker_dies_and_returns(tmp_path):
     finally:
         server.kill()
         worker.kill()
+
+
+def test_tensor_parallel_worker_dies_and_rejoins(tmp_path):
+    """`ds4 serve --tp-listen`: the same promises with a `ds4 tp-worker` as the other rank."""
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    tp = ["--backend", "reference", "--numerics", "exact"]
+    server = Proc(["serve", "--port", "0", "--ctx", "1024", *tp, "--tp-listen", f"127.0.0.1:{port}",
+                   "--tp-wait", "5", "--gate-timeout-ms", "5000"], tmp_path / "serve.log")
+    worker = Proc(["tp-worker", "--leader", f"127.0.0.1:{port}", *tp], tmp_path / "worker.log")
+    try:
+        server.wait_listening().wait_healthy()
+        oa = openai.OpenAI(base_url=f"{server.url}/v1", api_key="-", max_retries=0, timeout=120)
+        msgs = [{"role": "user", "content": "Hello"}]
+        kw = dict(model="ds4", messages=msgs, max_tokens=N, temperature=0, reasoning_effort="none")
+        first = oa.chat.completions.create(**kw).choices[0].message.content
+
+        stream = oa.chat.completions.create(**{**kw, "max_tokens": 400}, stream=True)
+        it = iter(stream)
+        next(it)
+        worker.kill()
+        with pytest.raises(openai.APIError) as e:
+            for _ in it:
+                pass
+        assert "tensor parallel failed during decode" in str(e.value.message)
+
+        with pytest.raises(openai.InternalServerError) as e:  # no worker within --tp-wait
+            oa.chat.completions.create(**kw)
+        assert e.value.status_code == 503
+        assert httpx.get(f"{server.url}/health").status_code == 503
+
+        worker = Proc(["tp-worker", "--leader", f"127.0.0.1:{port}", *tp], tmp_path / "worker2.log")
+        server.wait_healthy()  # the probe took the worker back
+        again = oa.chat.completions.create(**kw)
+        assert again.choices[0].message.content == first
+    finally:
+        server.kill()
+        worker.kill()

@@ -193,6 +193,11 @@ class TritonBackend(_LinearOps, _DecodeSteps, _HcOps, _AttentionOps, _MoeOps, Ba
     def from_numpy(self, x):
         return torch.from_numpy(np.ascontiguousarray(x, dtype=np.float32)).to(self.dev)
 
+    def torch_value(self, x):
+        """An op's result as a plain float32 torch tensor on the device (a tensor-parallel
+        gate through torch.distributed keeps it there)."""
+        return self._val(x).float().contiguous()
+
     def to_numpy(self, x):
         if isinstance(x, Selection):
             return x.mask(int(x.idx.max().item()) + 1 if x.idx.numel() else 0)
