@@ -55,7 +55,8 @@ FRAMES = [  # (frame, limits, bytes): header {magic "DS4C", type, bytes} + paylo
      h("43345344 06000000 10000000 0300000000000000 01000000efbeadde")),
     (ds4t.Logits(2, np.array([1.0, -2.0, 0.5])), SMALL,
      h("43345344 0a000000 14000000 02000000 03000000 0000803f 000000c0 0000003f")),
-    (ds4t.SessionCreate(9, 64), LIMITS, h("43345344 0d000000 0c000000 0900000000000000 40000000")),
+    (ds4t.SessionCreate(9, 64, 16), LIMITS,
+     h("43345344 0d000000 10000000 0900000000000000 40000000 10000000")),
     (ds4t.SessionDestroy(9), LIMITS, h("43345344 0e000000 08000000 0900000000000000")),
     (ds4t.CommandAck(9, ds4t.AckStatus.FAILED), LIMITS,
      h("43345344 11000000 0c000000 0900000000000000 ffffffff")),
@@ -91,6 +92,13 @@ def test_frame_layout_and_round_trip(frame, limits, wire):
     assert same_frame(ds4t.unpack_frame(wire, limits), frame)
     rec = Recorder(wire)
     assert same_frame(ds4t.read_frame(rec, limits), frame) and rec.pos == len(wire)
+
+
+def test_session_create_bounds_the_prefill_cap():
+    with pytest.raises(ds4t.DS4TError, match="prefill_cap: SESSION_CREATE prefill_cap expected 1..8"):
+        ds4t.unpack_frame(ds4t.pack_frame(ds4t.SessionCreate(1, 8, 9)), LIMITS)  # (ctx 8)
+    with pytest.raises(ds4t.DS4TError, match="expected 1..16"):  # (the bulk gate bound)
+        ds4t.unpack_frame(ds4t.pack_frame(ds4t.SessionCreate(1, 64, 17)), LIMITS)
 
 
 def test_state_is_bounded_by_this_ends_limit():
@@ -294,7 +302,8 @@ frames = st.one_of(
     st.builds(ds4t.Hash, st.integers(0, 2**64 - 1), st.integers(0, 2**64 - 1)),
     st.builds(ds4t.Logits, st.just(500), st.integers(0, 2**32 - 1).map(
         lambda seed: np.random.default_rng(seed).standard_normal(501, dtype=np.float32))),
-    st.builds(ds4t.SessionCreate, st.integers(0, 2**64 - 1), st.integers(1, 128)),
+    st.integers(1, 128).flatmap(lambda ctx: st.builds(
+        ds4t.SessionCreate, st.integers(0, 2**64 - 1), st.just(ctx), st.integers(1, min(ctx, 16)))),
     st.builds(ds4t.SessionDestroy, st.integers(0, 2**64 - 1)),
     st.builds(ds4t.CommandAck, st.integers(0, 2**64 - 1), st.sampled_from(list(ds4t.AckStatus))),
 )
@@ -332,6 +341,7 @@ def test_mutated_frames_are_refused_or_decoded_within_limits(frame, data):
         assert got.token < LIMITS.n_vocab
     elif isinstance(got, (ds4t.Rewind, ds4t.SessionCreate)):
         assert getattr(got, "pos", getattr(got, "ctx", 0)) <= LIMITS.ctx
+        assert getattr(got, "prefill_cap", 1) <= min(getattr(got, "ctx", 1), LIMITS.max_rows)
 
 
 @pytest.mark.parametrize("wire,field", [
@@ -341,8 +351,9 @@ def test_mutated_frames_are_refused_or_decoded_within_limits(frame, data):
     (h("43345344 01000000 0e000000"), "bytes"),  # not 12 + 4n
     (h("43345344 02000000 14000000 0000000000000000 0000000000000000 e9030000"), "token"),
     (h("43345344 03000000 0c000000 0000000000000000 81000000"), "pos"),
-    (h("43345344 0d000000 0c000000 0000000000000000 00000000"), "ctx"),
-    (h("43345344 0d000000 0c000000 0000000000000000 81000000"), "ctx"),
+    (h("43345344 0d000000 10000000 0000000000000000 00000000 01000000"), "ctx"),
+    (h("43345344 0d000000 10000000 0000000000000000 81000000 01000000"), "ctx"),
+    (h("43345344 0d000000 10000000 0000000000000000 40000000 00000000"), "prefill_cap"),
     (h("43345344 11000000 0c000000 0000000000000000 02000000"), "status"),
     (h("43345344 0a000000 14000000 00000000 03000000") + bytes(12), "vocab_first"),
     (h("43345344 05000000 04000000 00000000"), "bytes"),

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import io
 import logging
+import select
 import socket
 import threading
 import weakref
@@ -147,6 +148,10 @@ class TPEngine:
     def ensure_worker(self, wait_s: float | None = None) -> Pair:
         """The pair, once a worker has joined (waiting up to wait_s, default the engine's)."""
         with self._joining:  # (ds4 serve's health probe runs beside its generation thread)
+            if self.pair is not None and _closed_by_peer(self.pair.control.sock):
+                log.warning("tensor parallel: the worker left while idle")
+                self.pair.close()
+                self.pair, self.engine.partner = None, None
             if self.pair is None:
                 if self.on_wait is not None:
                     self.on_wait(self.address)
@@ -221,7 +226,11 @@ class TPSession(Session):
             if self._tokens:
                 log.warning("tensor parallel: session %d restarts empty on the new worker", self.sid)
             Session._reset_state(self)
-            self._command(pair, ds4t.SessionCreate(self.sid, self.ctx), "session create", None)
+            if self.layout.prefill_cap > pair.limits.max_rows:
+                raise ValueError(f"prefill_cap: expected at most {pair.limits.max_rows} (the pair's "
+                                 f"bulk gate bound), got {self.layout.prefill_cap}")
+            self._command(pair, ds4t.SessionCreate(self.sid, self.ctx, self.layout.prefill_cap),
+                          "session create", None)
             self.generation = self.tp.generation
         return pair
 
@@ -326,6 +335,15 @@ class TPSession(Session):
             self._command(pair, ds4t.Invalidate(self.sid), "restore", None)
 
 
+def _closed_by_peer(sock: socket.socket) -> bool:
+    """Whether an idle control connection was closed by the worker (nothing is due from it
+    between commands, so anything readable is its end of stream or a protocol error)."""
+    try:
+        return bool(select.select([sock], [], [], 0)[0])
+    except (OSError, ValueError):
+        return True
+
+
 def _compare_hashes(mine: list[LayerHash], theirs: list[ds4t.Hash], step: int) -> None:
     """--debug-hash: the ranks' hidden states after every layer must be equal bit for bit."""
     if len(mine) != len(theirs):
@@ -337,5 +355,5 @@ def _compare_hashes(mine: list[LayerHash], theirs: list[ds4t.Hash], step: int) -
                                   f"(layer {m.layer}), the worker sent {t.seq}")
         if m.value != t.value:
             raise TPError(f"debug hash: the ranks' hidden states differ after layer {m.layer} at "
-                          f"step {step} (token {step}, gate seq {m.seq}): leader {m.value:016x}, "
-                          f"worker {t.value:016x}")
+                          f"step {step} (the session then held {step} tokens; gate seq {m.seq}): "
+                          f"leader {m.value:016x}, worker {t.value:016x}")

@@ -2,8 +2,9 @@
 
 The first connection the leader accepts is control, the second data; on each the two ends
 swap hellos, check them (`ds4t.check_peer`) and, with a shared secret, prove it both ways
-before any frame or gate record moves. A connection that fails its hello or proof is closed
-and the leader goes on waiting for a real worker until its deadline. With TORCH_GATES the
+before any frame or gate record moves. A connection that fails its proof or breaks off is
+closed and the leader goes on waiting for a real worker until its deadline; a worker whose
+hello does not fit (another model, other dims) is refused at once (TPRefused names the field). With TORCH_GATES the
 leader then opens a torch.distributed store and sends its port on the data connection.
 """
 

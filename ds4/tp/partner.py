@@ -172,13 +172,13 @@ class TorchPartner(_Base):
         mine[:HEADER_WORDS].view(torch.int32).copy_(
             torch.tensor(self._header(il, gate, rows), dtype=torch.int32, device=self.device))
         mine[HEADER_WORDS:].copy_(x.reshape(-1))
-        both = torch.empty((ds4t.N_RANK * mine.numel(),), dtype=torch.float32, device=self.device)
-        try:  # (a flat output: gloo's all-gather takes no stacked one)
-            self.torch.distributed.all_gather_into_tensor(both, mine, group=self.group)
-        except Exception as e:  # (a dead or frozen peer: the group's timeout, as a gate error)
-            raise ds4t.GateTimeout("timeout", f"gate layer {il} {Gate(gate).name} seq {self.seq}: "
+        parts = [torch.empty_like(mine) for _ in range(ds4t.N_RANK)]
+        try:
+            self.torch.distributed.all_gather(parts, mine, group=self.group)
+        except Exception as e:  # (a dead or frozen peer: the group's timeout, or its error)
+            raise ds4t.DS4TClosed("gate", f"gate layer {il} {Gate(gate).name} seq {self.seq}: "
                                    f"torch.distributed all-gather failed: {e}") from None
-        both = both.reshape(ds4t.N_RANK, mine.numel())
+        both = torch.stack(parts)
         heads = both[:, :HEADER_WORDS].contiguous().view(torch.int32).cpu().tolist()
         for r, head in enumerate(heads):
             want = self._header(il, gate, rows)

@@ -82,7 +82,7 @@ class TPWorker:
         logits_before = None if s is None else s._logits
         try:
             if isinstance(frame, ds4t.SessionCreate):
-                self.sessions[sid] = self.engine.session(ctx=frame.ctx)
+                self.sessions[sid] = self.engine.session(ctx=frame.ctx, prefill_cap=frame.prefill_cap)
             elif s is None:
                 log.warning("tensor parallel: %s for unknown session %d", frame.TYPE.name, sid)
                 status = ds4t.AckStatus.UNAVAILABLE

@@ -235,7 +235,6 @@ class _MoeOps:
                      BR=BR, SUMS=sums, num_warps=4, nbytes=8 * R * Kd)
         return xh, xl, xi, gh, gl
 
-    @_op
     def ids_from_numpy(self, ids):
         return torch.from_numpy(np.asarray(ids, dtype=np.int32)).to(self.dev)
 
@@ -245,6 +244,7 @@ class _MoeOps:
         return (torch.where(mine, ids - first, torch.zeros_like(ids)),
                 torch.where(mine, weights, torch.zeros_like(weights)))
 
+    @_op
     def shared_expert(self, f, gate, up, down, il):
         cfg = self.cfg
         if gate.kt != up.kt or gate.RB != up.RB:

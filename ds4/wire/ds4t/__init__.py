@@ -55,7 +55,8 @@ the payload is read. Types keep ds4_tp.h's numbers:
     5  STOP             (none)
     6  HASH             u64 seq, u64 hash                           (--debug-hash lockstep check)
    10  LOGITS           u32 vocab_first, u32 count, count × f32     (a worker rank's vocab part)
-   13  SESSION_CREATE   u64 session, u32 ctx                        (1 ≤ ctx ≤ agreed ctx)
+   13  SESSION_CREATE   u64 session, u32 ctx, u32 prefill_cap       (1 ≤ ctx ≤ agreed ctx,
+                                                                     1 ≤ cap ≤ min(ctx, max_rows))
    14  SESSION_DESTROY  u64 session
    17  COMMAND_ACK      u64 session, i32 status                     (AckStatus: 0, 1, -1)
    25  STATE            u64 session, then a DSV4 session payload    (≤ Limits.max_state_bytes)

@@ -178,12 +178,17 @@ class Rewind(_Fixed):
 class SessionCreate(_Fixed):
     session: int
     ctx: int
+    prefill_cap: int  # the session's chunk: both ranks must cut a prefill alike
     TYPE: ClassVar = FrameType.SESSION_CREATE
-    FIXED: ClassVar = struct.Struct("<QI")
+    FIXED: ClassVar = struct.Struct("<QII")
 
     def validate(self, limits: Limits) -> None:
         if not 1 <= self.ctx <= limits.ctx:
             raise DS4TError("ctx", f"SESSION_CREATE ctx expected 1..{limits.ctx}, got {self.ctx}")
+        top = min(self.ctx, limits.max_rows)
+        if not 1 <= self.prefill_cap <= top:
+            raise DS4TError("prefill_cap", f"SESSION_CREATE prefill_cap expected 1..{top} "
+                            f"(ctx and the bulk gate bound), got {self.prefill_cap}")
 
 
 @dataclass(frozen=True)
