@@ -395,6 +395,37 @@ def test_triton_leader_reference_worker(engines):
     assert rel(first, want_first) <= 1e-3 and rel(last, want_last) <= 1e-3
 
 
+# A model small enough for Triton's interpreter: three layers of every kind, F16 experts, Q8_0
+# dense weights (the output projection's column cut, one group of 32 values, is one Q8_0 block).
+MINI = dict(n_layer=3, n_embd=64, n_head=2, head_dim=64, n_rot=32, q_lora_rank=32, o_lora_rank=32,
+            o_groups=2, n_expert=4, n_expert_used=2, n_ff_exp=32, n_hash_layer=1, sliding_window=6,
+            indexer_heads=2, indexer_head_dim=32, indexer_top_k=3, compress_ratios=(0, 4, 8))
+
+
+@pytest.mark.skipif(not HAS_TORCH or importlib.util.find_spec("triton") is None, reason="needs triton")
+def test_triton_leader_reference_worker_mini(tmp_path):
+    """The same pair on every machine CI has: the Triton rank runs interpreted on the CPU."""
+    from ds4.core.quants import GGMLType as T
+    from ds4.core.tiny import make_synthetic, preset_config
+
+    cfg = preset_config("test", **MINI, name="tp-mini")
+    experts = {f"ffn_{k}_exps.weight": T.F16 for k in ("gate", "up", "down")}
+    path = make_synthetic(tmp_path / "mini.gguf", cfg, experts, seed=5)
+    prompt, n = PROMPT[:8], 4
+    import torch
+
+    lead = rank_engine(path, "triton", "exact", 0, device="cuda" if torch.cuda.is_available() else "cpu")
+    work = rank_engine(path, "reference", "exact", 1)
+    opts = Options(gate_timeout_ms=120_000)  # (the interpreter is slow between two gates)
+    with threaded_pair(lead, work, CTX, lead_opts=opts, worker_opts=opts) as tp:
+        first, toks, last = tp_run(tp, prompt, n)
+    one = ds4.Engine.open(path, backend="reference", numerics="exact")
+    want_first, want_toks, want_last = one_rank_run(one, prompt, n, CTX)
+    assert toks == want_toks
+    # Triton against the reference is held to 1e-3 in exact numerics (test_triton_model.py)
+    assert rel(first, want_first) <= 1e-3 and rel(last, want_last) <= 1e-3
+
+
 @pytest.mark.skipif(not HAS_TORCH or importlib.util.find_spec("triton") is None, reason="needs triton")
 def test_triton_ops_of_the_ffn_go_through_the_decode_step_machinery():
     from ds4.backends import backend_class
