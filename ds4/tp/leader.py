@@ -55,7 +55,7 @@ class TPEngine:
         self.generation = 0  # pairs formed so far; a session belongs to one
         self._next_session = 1
         self._joining = threading.Lock()
-        self._dead: list[tuple[int, int]] = []  # (session, generation) gone on this side
+        self._dead: list[tuple[int, list[int]]] = []  # (session, its generation cell) gone here
 
     @classmethod
     def open(cls, path, listen_addr: tuple[str, int], backend: str = "reference",
