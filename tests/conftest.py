@@ -2,7 +2,8 @@
 
 Without a GPU, Triton's kernels run under its interpreter on CPU tensors. The switch is read when
 Triton is imported, and any test module may import the Triton backend first (e.g. while listing
-the backends present), so it is set here, before any test module is collected.
+the backends present), so it is set here, before any test module is collected; the interpreter
+then drops work it repeats for nothing (fast_interpreter.py).
 """
 
 import importlib.util
@@ -13,3 +14,7 @@ if importlib.util.find_spec("torch") is not None:
 
     if not torch.cuda.is_available():
         os.environ.setdefault("TRITON_INTERPRET", "1")
+        if os.environ["TRITON_INTERPRET"] == "1" and importlib.util.find_spec("triton") is not None:
+            from fast_interpreter import install
+
+            install()
