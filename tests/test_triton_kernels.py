@@ -1,6 +1,6 @@
-"""Each Triton kernel against the reference backend (or the numpy definitions it uses), on fresh
-random inputs every run. Without a GPU the kernels run under TRITON_INTERPRET=1 on small shapes;
-with one, the same tests run compiled."""
+"""Each Triton kernel against the reference backend (or the numpy definitions it uses), on random
+inputs (seeds.py: the same every run unless DS4_TEST_SEED says otherwise). Without a GPU the
+kernels run under TRITON_INTERPRET=1 on small shapes; with one, the same tests run compiled."""
 
 from __future__ import annotations
 
@@ -30,6 +30,7 @@ from ds4.core.rope import layer_inv_freq  # noqa: E402
 from ds4.core.state import FILL, SessionLayout, layer_state_shapes  # noqa: E402
 from ds4.core.tiny import make_tiny  # noqa: E402
 from ds4.core.weights import bind_weights  # noqa: E402
+from seeds import rng_for_test  # noqa: E402
 
 
 def _rel(a, b) -> float:
@@ -38,9 +39,9 @@ def _rel(a, b) -> float:
     return float(np.abs(a - b).max() / max(np.abs(b).max(), 1e-30))
 
 
-@pytest.fixture(scope="module")
-def rng():
-    return np.random.default_rng()  # fresh inputs every run
+@pytest.fixture
+def rng(request):
+    return rng_for_test(request)
 
 
 @pytest.fixture(scope="module")

@@ -22,6 +22,7 @@ from ds4.core.gguf_model import Tensor  # noqa: E402
 from ds4.core.quants import GGMLType as T  # noqa: E402
 from ds4.core.quants import random_blocks  # noqa: E402
 from ds4.core.tiny import preset_config  # noqa: E402
+from seeds import rng_for_test  # noqa: E402
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 # Errors are measured against the first-order error scale of each output (for a product,
@@ -33,9 +34,9 @@ DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 TOL = 2.0 ** -20
 
 
-@pytest.fixture(scope="module")
-def rng():
-    return np.random.default_rng()  # fresh inputs every run
+@pytest.fixture
+def rng(request):
+    return rng_for_test(request)  # seeds.py
 
 
 @pytest.fixture(scope="module")
