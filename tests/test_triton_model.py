@@ -217,7 +217,7 @@ def test_side_streams_change_no_bit(path, prompt):
     complete (ds4/backends/triton/lanes.py)."""
     two = ds4.Engine.open(path, backend="triton", device=DEVICE)
     one = ds4.Engine.open(path, backend="triton", device=DEVICE)
-    assert two.backend.lanes > 1
+    two.backend.lanes = 6  # side streams, whatever the tuning's default
     one.backend.lanes = 0
     _decode_bit_for_bit(two, one, prompt)
 
@@ -234,7 +234,7 @@ def test_early_launch_changes_no_bit(path, prompt):
     for en in (new, old):  # (the tiny model's Q8C products on 309, as in `engines`)
         en.backend.mv_types = {**en.backend.mv_types, Q8C: 309}
         en.backend.mv_shapes = {}
-    assert new.backend.pdl_xq
+    new.backend.pdl_xq = True  # (whatever the tuning's default)
     old.backend.pdl_xq = False
     early = []
     launch = new.backend._launch
