@@ -3,7 +3,7 @@
 * the ds4 numerics in MLX are bit-identical to ds4/core/numerics.py (ties and subnormals too);
 * every block decoder, and the lossless Q8_0 / Q4_K transcoding into MLX's quantized layout,
   reproduces gguf-py's dequantizer bit for bit;
-* every op matches the reference on random inputs (fresh each run: DS4_TEST_SEED=<n> repeats one);
+* every op matches the reference on random inputs (seeds.py: DS4_TEST_SEED=<n> draws another set);
 * whole models (q2 / q4 / q8 experts) give the reference's logits within 1e-4 for one-shot
   prefill, chunked prefill and decode, and the same greedy tokens, in both numerics modes;
 * weights stay quantized (resident ≤ 1.15 × the GGUF), the state round-trips exactly, a decode
@@ -52,8 +52,8 @@ from ds4.core.state import FILL, SessionLayout, layer_state_shapes  # noqa: E402
 from ds4.core.tiny import make_tiny  # noqa: E402
 from ds4.core.weights import bind_weights  # noqa: E402
 from ds4.engine import Engine  # noqa: E402
+from seeds import SEED  # noqa: E402
 
-SEED = int(os.environ.get("DS4_TEST_SEED", int.from_bytes(os.urandom(4), "little")))
 WHY = f"(random inputs: DS4_TEST_SEED={SEED} repeats this run)"
 PROMPT = [int(x) for x in np.random.default_rng(7).integers(0, 512, 48)]
 LOGITS_TOL = 1e-4

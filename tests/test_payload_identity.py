@@ -236,9 +236,9 @@ def test_the_receiver_checks_the_files_model_not_only_the_manifest(models, saved
     path, _ = saved
     out: dict = {}
     with Receiver(0, fingerprint=b.model.fingerprint, config=b.config, timeout=T_OUT) as r:
-        def land():
+        def land():  # (max_failures=1: the refusal ends the wait, not the accept timeout)
             try:
-                r.receive(tmp_path / "r.dsv4", T_OUT)
+                r.receive(tmp_path / "r.dsv4", T_OUT, max_failures=1)
             except DS4KError as e:
                 out["e"] = e
         t = threading.Thread(target=land, daemon=True)

@@ -1,6 +1,6 @@
-"""Each Triton kernel against the reference backend (or the numpy definitions it uses), on fresh
-random inputs every run. Without a GPU the kernels run under TRITON_INTERPRET=1 on small shapes;
-with one, the same tests run compiled."""
+"""Each Triton kernel against the reference backend (or the numpy definitions it uses), on random
+inputs (seeds.py: the same every run unless DS4_TEST_SEED says otherwise). Without a GPU the
+kernels run under TRITON_INTERPRET=1 on small shapes; with one, the same tests run compiled."""
 
 from __future__ import annotations
 
@@ -30,6 +30,7 @@ from ds4.core.rope import layer_inv_freq  # noqa: E402
 from ds4.core.state import FILL, SessionLayout, layer_state_shapes  # noqa: E402
 from ds4.core.tiny import make_tiny  # noqa: E402
 from ds4.core.weights import bind_weights  # noqa: E402
+from seeds import rng_for_test  # noqa: E402
 
 
 def _rel(a, b) -> float:
@@ -38,9 +39,9 @@ def _rel(a, b) -> float:
     return float(np.abs(a - b).max() / max(np.abs(b).max(), 1e-30))
 
 
-@pytest.fixture(scope="module")
-def rng():
-    return np.random.default_rng()  # fresh inputs every run
+@pytest.fixture
+def rng(request):
+    return rng_for_test(request)
 
 
 @pytest.fixture(scope="module")
@@ -134,6 +135,7 @@ def test_decoders_with_16_byte_x_loads_fall_back_on_unaligned_rows(ttype, fast, 
     N, K = 24, 512
     raw = random_blocks(ttype, N * K, rng, scale=0.05)
     w = tri.upload(Tensor("w", ttype, (K, N), raw))
+    tri.mv_types = {**tri.mv_types, w.kt: fast}  # (whatever the tuning's default decoder)
     assert tri._mv_cfg(w.kt, N, K)["TYPE"] == fast
     assert tri._mv_cfg(w.kt, N, K, x16=False)["TYPE"] == int(ttype)
     dense = gq.dequantize(raw.reshape(N, row_bytes(ttype, K)), GGMLQuantizationType(int(ttype))).astype(np.float64)
@@ -607,11 +609,10 @@ def test_moe_and_shared_expert(pair, n, rng):
     if n >= 16:
         assert _rel(routed(), want) < 1e-5
     else:  # the routed-expert decoders of the matrix-vector kernels: each gate/up decoder with
-        # the default down (113), the other downs with the default gate/up (418), and both float;
-        # three tokens only the defaults and both float (the interpreter takes seconds a call)
+        # the integer down (113), the other downs with the integer gate/up (418), and both float;
+        # three tokens only the integer pair and both float (the interpreter takes seconds a call)
         saved = dict(tri.mv_types)
         gt, dt = int(L_t.ffn_gate_exps.type), int(L_t.ffn_down_exps.type)
-        assert (saved[gt], saved[dt]) == (418, 113)  # the defaults
         pairs = [(gp, 113) for gp in TritonBackend.MV_PATHS[gt]] + [(418, 111), (418, 110), (417, 110)]
         assert set(TritonBackend.MV_PATHS[dt]) == {110, 111, 113}
         try:
@@ -643,6 +644,7 @@ def test_q2s_down_rows_past_the_tile(rng):
     dense = gq.dequantize(raw.reshape(NE * E, row_bytes(T.Q2_K, F)), GGMLQuantizationType.Q2_K).reshape(NE, E, F)
     ids = np.array([[2, 0], [1, 2]], np.int32)
     h = rng.standard_normal((n * k, F)).astype(np.float32)
+    tri.mv_types = {**tri.mv_types, down.kt: 113}  # (whatever the tuning's default decoder)
     c = tri._mv_cfg(down.kt, E, F, n, kind="down", xq=True)
     assert c["TYPE"] == 113 and E % c["BN"], c  # (programs of 8 rows on the H200, 128 in the interpreter)
     out = tri.to_numpy(tri._down_mv(_t(tri, h), _t(tri, ids, torch.int32), down, n, k, c=c,
@@ -836,7 +838,12 @@ def test_q8c_on_xq8(rng):
     assert not tri._split_cnt.any()
 
 
-def test_split_k_experts(pair, rng):
+# The experts' products are the same under both numerics (ds4 numerics round the cache rows, the
+# compressor and the indexer, not the experts' inputs or weights), so each decoder family runs once,
+# on the ds4-numerics pair: the interpreter takes a minute over either.
+@pytest.mark.parametrize("pair", ["ds4"], indirect=True)
+@pytest.mark.parametrize("gp,dp", [(417, 110), (418, 113)], ids=["float", "xq"])
+def test_split_k_experts(pair, gp, dp, rng):
     """The routed gate/up (IQ2_XXS, 417 / 418), down (Q2_K, 110 / 113) and shared-expert products
     (gate/up 308, then 309) of a decode step with K split in two (the tile's last program adds
     the partials, then the SwiGLU; 418 then stores h in XQ form) match the reference; twice, so
@@ -850,34 +857,34 @@ def test_split_k_experts(pair, rng):
     g, d, sg = L_t.ffn_gate_exps, L_t.ffn_down_exps, L_t.ffn_gate_shexp
     saved, saved_pf = dict(tri.mv_shapes), tri.mv_prefetch
     try:
-        for gp, dp in ((417, 110), (418, 113)):  # the float decoders, then those on x and h in XQ form
-            # (113: 128-value halves, one a K-step, two rows per thread)
-            tri.mv_shapes = {("gateup", int(g.type), g.N, g.K): (gp, 128 if gp == 417 else 64, 16, 4, 2),
-                             ("down", int(d.type), d.N, d.K): (dp, 128, 16, 4, 2) if dp == 110 else
-                             (dp, 128, 16, 4, 2, 2),
-                             ("gateup", sg.kt, sg.N, sg.K): (308 if gp == 417 else 309, 256, 16, 4, 2, 4)}
-            for n in ((1, 3) if gp == 417 else (3,)):  # (the interpreter takes minutes over these)
-                f = rng.standard_normal((n, cfg.n_embd)).astype(np.float32)
-                ids = np.stack([rng.choice(cfg.n_expert, cfg.n_expert_used, replace=False) for _ in range(n)])
-                w = rng.uniform(0.1, 1, (n, cfg.n_expert_used)).astype(np.float32)
-                if gp == 418:  # (tolerance: test_moe_and_shared_expert)
-                    want, tol = _moe_rounded(ref, f, ids, w, L_r, il, True, True), 6e-5
-                else:
-                    want, tol = ref.moe(f, ids, w, L_r.ffn_gate_exps, L_r.ffn_up_exps, L_r.ffn_down_exps, il), 1e-5
-                want_sh = ref.shared_expert(f, L_r.ffn_gate_shexp, L_r.ffn_up_shexp, L_r.ffn_down_shexp, il)
-                for again in (False, True):
-                    tri.mv_prefetch = not again
-                    tri.ledger = []
-                    got = tri.to_numpy(tri.moe(_t(tri, f), _t(tri, ids, torch.int32), _t(tri, w),
-                                               L_t.ffn_gate_exps, L_t.ffn_up_exps, L_t.ffn_down_exps, il))
-                    assert _rel(got, want) < tol, (gp, n)
-                    got = tri.to_numpy(tri.shared_expert(_t(tri, f), L_t.ffn_gate_shexp, L_t.ffn_up_shexp,
-                                                         L_t.ffn_down_shexp, il))
-                    # (309: the shared gate/up on x in XQ8 form, which rounds x to amax / 65278)
-                    assert _rel(got, want_sh) < (1e-5 if gp == 417 else 1e-4), (gp, n)
-                    kernels = [k for k, _ in tri.ledger if k != "xq_kernel"]
-                    assert kernels[:3] == ["moe_gateup_mv_kernel", "moe_down_mv_kernel", "moe_gateup_mv_kernel"]
-            assert not tri._split_cnt.any()
+        # float: the float decoders; xq: those on x and h in XQ form (113: 128-value halves, one
+        # a K-step, two rows per thread)
+        tri.mv_shapes = {("gateup", int(g.type), g.N, g.K): (gp, 128 if gp == 417 else 64, 16, 4, 2),
+                         ("down", int(d.type), d.N, d.K): (dp, 128, 16, 4, 2) if dp == 110 else
+                         (dp, 128, 16, 4, 2, 2),
+                         ("gateup", sg.kt, sg.N, sg.K): (308 if gp == 417 else 309, 256, 16, 4, 2, 4)}
+        for n in ((1, 3) if gp == 417 else (3,)):  # (the interpreter takes minutes over these)
+            f = rng.standard_normal((n, cfg.n_embd)).astype(np.float32)
+            ids = np.stack([rng.choice(cfg.n_expert, cfg.n_expert_used, replace=False) for _ in range(n)])
+            w = rng.uniform(0.1, 1, (n, cfg.n_expert_used)).astype(np.float32)
+            if gp == 418:  # (tolerance: test_moe_and_shared_expert)
+                want, tol = _moe_rounded(ref, f, ids, w, L_r, il, True, True), 6e-5
+            else:
+                want, tol = ref.moe(f, ids, w, L_r.ffn_gate_exps, L_r.ffn_up_exps, L_r.ffn_down_exps, il), 1e-5
+            want_sh = ref.shared_expert(f, L_r.ffn_gate_shexp, L_r.ffn_up_shexp, L_r.ffn_down_shexp, il)
+            for again in (False, True):
+                tri.mv_prefetch = not again
+                tri.ledger = []
+                got = tri.to_numpy(tri.moe(_t(tri, f), _t(tri, ids, torch.int32), _t(tri, w),
+                                           L_t.ffn_gate_exps, L_t.ffn_up_exps, L_t.ffn_down_exps, il))
+                assert _rel(got, want) < tol, (gp, n)
+                got = tri.to_numpy(tri.shared_expert(_t(tri, f), L_t.ffn_gate_shexp, L_t.ffn_up_shexp,
+                                                     L_t.ffn_down_shexp, il))
+                # (309: the shared gate/up on x in XQ8 form, which rounds x to amax / 65278)
+                assert _rel(got, want_sh) < (1e-5 if gp == 417 else 1e-4), (gp, n)
+                kernels = [k for k, _ in tri.ledger if k != "xq_kernel"]
+                assert kernels[:3] == ["moe_gateup_mv_kernel", "moe_down_mv_kernel", "moe_gateup_mv_kernel"]
+        assert not tri._split_cnt.any()
     finally:
         tri.mv_shapes = saved
         tri.mv_prefetch = saved_pf

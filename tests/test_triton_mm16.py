@@ -22,6 +22,7 @@ from ds4.core.gguf_model import Tensor  # noqa: E402
 from ds4.core.quants import GGMLType as T  # noqa: E402
 from ds4.core.quants import random_blocks  # noqa: E402
 from ds4.core.tiny import preset_config  # noqa: E402
+from seeds import rng_for_test  # noqa: E402
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 # Errors are measured against the first-order error scale of each output (for a product,
@@ -33,15 +34,16 @@ DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 TOL = 2.0 ** -20
 
 
-@pytest.fixture(scope="module")
-def rng():
-    return np.random.default_rng()  # fresh inputs every run
+@pytest.fixture
+def rng(request):
+    return rng_for_test(request)  # seeds.py
 
 
 @pytest.fixture(scope="module")
 def tri():
-    be = TritonBackend(preset_config("test"), device=DEVICE)
-    assert be.moe_int16 and be.prec == "bf16x3"  # the default takes the fp16 integer path
+    # the fp16 integer path (bf16x3 products with moe_int16), whatever the tuning's defaults
+    be = TritonBackend(preset_config("test"), device=DEVICE, dot_precision="bf16x3")
+    be.moe_int16 = True
     return be
 
 
@@ -196,6 +198,7 @@ def test_moe_prefill_end_to_end(tri, rng):
     x = _below_clamp(_activations(n, E, rng), rng)
     ids = np.stack([rng.choice(NE, k, replace=False) for _ in range(n)])
     wts = rng.uniform(0.1, 1.0, (n, k)).astype(np.float32)
+    tri.ledger = []
     got = tri.to_numpy(tri.moe(torch.from_numpy(x).to(tri.dev), torch.from_numpy(ids.astype(np.int32)).to(tri.dev),
                                torch.from_numpy(wts).to(tri.dev), gate, up, down, il))
     clamp = float(tri.cfg.swiglu_clamp[il])
@@ -211,6 +214,9 @@ def test_moe_prefill_end_to_end(tri, rng):
         want += wts[:, j, None].astype(np.float64) * np.einsum("tef,tf->te", D[e], hv)
         scale += wts[:, j, None].astype(np.float64) * np.einsum("tef,tf->te", Dm[e], np.abs(hv) + sh)
     assert _rel_rows(got, want, scale) < TOL
+    ran = [name for name, _ in tri.ledger]
+    tri.ledger = None
+    assert "moe_gateup_mm16_kernel" in ran and "moe_down_mm16_kernel" in ran, ran
 
 
 # ---- Q8_0 (optional path: q8_int16) -------------------------------------------------------------

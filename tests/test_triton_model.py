@@ -17,6 +17,7 @@ DEVICE = "cuda" if torch.cuda.is_available() else "cpu"  # cpu: the interpreter 
 
 import ds4  # noqa: E402
 from ds4.core.tiny import make_tiny  # noqa: E402
+from seeds import SEED  # noqa: E402
 
 LOGITS_RTOL = 1e-3
 # ds4 numerics round K/V to FP8 and the indexer's queries/keys to FP4, and the indexer keeps a
@@ -48,13 +49,14 @@ def _same_greedy(got: np.ndarray, want: np.ndarray) -> bool:
     return (top2[1] - top2[0]) <= 2 * np.abs(got - want).max()
 
 
-# Exact numerics run on a fresh random model and prompt every run. ds4 numerics run on a fixed
-# model and prompt: a free-running ds4 session of two float32 implementations drifts apart
-# wherever one FP8/FP4 rounding or indexer choice lands on the other side of a boundary (see
-# DS4_RTOL), so a random case would make CI flaky; the fixed case is deterministic under the
-# interpreter. Its seeds are not chosen for a small error: model seed 0, prompt seed 0.
-FRESH = np.random.default_rng()
-CASES = {"exact": (int(FRESH.integers(1 << 16)), FRESH), "ds4": (0, np.random.default_rng(0))}
+# Exact numerics run on a model and prompt drawn from the tests' seed (seeds.py: DS4_TEST_SEED
+# draws another). ds4 numerics run on a fixed model and prompt whatever the seed: a free-running
+# ds4 session of two float32 implementations drifts apart wherever one FP8/FP4 rounding or
+# indexer choice lands on the other side of a boundary (see DS4_RTOL), so another draw could
+# fail for that reason alone; the fixed case is deterministic under the interpreter. Its seeds
+# are not chosen for a small error: model seed 0, prompt seed 0.
+DRAW = np.random.default_rng([SEED, 1])
+CASES = {"exact": (int(DRAW.integers(1 << 16)), DRAW), "ds4": (0, np.random.default_rng(0))}
 
 
 @pytest.fixture(scope="module")
@@ -215,7 +217,7 @@ def test_side_streams_change_no_bit(path, prompt):
     complete (ds4/backends/triton/lanes.py)."""
     two = ds4.Engine.open(path, backend="triton", device=DEVICE)
     one = ds4.Engine.open(path, backend="triton", device=DEVICE)
-    assert two.backend.lanes > 1
+    two.backend.lanes = 6  # side streams, whatever the tuning's default
     one.backend.lanes = 0
     _decode_bit_for_bit(two, one, prompt)
 
@@ -232,7 +234,7 @@ def test_early_launch_changes_no_bit(path, prompt):
     for en in (new, old):  # (the tiny model's Q8C products on 309, as in `engines`)
         en.backend.mv_types = {**en.backend.mv_types, Q8C: 309}
         en.backend.mv_shapes = {}
-    assert new.backend.pdl_xq
+    new.backend.pdl_xq = True  # (whatever the tuning's default)
     old.backend.pdl_xq = False
     early = []
     launch = new.backend._launch
