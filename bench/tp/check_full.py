@@ -1,0 +1,197 @@
+"""Tensor parallel against one rank on the full-size synthetic DS4 Flash (issue #33 point 5).
+
+    python bench/tp/check_full.py bytes                 # CPU: bytes each rank binds (no GPU needed)
+    python bench/tp/check_full.py one  --out DIR        # GPU: one triton rank, 64 greedy tokens
+    python bench/tp/check_full.py pair --out DIR        # GPU: two triton ranks (worker spawned)
+    python bench/tp/check_full.py small --out DIR       # GPU: test preset, triton + reference
+
+The model is the flash preset as a sparse GGUF (`write_sparse_gguf`: the real header and a
+hole for the data) run with `synthetic=True`: every rank makes each tensor's bytes from the
+tensor's name and cuts its part, so the ranks hold the parts of one model. `one` and `pair` run
+in separate processes (one after the other) so the GPU holds one model at a time; both ranks of
+`pair` share the one GPU, gates over loopback TCP, with --debug-hash on. Each writes JSON into
+--out; `pair` and `small` compare tokens and logits with their one-rank run.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+
+import ds4
+from ds4.core.gguf_model import GGUFModel
+from ds4.core.gguf_write import write_sparse_gguf
+from ds4.core.tiny import preset_config
+from ds4.core.tp_split import RankPart, split_of, Split
+
+PROMPT_TOKENS = 100
+GEN_TOKENS = 64
+SEED = 0
+FLASH_GGUF = "/tmp/ds4-flash-sparse.gguf"
+SMALL_PRESET = "test"
+
+
+def flash_gguf(path: str = FLASH_GGUF) -> str:
+    if not os.path.exists(path):
+        cfg = preset_config("flash")
+        write_sparse_gguf(path, cfg, {}, [f"<t{i}>" for i in range(cfg.n_vocab)], [])
+    return path
+
+
+def prompt(n_vocab: int) -> list[int]:
+    return np.random.default_rng(SEED).integers(0, n_vocab, PROMPT_TOKENS).tolist()
+
+
+def rel(a: np.ndarray, b: np.ndarray) -> float:
+    return float(np.max(np.abs(a - b)) / np.max(np.abs(a)))
+
+
+def run(session, ids: list[int], n: int | None = None) -> dict:
+    n = GEN_TOKENS if n is None else n
+    t0 = time.perf_counter()
+    session.sync(ids)
+    t_prefill = time.perf_counter() - t0
+    first = np.array(session.logits, copy=True)
+    t0 = time.perf_counter()
+    toks = list(session.greedy(n))
+    t_gen = time.perf_counter() - t0
+    return dict(tokens=toks, first=first, last=np.array(session.logits, copy=True),
+                prefill_s=t_prefill, decode_tok_s=n / t_gen)
+
+
+def gpu_gb() -> float:
+    import torch
+
+    torch.cuda.synchronize()
+    return torch.cuda.memory_allocated() / 1e9
+
+
+def save(out: Path, name: str, r: dict, extra: dict) -> None:
+    np.savez(out / f"{name}.npz", tokens=r["tokens"], first=r["first"], last=r["last"])
+    meta = {k: v for k, v in r.items() if k not in ("first", "last")} | extra
+    (out / f"{name}.json").write_text(json.dumps(meta, indent=1))
+
+
+def compare(out: Path, one: str, two: str, r: dict) -> dict:
+    ref = np.load(out / f"{one}.npz")
+    return dict(tokens_equal=bool(list(ref["tokens"]) == list(r["tokens"])),
+                first_diff_at=next((i for i, (a, b) in enumerate(zip(ref["tokens"], r["tokens"])) if a != b), None),
+                prompt_logits_rel=rel(ref["first"], r["first"]), final_logits_rel=rel(ref["last"], r["last"]))
+
+
+def _part_bytes(p: RankPart, t, cfg) -> int:
+    if split_of(t.name) == Split.COLS_BY_GROUP:  # (the column cut copies; count, don't read)
+        return t.n_bytes // p.n_rank
+    return p.slice(t, cfg).n_bytes
+
+
+def cmd_bytes(a) -> None:
+    """Bytes bound by one rank and by each of two ranks, from the flash layout's tensors."""
+    model = GGUFModel(flash_gguf())
+    cfg = model.config
+    parts = [RankPart.of(cfg, 2, r) for r in range(2)]
+    rows = {"one": 0, "rank0": 0, "rank1": 0, "routed_experts": 0}
+    for name, t in model.tensors.items():
+        rows["one"] += t.n_bytes
+        if split_of(name) == Split.EXPERTS:
+            rows["routed_experts"] += t.n_bytes
+        for r, p in enumerate(parts):
+            if p.holds(name):
+                rows[f"rank{r}"] += _part_bytes(p, t, cfg)
+    rows = {k: v / 1e9 for k, v in rows.items()}
+    rows["routed_share"] = rows["routed_experts"] / rows["one"]
+    print(json.dumps(rows, indent=1))
+    if a.out:
+        Path(a.out).mkdir(parents=True, exist_ok=True)
+        (Path(a.out) / "bytes.json").write_text(json.dumps(rows, indent=1))
+
+
+def cmd_one(a) -> None:
+    out = Path(a.out)
+    out.mkdir(parents=True, exist_ok=True)
+    eng = ds4.Engine.open(flash_gguf(), backend="triton", numerics=a.numerics, synthetic=True,
+                          cuda_graphs=False)
+    gb = gpu_gb()
+    r = run(eng.session(ctx=1024), prompt(eng.config.n_vocab))
+    save(out, f"one-{a.numerics}", r, dict(gpu_gb=gb))
+    print(json.dumps({k: v for k, v in r.items() if k not in ("first", "last")} | {"gpu_gb": gb}))
+
+
+def cmd_worker(a) -> None:
+    from ds4.tp import Options, TPWorker
+
+    host, port = a.leader.rsplit(":", 1)
+    gguf = flash_gguf() if a.model is None else a.model
+    opts = dict(synthetic=True) if a.model is None else {}
+    w = TPWorker.open(gguf, (host, int(port)), backend=a.backend, numerics=a.numerics,
+                      opts=Options(gate_timeout_ms=600_000, io_timeout=600), **opts)
+    print(json.dumps({"worker_gpu_gb": gpu_gb() if a.backend == "triton" else 0.0}), flush=True)
+    w.serve()
+
+
+def _pair(out: Path, gguf: str, backends: tuple[str, str], numerics: str, synthetic: bool, name: str):
+    from ds4.tp import Options, TPEngine
+
+    opts = dict(synthetic=True) if synthetic else {}
+    lead = TPEngine.open(gguf, ("127.0.0.1", 0), backend=backends[0], numerics=numerics, ctx=1024,
+                         opts=Options(debug_hash=True, gate_timeout_ms=600_000, io_timeout=600),
+                         connect=False, **opts)
+    gb = gpu_gb() if backends[0] == "triton" else 0.0
+    cmd = [sys.executable, __file__, "worker", "--leader", f"127.0.0.1:{lead.address[1]}",
+           "--backend", backends[1], "--numerics", numerics]
+    if not synthetic:
+        cmd += ["--model", gguf]
+    worker = subprocess.Popen(cmd, stdout=subprocess.PIPE, text=True)
+    lead.ensure_worker()
+    worker_gb = json.loads(worker.stdout.readline())["worker_gpu_gb"]
+    r = run(lead.session(ctx=1024), prompt(lead.config.n_vocab))
+    lead.close()
+    worker.wait(timeout=600)
+    return r, dict(leader_gpu_gb=gb, worker_gpu_gb=worker_gb, backends="+".join(backends))
+
+
+def cmd_pair(a) -> None:
+    out = Path(a.out)
+    r, extra = _pair(out, flash_gguf(), ("triton", "triton"), a.numerics, True, "pair")
+    extra |= compare(out, f"one-{a.numerics}", "pair", r)
+    save(out, f"pair-{a.numerics}", r, extra)
+    print(json.dumps({k: v for k, v in r.items() if k not in ("first", "last")} | extra))
+
+
+def cmd_small(a) -> None:
+    from ds4.core.tiny import make_tiny
+
+    out = Path(a.out)
+    out.mkdir(parents=True, exist_ok=True)
+    gguf = str(out / "small.gguf")
+    make_tiny(gguf, preset=SMALL_PRESET, seed=SEED)
+    one = ds4.Engine.open(gguf, backend="reference", numerics=a.numerics)
+    save(out, f"small-one-{a.numerics}", run(one.session(ctx=1024), prompt(one.config.n_vocab)), {})
+    r, extra = _pair(out, gguf, tuple(a.backends.split(",")), a.numerics, False, "small")
+    extra |= compare(out, f"small-one-{a.numerics}", "small", r)
+    save(out, f"small-pair-{a.numerics}", r, extra)
+    print(json.dumps({k: v for k, v in r.items() if k not in ("first", "last")} | extra))
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("what", choices=["bytes", "one", "pair", "small", "worker"])
+    ap.add_argument("--out", default=None)
+    ap.add_argument("--numerics", default="exact", choices=["exact", "ds4"])
+    ap.add_argument("--leader", default=None)
+    ap.add_argument("--backend", default="triton")
+    ap.add_argument("--model", default=None)
+    ap.add_argument("--backends", default="triton,reference", help="small: leader,worker backends")
+    a = ap.parse_args()
+    {"bytes": cmd_bytes, "one": cmd_one, "pair": cmd_pair, "small": cmd_small, "worker": cmd_worker}[a.what](a)
+
+
+if __name__ == "__main__":
+    main()
