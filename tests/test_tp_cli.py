@@ -145,3 +145,15 @@ def test_help_explains_the_tensor_parallel_options():
     for command in ("generate", "prefill", "decode", "bench", "serve"):
         h = run(command, "--help")
         assert h.exit_code == 0 and "--tp-listen" in h.stdout and "--gate-timeout-ms" in h.stdout
+
+
+def test_bench_on_two_ranks_labels_the_pair(tmp_path, model):
+    port = free_port()
+    w = worker(tmp_path, model, port)
+    csv = tmp_path / "tp.csv"
+    r = run("bench", "-m", model, "--backend", "reference", "--numerics", "exact", "--ctx-start", "16",
+            "--ctx-max", "32", "-n", "4", "--csv", csv, *leader_args(port))
+    code, err = finish(w)
+    assert r.exit_code == 0 and code == 0, (r.output, err)
+    rows = csv.read_text().splitlines()
+    assert len(rows) == 3 and all(row.startswith("tp2:reference+reference,") for row in rows[1:])
