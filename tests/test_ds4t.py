@@ -181,7 +181,7 @@ def test_reduce_is_in_rank_order():
     ("version", 2, "version"), ("n_layer", 0, "n_layer"), ("n_embd", 1 << 17, "n_embd"),
     ("ctx", 0, "ctx"), ("gates_per_token", 7, "gates_per_token"), ("n_rank", 3, "n_rank"),
     ("rank", 1, "rank"), ("n_expert", 9, "n_expert"), ("n_head", 5, "n_head"),
-    ("flags", 8, "flags"),  # (bits 0-2 are AUTH, DEBUG_HASH, TORCH_GATES; bit 3 is unknown)
+    ("flags", 16, "flags"),  # (bits 0-3 are AUTH, DEBUG_HASH, TORCH_GATES, EXACT; bit 4 unknown)
 ])
 def test_hello_consistency_names_the_field(field, value, name):
     with pytest.raises(ds4t.DS4TError) as e:

@@ -157,3 +157,17 @@ def test_bench_on_two_ranks_labels_the_pair(tmp_path, model):
     assert r.exit_code == 0 and code == 0, (r.output, err)
     rows = csv.read_text().splitlines()
     assert len(rows) == 3 and all(row.startswith("tp2:reference+reference,") for row in rows[1:])
+
+
+def test_a_worker_with_other_numerics_is_refused_by_both(tmp_path, model):
+    # (a silent mismatch would sum partials of two different computations)
+    port = free_port()
+    w = subprocess.Popen(
+        [sys.executable, "-c", CLI, "tp-worker", "--leader", f"127.0.0.1:{port}", "-m", str(model),
+         "--backend", "reference", "--numerics", "ds4", "--connect-timeout", WAIT],
+        cwd=ROOT, text=True, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+        env={**os.environ, "PYTHONPATH": str(ROOT), "COLUMNS": "200", "DS4_CACHE": str(tmp_path / "cache")})
+    r = run("generate", "-m", model, "-p", "hi", "-n", "2", *GREEDY, *leader_args(port))
+    code, err = finish(w)
+    assert r.exit_code == 1 and "flags" in r.stderr and "numerics exact" in r.stderr, r.output
+    assert code == 1 and "numerics exact" in err, err

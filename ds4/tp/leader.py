@@ -156,7 +156,8 @@ class TPEngine:
                 if self.on_wait is not None:
                     self.on_wait(self.address)
                 self.pair = accept_worker(self.listener, self.model, self.ctx, self.opts,
-                                          self.wait_s if wait_s is None else wait_s, self.backend.name)
+                                          self.wait_s if wait_s is None else wait_s, self.backend.name,
+                                          self.numerics)
                 self.engine.partner = self.pair.partner
                 self.generation += 1
                 log.info("tensor parallel: worker joined (pair %d)", self.generation)

@@ -85,10 +85,11 @@ def limits_for(model, hello: ds4t.Hello, ctx: int) -> ds4t.Limits:
                                   n_hc=model.config.n_hc, n_route=model.config.n_expert_used)
 
 
-def _hello(model, role: ds4t.Role, ctx: int, opts: Options, backend: str) -> ds4t.Hello:
+def _hello(model, role: ds4t.Role, ctx: int, opts: Options, backend: str, numerics: str) -> ds4t.Hello:
     return ds4t.Hello.for_gguf(model, role, ctx, auth=bool(opts.auth_token),
                                debug_hash=opts.debug_hash and role == ds4t.Role.LEADER,
-                               torch_gates=opts.transport != "tcp", backend=backend)
+                               torch_gates=opts.transport != "tcp", backend=backend,
+                               exact=numerics == "exact")
 
 
 def _shake(sock: socket.socket, mine: ds4t.Hello, opts: Options, role: ds4t.Role):
@@ -128,9 +129,10 @@ def _accept_one(listener: socket.socket, deadline: float, opts: Options, mine: d
 
 
 def accept_worker(listener: socket.socket, model, ctx: int, opts: Options,
-                  wait_s: float = DEFAULT_WAIT_S, backend: str = "reference") -> Pair:
+                  wait_s: float = DEFAULT_WAIT_S, backend: str = "reference",
+                  numerics: str = "ds4") -> Pair:
     """The leader's side: wait (up to wait_s) for a worker's control and data connections."""
-    mine = _hello(model, ds4t.Role.LEADER, ctx, opts, backend)
+    mine = _hello(model, ds4t.Role.LEADER, ctx, opts, backend, numerics)
     deadline = time.monotonic() + wait_s
     control, peer, agreed = _accept_one(listener, deadline, opts, mine, "control")
     try:
@@ -166,9 +168,9 @@ def _dial(host: str, port: int, opts: Options, timeout: float) -> socket.socket:
 
 
 def join_leader(host: str, port: int, model, opts: Options, connect_timeout: float = 10.0,
-                backend: str = "reference") -> Pair:
+                backend: str = "reference", numerics: str = "ds4") -> Pair:
     """The worker's side: dial the leader twice; raises TPRefused / TPError naming why."""
-    mine = _hello(model, ds4t.Role.WORKER, 1, opts, backend)  # (it adopts the leader's ctx)
+    mine = _hello(model, ds4t.Role.WORKER, 1, opts, backend, numerics)  # (it adopts the leader's ctx)
     socks = []
     try:
         socks.append(_dial(host, port, opts, connect_timeout))

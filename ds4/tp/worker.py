@@ -49,7 +49,8 @@ class TPWorker:
                 backend_options.setdefault("cuda_graphs", False)
             engine = Engine.open(path, backend=backend, numerics=numerics,
                                  part=RankPart.of(cfg, ds4t.N_RANK, WORKER_RANK), **backend_options)
-        pair = join_leader(*leader, engine.model, opts, connect_timeout, engine.backend.name)
+        pair = join_leader(*leader, engine.model, opts, connect_timeout, engine.backend.name,
+                           engine.numerics)
         engine.partner = pair.partner
         return cls(engine, pair)
 

@@ -15,7 +15,8 @@ Hello (72 bytes, both directions):
     4  u32 version (1)                  40  u32 n_head
     8  u32 role (0 leader, 1 worker)    44  u32 ctx
    12  u32 flags (bit0 AUTH,            48  u32 gates_per_token (= 2 × n_layer)
-       bit1 DEBUG_HASH, bit2 TORCH_GATES)
+       bit1 DEBUG_HASH, bit2 TORCH_GATES,
+       bit3 EXACT numerics)
    16  u64 fingerprint (first 8 bytes   52  u32 n_rank (2)
        of the model's SHA-256, LE)      56  u32 rank (0 leader, 1 worker)
    24  u32 n_layer                      60  u32 backend (Backend: 0 reference,
@@ -146,7 +147,7 @@ records, `GateChannel`, `reduce_in_rank_order`).
 from __future__ import annotations
 
 from ...core.tp_split import Gate
-from .base import (DEFAULT_GATE_TIMEOUT_MS, F32, FLAG_AUTH, FLAG_DEBUG_HASH, FLAG_TORCH_GATES,
+from .base import (DEFAULT_GATE_TIMEOUT_MS, F32, FLAG_AUTH, FLAG_DEBUG_HASH, FLAG_EXACT, FLAG_TORCH_GATES,
                    FRAME_HEADER, FRAME_MAGIC, GATE_HEADER, GATE_MAGIC, GATES_PER_LAYER, HELLO,
                    KNOWN_FLAGS, MAGIC, MAX_CTX, MAX_EMBD, MAX_LAYERS, MAX_SLAB_BYTES, MAX_SPLIT_DIM,
                    MAX_VOCAB, N_RANK, PROTOCOL, U32, VERSION, DS4TClosed, DS4TError, GateDesync,
@@ -163,7 +164,7 @@ __all__ = [
     "Gate",
     # base
     "MAGIC", "FRAME_MAGIC", "GATE_MAGIC", "VERSION", "FLAG_AUTH", "FLAG_DEBUG_HASH",
-    "FLAG_TORCH_GATES", "PROTOCOL", "KNOWN_FLAGS", "N_RANK", "GATES_PER_LAYER",
+    "FLAG_TORCH_GATES", "FLAG_EXACT", "PROTOCOL", "KNOWN_FLAGS", "N_RANK", "GATES_PER_LAYER",
     "DEFAULT_GATE_TIMEOUT_MS", "MAX_LAYERS", "MAX_EMBD", "MAX_VOCAB", "MAX_CTX", "MAX_SPLIT_DIM",
     "MAX_SLAB_BYTES", "HELLO", "FRAME_HEADER", "GATE_HEADER", "F32", "U32", "DS4TError",
     "DS4TClosed", "GateTimeout", "GateDesync", "HelloRefused",

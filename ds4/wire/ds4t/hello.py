@@ -8,7 +8,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from enum import IntEnum
 
-from .base import (FLAG_AUTH, FLAG_DEBUG_HASH, FLAG_TORCH_GATES, GATES_PER_LAYER, HELLO,
+from .base import (FLAG_AUTH, FLAG_DEBUG_HASH, FLAG_EXACT, FLAG_TORCH_GATES, GATES_PER_LAYER, HELLO,
                    KNOWN_FLAGS, MAGIC, MAX_CTX, MAX_EMBD, MAX_LAYERS, MAX_SPLIT_DIM, MAX_VOCAB,
                    N_RANK, VERSION, DS4TError, HelloRefused)
 
@@ -48,22 +48,22 @@ class Hello:
     @classmethod
     def for_gguf(cls, model, role: Role, ctx: int, *, auth: bool = False,
                  debug_hash: bool = False, torch_gates: bool = False,
-                 backend: str = "reference") -> "Hello":
+                 backend: str = "reference", exact: bool = False) -> "Hello":
         """The hello for a loaded `ds4.core.gguf_model.GGUFModel` (its config and fingerprint)."""
         c = model.config
         return cls.for_model(role, fingerprint=model.fingerprint64, n_layer=c.n_layer,
                              n_embd=c.n_embd, n_vocab=c.n_vocab, n_expert=c.n_expert,
                              n_head=c.n_head, ctx=ctx, auth=auth, debug_hash=debug_hash,
-                             torch_gates=torch_gates, backend=backend)
+                             torch_gates=torch_gates, backend=backend, exact=exact)
 
     @classmethod
     def for_model(cls, role: Role, *, fingerprint: int, n_layer: int, n_embd: int, n_vocab: int,
                   n_expert: int, n_head: int, ctx: int, auth: bool = False,
                   debug_hash: bool = False, torch_gates: bool = False,
-                  backend: str = "reference") -> "Hello":
+                  backend: str = "reference", exact: bool = False) -> "Hello":
         """The hello of a two-rank pair member (rank = role)."""
         flags = ((FLAG_AUTH if auth else 0) | (FLAG_DEBUG_HASH if debug_hash else 0)
-                 | (FLAG_TORCH_GATES if torch_gates else 0))
+                 | (FLAG_TORCH_GATES if torch_gates else 0) | (FLAG_EXACT if exact else 0))
         return cls(Role(role), flags, fingerprint, n_layer, n_embd, n_vocab,
                    n_expert, n_head, ctx, GATES_PER_LAYER * n_layer, N_RANK, int(role),
                    backend=Backend.named(backend))
@@ -136,6 +136,7 @@ def check_peer(mine: Hello, theirs: Hello) -> int:
             why = ""
             if name == "flags":
                 why = (" (one end has a shared secret, the other not)" if (a ^ b) & FLAG_AUTH else
+                       " (one end computes --numerics exact, the other ds4)" if (a ^ b) & FLAG_EXACT else
                        " (one end exchanges gates through torch.distributed, the other over TCP)")
             raise HelloRefused(name, f"this {mine.role.name.lower()} has {show(name, a)}, the peer "
                                f"{theirs.role.name.lower()} has {show(name, b)}{why}")
