@@ -134,11 +134,10 @@ def tp_worker(
     """
     import time
 
-    from ds4.core.gguf_model import GGUFModel
-    from ds4.core.tp_split import RankPart
-    from ds4.engine import Engine
     from ds4.tp import TPError, TPRefused, TPWorker
     from ds4.tp.link import Options
+    from ds4.tp.rank import open_rank
+    from ds4.tp.worker import WORKER_RANK
 
     with library_errors():
         addr = parse_hostport(leader, "--leader")
@@ -147,10 +146,7 @@ def tp_worker(
                        gate_timeout_ms=gate_timeout_ms, io_timeout=io_timeout)
         path = resolve_model(model)
         backend = choose_backend(backend)
-        cfg = GGUFModel(path).config
-        options = {"cuda_graphs": False} if backend == "triton" else {}
-        engine = Engine.open(path, backend=backend, numerics=numerics,
-                             part=RankPart.of(cfg, 2, 1), **options)
+        engine = open_rank(path, WORKER_RANK, backend, numerics)
     while True:
         with library_errors():
             deadline = time.monotonic() + connect_timeout

@@ -25,15 +25,9 @@ REPO = Path(__file__).resolve().parent.parent
 
 def rank_engine(path, backend: str, numerics: str, rank: int, **backend_options):
     """rank's share of the model bound to a backend (what TPEngine / TPWorker.open bind)."""
-    import ds4
-    from ds4.core.gguf_model import GGUFModel
-    from ds4.core.tp_split import RankPart
+    from ds4.tp.rank import open_rank
 
-    cfg = GGUFModel(path).config
-    if backend == "triton":
-        backend_options.setdefault("cuda_graphs", False)
-    return ds4.Engine.open(path, backend=backend, numerics=numerics, part=RankPart.of(cfg, 2, rank),
-                           **backend_options)
+    return open_rank(path, rank, backend, numerics, **backend_options)
 
 
 def leader_on(engine, ctx: int, opts=None, wait_s: float = 60.0):

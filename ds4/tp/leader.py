@@ -28,11 +28,11 @@ from collections.abc import Container, Iterator
 
 import numpy as np
 
-from ..core.tp_split import RankPart
 from ..engine import Engine, Session, Snapshot
 from ..wire import ds4t
 from .link import DEFAULT_WAIT_S, Options, Pair, TPError, accept_worker, listen
 from .partner import LayerHash
+from .rank import open_rank
 
 log = logging.getLogger("ds4.tp")
 
@@ -65,17 +65,7 @@ class TPEngine:
         """Bind rank 0's share of the model, listen, and (connect=True) wait for the worker.
         `ctx`: the largest session the pair serves (default the model's context_length)."""
         opts = opts or Options()
-        if path is None:
-            from ..core.default_model import default_model_path
-
-            path = default_model_path()
-        from ..core.gguf_model import GGUFModel
-
-        cfg = GGUFModel(path).config
-        if backend == "triton":
-            backend_options.setdefault("cuda_graphs", False)  # a step meets the worker mid-way
-        engine = Engine.open(path, backend=backend, numerics=numerics,
-                             part=RankPart.of(cfg, ds4t.N_RANK, LEADER_RANK), **backend_options)
+        engine = open_rank(path, LEADER_RANK, backend, numerics, **backend_options)
         ctx = engine.config.context_length if ctx is None else ctx
         if ctx > engine.config.context_length:
             raise ValueError(f"ctx: expected at most the model's context_length "

@@ -14,10 +14,10 @@ import logging
 
 import numpy as np
 
-from ..core.tp_split import RankPart
 from ..engine import Engine, Session
 from ..wire import ds4t
 from .link import Options, Pair, TPError, join_leader
+from .rank import open_rank
 
 log = logging.getLogger("ds4.tp")
 
@@ -38,17 +38,7 @@ class TPWorker:
         """Bind rank 1's share (or reuse `engine`, one a previous pair bound) and join."""
         opts = opts or Options()
         if engine is None:
-            if path is None:
-                from ..core.default_model import default_model_path
-
-                path = default_model_path()
-            from ..core.gguf_model import GGUFModel
-
-            cfg = GGUFModel(path).config
-            if backend == "triton":
-                backend_options.setdefault("cuda_graphs", False)
-            engine = Engine.open(path, backend=backend, numerics=numerics,
-                                 part=RankPart.of(cfg, ds4t.N_RANK, WORKER_RANK), **backend_options)
+            engine = open_rank(path, WORKER_RANK, backend, numerics, **backend_options)
         pair = join_leader(*leader, engine.model, opts, connect_timeout, engine.backend.name,
                            engine.numerics)
         engine.partner = pair.partner
