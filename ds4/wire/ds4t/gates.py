@@ -130,8 +130,7 @@ class GateChannel:
     def _exchange(self, out: GateHeader, expected: GateHeader, mine: np.ndarray) -> np.ndarray:
         # Each pass tries every pending send and receive at once and waits in poll only when
         # neither moved a byte: a decode record (16 KiB) usually goes out in one send and the
-        # peer's is often in already, so most exchanges never poll (a quarter of a decode
-        # token's gate time was the poll bookkeeping).
+        # peer's is often in already, so most exchanges skip the poll's bookkeeping.
         sends = [memoryview(out.pack()), memoryview(mine).cast("B")]
         want = expected.pack()  # (equal bytes pass every check of check_gate_header at once)
         head = bytearray(GATE_HEADER.size)
