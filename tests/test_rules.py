@@ -73,13 +73,17 @@ def test_mlx_runs_the_same_float32_operations():
     mix = rng.standard_normal((5, (2 + HC) * HC)).astype(np.float32)
     scale = rng.standard_normal(3).astype(np.float32)
     base = rng.standard_normal((2 + HC) * HC).astype(np.float32)
+    R = rules.bind(mx, f32)
     ref = rules.mhc_split(mix, scale, base, HC, 20, 1e-6)
-    got = rules.mhc_split(mx.array(mix), mx.array(scale), mx.array(base), HC, 20, 1e-6, mx, f32)
+    got = R.mhc_split(mx.array(mix), mx.array(scale), mx.array(base), HC, 20, 1e-6)
     for a, b in zip(ref, got):
         np.testing.assert_allclose(np.array(b), a, rtol=2e-6, atol=1e-7)
     w = np.abs(rng.standard_normal((5, 6))).astype(np.float32)
-    np.testing.assert_allclose(np.array(rules.router_weights(mx.array(w), 1.5, mx, f32)),
+    np.testing.assert_allclose(np.array(R.router_weights(mx.array(w), 1.5)),
                                rules.router_weights(w, 1.5), rtol=1e-6)
+    frontier = rng.standard_normal((3, 8, 6)).astype(np.float32)
+    np.testing.assert_array_equal(np.array(R.overlapping_lanes(mx.array(frontier[:, :4]), mx.array(frontier[:, 4:]), 3)),
+                                  rules.overlapping_lanes(frontier[:, :4], frontier[:, 4:], 3))
 
 
 def test_softmax_pool_per_dimension_and_empty_windows():
@@ -93,3 +97,29 @@ def test_softmax_pool_per_dimension_and_empty_windows():
         e = np.exp(s - s.max())
         np.testing.assert_allclose(got[j], (e / e.sum()) @ values[:, j], rtol=1e-6)
     assert got[2] == 0.0
+
+
+def test_csa_candidates_are_the_previous_window_then_this_one():
+    # §3.5, m = 4: window w pools positions 4w − 4 .. 4w − 1 at lanes 0..d−1, then 4w .. 4w + 3
+    # at lanes d..2d−1
+    m, d = 4, 3
+    for w in range(1, 4):
+        for r in range(2 * m):
+            assert rules.csa_candidate_position(w, r, m) == (4 * w - 4 + r if r < 4 else 4 * w + r - 4)
+            assert rules.csa_candidate_lane(r, m, d) == (0 if r < 4 else d)
+
+
+def test_bind_runs_this_module_code_with_the_given_namespace():
+    calls = []
+
+    class Spy:  # numpy, recording which of its functions the rules call
+        def __getattr__(self, name):
+            calls.append(name)
+            return getattr(np, name)
+
+    R = rules.bind(Spy(), np.float32)
+    for name in rules.RULES:
+        assert getattr(R, name).__code__ is getattr(rules, name).__code__
+    c = np.random.default_rng(2).standard_normal((2, 4, 4)).astype(np.float32)
+    np.testing.assert_array_equal(R.sinkhorn(c, 3, 1e-6), rules.sinkhorn(c, 3, 1e-6))
+    assert calls.count("sum") == 6 and "exp" in calls and rules.xp is np

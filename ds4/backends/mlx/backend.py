@@ -40,8 +40,11 @@ def _f32(v) -> mx.array:
     return mx.array(np.float32(v))
 
 
+mx_rules = rules.bind(mx, _f32)  # the core's rules on MLX arrays
+
+
 def _sigmoid(x):
-    return rules.sigmoid(x, mx)
+    return mx_rules.sigmoid(x)
 
 
 def _swiglu(g, u, clamp: float):
@@ -76,12 +79,12 @@ def sink_softmax(s: mx.array, mask: mx.array, sink: mx.array):
 
 def softmax_pool(scores: mx.array, values: mx.array) -> mx.array:
     """§3.5 (core.rules.softmax_pool) over axis 1, the rows of each window [w, rows, d]."""
-    return rules.softmax_pool(scores, values, 1, mx)
+    return mx_rules.softmax_pool(scores, values, 1)
 
 
 def hc_split(mix: mx.array, scale: mx.array, base: mx.array, n_hc: int, iters: int, eps: float):
     """§3.2 (core.rules.mhc_split) in MLX: -> (pre [n, HC], post [n, HC], comb [n, HC, HC])."""
-    return rules.mhc_split(mix, scale, base, n_hc, iters, eps, mx, _f32)
+    return mx_rules.mhc_split(mix, scale, base, n_hc, iters, eps)
 
 
 def topk_mask_stable(score: mx.array, k: int) -> mx.array:
@@ -198,7 +201,7 @@ class MLXBackend(Backend):
         d = x.shape[-1]
         pairs = x[..., d - n_rot:].reshape(*x.shape[:-1], n_rot // 2, 2)
         a, b = pairs[..., 0], pairs[..., 1]
-        rot = mx.stack([a * cos - b * sin, a * sin + b * cos], axis=-1)
+        rot = mx.stack(mx_rules.rope_rotate(a, b, cos, sin), axis=-1)
         rot = rot.reshape(*x.shape[:-1], n_rot)
         return mx.concatenate([x[..., : d - n_rot], rot], axis=-1)
 
@@ -282,8 +285,8 @@ class MLXBackend(Backend):
             if overlap:
                 prev_kv = tl_kv[: nw * m].reshape(nw, m, -1)
                 prev_sc = tl_sc[: nw * m].reshape(nw, m, -1)
-                kv = rules.overlapping_lanes(prev_kv, cur_kv, d, mx)
-                sc = rules.overlapping_lanes(prev_sc, cur_sc, d, mx)
+                kv = mx_rules.overlapping_lanes(prev_kv, cur_kv, d)
+                sc = mx_rules.overlapping_lanes(prev_sc, cur_sc, d)
             else:
                 kv, sc = cur_kv, cur_sc
             out = self.rms_norm(softmax_pool(sc, kv), w.norm)
@@ -386,7 +389,7 @@ class MLXBackend(Backend):
             ids = topk_ids_stable(p if bias is None else p + bias.f32(), cfg.n_expert_used)
         ids = ids.astype(mx.uint32)
         w = mx.take_along_axis(p, ids, axis=1)
-        return ids, rules.router_weights(w, cfg.expert_weights_scale, mx, _f32)
+        return ids, mx_rules.router_weights(w, cfg.expert_weights_scale)
 
     def _experts_mm(self, x, w: Weight, idx):
         """x [n, s, 1, in] (s = 1 or k) through expert w[idx[t, j]] -> [n, k, 1, out]."""
@@ -450,7 +453,7 @@ class MLXBackend(Backend):
         x = X[-1:]  # [1, HC, E]
         flat = self._rms(x.reshape(1, -1))
         mix = hc.fn.matmul(flat)
-        pre = rules.mhc_pre_weights(mix, hc.scale.f32()[0], hc.base.f32(), cfg.hc_eps, mx, _f32)
+        pre = mx_rules.mhc_pre_weights(mix, hc.scale.f32()[0], hc.base.f32(), cfg.hc_eps)
         h = self.rms_norm((pre[:, None, :] @ x)[:, 0, :], norm)  # [1, E]
         if out.form == "affine":
             return out.matmul(h)[0]

@@ -350,7 +350,5 @@ def rope_tail(x: np.ndarray, positions: np.ndarray, inv_freq: np.ndarray, n_rot:
     cos, sin = cos.reshape(shape), sin.reshape(shape)
     y = np.array(x, dtype=np.float32, copy=True)
     t = y[..., -n_rot:]
-    a, b = t[..., 0::2].copy(), t[..., 1::2].copy()
-    t[..., 0::2] = a * cos - b * sin
-    t[..., 1::2] = a * sin + b * cos
+    t[..., 0::2], t[..., 1::2] = rules.rope_rotate(t[..., 0::2].copy(), t[..., 1::2].copy(), cos, sin)
     return y

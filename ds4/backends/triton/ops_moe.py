@@ -7,7 +7,6 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from ...core.rules import ROUTER_WEIGHT_FLOOR
 from . import kernels as K
 from . import kernels_mm16 as K16
 from .formats import Decoder, KernelType
@@ -29,7 +28,7 @@ class _MoeOps:
         self._launch(K.router_kernel, (n,), logits, NE, bias.vec if bias is not None else self._dummy_f,
                      tid2eid.i32 if tid2eid is not None else self._dummy_i, tok, ids, wts,
                      float(cfg.expert_weights_scale), KSEL=k, KP=_pow2(k), BE=_pow2(NE),
-                     HAS_BIAS=bias is not None, HASH=tid2eid is not None, FLOOR=ROUTER_WEIGHT_FLOOR,
+                     HAS_BIAS=bias is not None, HASH=tid2eid is not None,
                      num_warps=1, nbytes=8 * n * NE)  # one warp: its 20 reductions need no barrier
         return ids, wts
 

@@ -10,6 +10,7 @@ from triton.language.extra.cuda import gdc_launch_dependents
 
 from .common import _NEG, _cos, _dot16, _dot_f32, _f16_round, _fp8_rows, _hi_lo, _pow2_scale, _qat_rows, _sin
 from .decode import _xq_store
+from .rules import rules
 
 
 @triton.jit
@@ -49,9 +50,9 @@ def _comp_cand(kv_ptr, sc_ptr, ape_ptr, skv_ptr, ssc_ptr, w, p0, r0, i,
     """Scores (ape included) and values of candidates r0..r0+RB of window w (those below NCAND),
     even / odd dims."""
     r = r0 + tl.arange(0, RB)
-    if CSA:  # rows 0..3: previous window, lane 0..D-1; rows 4..7: this window, lane D..2D-1
-        q = 4 * w - 4 + r
-        coff = tl.where(r < 4, 0, D)
+    if CSA:  # two lanes: the previous window's first and this window's second
+        q = rules.csa_candidate_position(w, r, M)
+        coff = rules.csa_candidate_lane(r, M, D)
     else:
         q = w * M + r
         coff = r * 0
@@ -106,8 +107,8 @@ def comp_pool_kernel(kv_ptr, sc_ptr, ape_ptr, skv_ptr, ssc_ptr, nw_ptr, freq_ptr
                                           M, D, C, CSA, RB, False, NCAND)
             mx_e = tl.maximum(mx_e, tl.max(sc_e, axis=0))
             mx_o = tl.maximum(mx_o, tl.max(sc_o, axis=0))
-        safe_e = tl.where(mx_e == float("-inf"), 0.0, mx_e)
-        safe_o = tl.where(mx_o == float("-inf"), 0.0, mx_o)
+        safe_e = rules.pool_shift(mx_e)
+        safe_o = rules.pool_shift(mx_o)
         se = tl.zeros([HD], tl.float32)
         so = tl.zeros([HD], tl.float32)
         ae = tl.zeros([HD], tl.float32)
@@ -115,14 +116,14 @@ def comp_pool_kernel(kv_ptr, sc_ptr, ape_ptr, skv_ptr, ssc_ptr, nw_ptr, freq_ptr
         for r0 in range(0, NCAND, RB):
             sc_e, sc_o, kv_e, kv_o = _comp_cand(kv_ptr, sc_ptr, ape_ptr, skv_ptr, ssc_ptr, w, p0, r0, i,
                                                 M, D, C, CSA, RB, True, NCAND)
-            pe = tl.exp(sc_e - safe_e[None, :])
-            po = tl.exp(sc_o - safe_o[None, :])
+            pe = rules.pool_weight(sc_e, safe_e[None, :])
+            po = rules.pool_weight(sc_o, safe_o[None, :])
             se += tl.sum(pe, axis=0)
             so += tl.sum(po, axis=0)
             ae += tl.sum(pe * kv_e, axis=0)
             ao += tl.sum(po * kv_o, axis=0)
-        xe = tl.where(se > 0, ae / tl.where(se > 0, se, 1.0), 0.0)[None, :]
-        xo = tl.where(so > 0, ao / tl.where(so > 0, so, 1.0), 0.0)[None, :]
+        xe = rules.pool_finish(ae, se)[None, :]
+        xo = rules.pool_finish(ao, so)[None, :]
         rs = tl.sqrt_rn((tl.sum(xe * xe, axis=1) + tl.sum(xo * xo, axis=1)) / D + eps)[:, None]
         xe = xe / rs * tl.load(nw_ptr + 2 * i, mask=im, other=0.0)[None, :]
         xo = xo / rs * tl.load(nw_ptr + 2 * i + 1, mask=im, other=0.0)[None, :]
@@ -131,8 +132,9 @@ def comp_pool_kernel(kv_ptr, sc_ptr, ape_ptr, skv_ptr, ssc_ptr, nw_ptr, freq_ptr
         theta = (w * M).to(tl.float32) * tl.load(freq_ptr + k, mask=(k >= 0) & im, other=0.0)
         c = _cos(theta)[None, :]
         s = _sin(theta)[None, :]
-        ne = tl.where(km, xe * c - xo * s, xe)
-        no = tl.where(km, xe * s + xo * c, xo)
+        ne, no = rules.rope_rotate(xe, xo, c, s)
+        ne = tl.where(km, ne, xe)
+        no = tl.where(km, no, xo)
         y = tl.reshape(tl.join(ne, no), [1, 2 * HD])
         if MODE == 1:
             if D - NROT > 0:
@@ -204,7 +206,7 @@ def idx_score_kernel(iq_ptr, hw_ptr, keys_ptr, out_ptr, pos_ptr, cnt_ptr, bkt_pt
     IDP: ID padded to a power of two (0: ID is one), the pad zero in both operands."""
     t = tl.program_id(0)
     cb = tl.program_id(1)
-    vis = (tl.load(pos_ptr) + t + 1) // M
+    vis = rules.visible_compressed_rows(tl.load(pos_ptr) + t, M)
     if cb * BC < vis:
         c = cb * BC + tl.arange(0, BC)
         cm = c < vis
@@ -274,7 +276,7 @@ def topk_kernel(score_ptr, idx_ptr, cnt_ptr, pos_ptr, M, CS, TOPK, BC: tl.conste
     increasing row list; all visible rows when there are at most TOPK. CMAX > 0: the scores fit
     in registers (one load, 32 bisection passes over registers); otherwise chunked passes."""
     t = tl.program_id(0)
-    vis = (tl.load(pos_ptr) + t + 1) // M
+    vis = rules.visible_compressed_rows(tl.load(pos_ptr) + t, M)
     out = idx_ptr + t.to(tl.int64) * TOPK
     srow = score_ptr + t.to(tl.int64) * CS
     if vis <= TOPK:
@@ -355,7 +357,7 @@ def topk_one_kernel(score_ptr, idx_ptr, cnt_ptr, pos_ptr, kc_ptr, bkt_ptr, M, TO
     to read the counts clears them for the next step. The rows before a program's are counted in
     NLB blocks of LB (NLB·LB covers the capacity) loaded together, not one block after another."""
     pid = tl.program_id(0)
-    vis = (tl.load(pos_ptr) + 1) // M
+    vis = rules.visible_compressed_rows(tl.load(pos_ptr), M)
     c = pid * CH + tl.arange(0, CH)
     cv = c < vis
     if vis <= TOPK:
@@ -465,7 +467,7 @@ def attn_kernel(q_ptr, raw_ptr, comp_ptr, sel_ptr, cnt_ptr, pos_ptr, sink_ptr,
         if SEL:
             ncomp = tl.load(cnt_ptr + t)
         else:
-            ncomp = (pos + 1) // M
+            ncomp = rules.visible_compressed_rows(pos, M)
     R = nraw + ncomp
     start = sp * RS
     end = tl.minimum(R, start + RS)
@@ -564,8 +566,9 @@ def attn_combine_kernel(mo_ptr, lo_ptr, ao_ptr, sink_ptr, freq_ptr, pos_ptr, out
         theta = pos.to(tl.float32) * tl.load(freq_ptr + k, mask=km, other=0.0)
         c = _cos(theta)
         s = -_sin(theta)
-        ne = tl.where(km, xe * c - xo * s, xe)
-        no = tl.where(km, xe * s + xo * c, xo)
+        ne, no = rules.rope_rotate(xe, xo, c, s)
+        ne = tl.where(km, ne, xe)
+        no = tl.where(km, no, xo)
         xe = ne
         xo = no
     ob = out_ptr + (t * H + h).to(tl.int64) * D + 2 * i

@@ -12,6 +12,7 @@ import triton
 import triton.language as tl
 
 from ..formats import Decoder, KernelType
+from .rules import rules
 
 INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
 _INTERP = tl.constexpr(INTERPRET)
@@ -186,11 +187,6 @@ def _q8c_value(p):
 
 
 @triton.jit
-def _sigmoid(x):
-    return 1.0 / (1.0 + tl.exp(-x))
-
-
-@triton.jit
 def _rne(x):
     """Round to nearest integer, ties to even, for |x| < 2^22 (the 1.5·2^23 trick)."""
     return (x + 12582912.0) - 12582912.0
@@ -320,7 +316,7 @@ def _f16_round(x):
 def _swiglu(g, u, clamp):
     g = tl.minimum(g, clamp)
     u = tl.minimum(tl.maximum(u, -clamp), clamp)
-    return g * _sigmoid(g) * u
+    return g * rules.sigmoid(g) * u
 
 
 # ------------------------------------------------------------------------------------------------

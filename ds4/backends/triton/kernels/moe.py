@@ -12,6 +12,7 @@ from .decode import _xq_store
 from .decode_rows import _iq2_group_rows, _q2k_int_rows, _q2s_slots
 from .mmvq import _mv_rows, _q8c_xq_rows, _split_last, _split_reset, _split_store, _split_sum
 from .mmq import _mm_rows
+from .rules import rules
 
 
 @triton.jit
@@ -195,9 +196,9 @@ def moe_reduce_kernel(src_ptr, inv_ptr, out_ptr, E, KSLOTS: tl.constexpr, BE: tl
 @triton.jit
 def router_kernel(logit_ptr, NE, bias_ptr, tid_ptr, tok_ptr, ids_ptr, w_ptr, scale,
                   KSEL: tl.constexpr, KP: tl.constexpr, BE: tl.constexpr,
-                  HAS_BIAS: tl.constexpr, HASH: tl.constexpr, FLOOR: tl.constexpr):
+                  HAS_BIAS: tl.constexpr, HASH: tl.constexpr):
     """p = sqrt(softplus(logits)); ids = hash table row or top-k of p + bias (ties: lower id);
-    weights = p[ids] / max(Σ, FLOOR) · scale (spec §3.7; FLOOR: core.rules.ROUTER_WEIGHT_FLOOR)."""
+    weights = the core's router_scale of p[ids] and their sum (spec §3.7)."""
     t = tl.program_id(0)
     idx = tl.arange(0, BE)
     em = idx < NE
@@ -228,7 +229,7 @@ def router_kernel(logit_ptr, NE, bias_ptr, tid_ptr, tok_ptr, ids_ptr, w_ptr, sca
             w = tl.where(kk == j, tl.sum(tl.where(idx == i, p, 0.0), axis=0), w)
             sel = tl.where(idx == i, float("-inf"), sel)
     tot = tl.sum(w, axis=0)
-    w = w / tl.maximum(tot, FLOOR) * scale
+    w = rules.router_scale(w, tot, scale)
     tl.store(ids_ptr + t * KSEL + kk, ids, mask=km)
     tl.store(w_ptr + t * KSEL + kk, w, mask=km)
 

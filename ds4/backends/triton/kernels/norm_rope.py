@@ -8,7 +8,8 @@ import triton
 import triton.language as tl
 from triton.language.extra.cuda import gdc_launch_dependents
 
-from .common import T_F16, _cos, _dot_f32, _qat_rows, _sigmoid, _sin, _swiglu, _wtile
+from .common import T_F16, _cos, _dot_f32, _qat_rows, _sin, _swiglu, _wtile
+from .rules import rules
 from .decode import _xq_store
 
 
@@ -127,69 +128,6 @@ def hc_mix_kernel(x_ptr, wb, wh, wf, gridp, ksigns, part_ptr, ss_ptr, n, NR, K, 
 
 
 @triton.jit
-def _norm4(a, b, c, d, eps):
-    """(a, b, c, d) / (a + b + c + d + eps), one division."""
-    r = 1.0 / (((a + b) + c) + d + eps)
-    return a * r, b * r, c * r, d * r
-
-
-@triton.jit
-def _softmax4(a, b, c, d, eps):
-    """A row's softmax + eps (§3.2)."""
-    m = tl.maximum(tl.maximum(a, b), tl.maximum(c, d))
-    a, b, c, d = tl.exp(a - m), tl.exp(b - m), tl.exp(c - m), tl.exp(d - m)
-    a, b, c, d = _norm4(a, b, c, d, 0.0)
-    return a + eps, b + eps, c + eps, d + eps
-
-
-@triton.jit
-def _sinkhorn4(c_ptr, eps, ITERS):
-    """The Sinkhorn normalisation (§3.2) of the 4×4 comb logits at c_ptr (row-major), in place,
-    as 16 scalars that every thread holds. As a [4, 4] tile spread over the program's warps each
-    of its 40 row / column sums was a cross-warp reduction through shared memory with a barrier;
-    here it is two barriers and arithmetic."""
-    tl.debug_barrier()  # the logits were stored by other threads
-    c00, c01, c02, c03 = tl.load(c_ptr + 0), tl.load(c_ptr + 1), tl.load(c_ptr + 2), tl.load(c_ptr + 3)
-    c10, c11, c12, c13 = tl.load(c_ptr + 4), tl.load(c_ptr + 5), tl.load(c_ptr + 6), tl.load(c_ptr + 7)
-    c20, c21, c22, c23 = tl.load(c_ptr + 8), tl.load(c_ptr + 9), tl.load(c_ptr + 10), tl.load(c_ptr + 11)
-    c30, c31, c32, c33 = tl.load(c_ptr + 12), tl.load(c_ptr + 13), tl.load(c_ptr + 14), tl.load(c_ptr + 15)
-    tl.debug_barrier()  # every thread has read them before any writes the result over them
-    c00, c01, c02, c03 = _softmax4(c00, c01, c02, c03, eps)
-    c10, c11, c12, c13 = _softmax4(c10, c11, c12, c13, eps)
-    c20, c21, c22, c23 = _softmax4(c20, c21, c22, c23, eps)
-    c30, c31, c32, c33 = _softmax4(c30, c31, c32, c33, eps)
-    c00, c10, c20, c30 = _norm4(c00, c10, c20, c30, eps)
-    c01, c11, c21, c31 = _norm4(c01, c11, c21, c31, eps)
-    c02, c12, c22, c32 = _norm4(c02, c12, c22, c32, eps)
-    c03, c13, c23, c33 = _norm4(c03, c13, c23, c33, eps)
-    for _ in range(ITERS - 1):
-        c00, c01, c02, c03 = _norm4(c00, c01, c02, c03, eps)
-        c10, c11, c12, c13 = _norm4(c10, c11, c12, c13, eps)
-        c20, c21, c22, c23 = _norm4(c20, c21, c22, c23, eps)
-        c30, c31, c32, c33 = _norm4(c30, c31, c32, c33, eps)
-        c00, c10, c20, c30 = _norm4(c00, c10, c20, c30, eps)
-        c01, c11, c21, c31 = _norm4(c01, c11, c21, c31, eps)
-        c02, c12, c22, c32 = _norm4(c02, c12, c22, c32, eps)
-        c03, c13, c23, c33 = _norm4(c03, c13, c23, c33, eps)
-    tl.store(c_ptr + 0, c00)
-    tl.store(c_ptr + 1, c01)
-    tl.store(c_ptr + 2, c02)
-    tl.store(c_ptr + 3, c03)
-    tl.store(c_ptr + 4, c10)
-    tl.store(c_ptr + 5, c11)
-    tl.store(c_ptr + 6, c12)
-    tl.store(c_ptr + 7, c13)
-    tl.store(c_ptr + 8, c20)
-    tl.store(c_ptr + 9, c21)
-    tl.store(c_ptr + 10, c22)
-    tl.store(c_ptr + 11, c23)
-    tl.store(c_ptr + 12, c30)
-    tl.store(c_ptr + 13, c31)
-    tl.store(c_ptr + 14, c32)
-    tl.store(c_ptr + 15, c33)
-
-
-@triton.jit
 def hc_finalize_kernel(x_ptr, part_ptr, ss_ptr, scale_ptr, base_ptr, xin_ptr, post_ptr, comb_ptr,
                        n, E, eps, hc_eps, ITERS,
                        SPLIT: tl.constexpr, HC: tl.constexpr, NM: tl.constexpr, BE: tl.constexpr,
@@ -198,7 +136,8 @@ def hc_finalize_kernel(x_ptr, part_ptr, ss_ptr, scale_ptr, base_ptr, xin_ptr, po
     (Sinkhorn on comb), and x_in[e-block] = Σ_i pre[i]·X[i]. HEAD: the output head (pre only).
     PART 1: pre and x_in only; PART 2: post and comb only (one program per token block). The
     sublayer needs x_in at once and post/comb only at its expand, so a decode step runs the two
-    parts side by side and the Sinkhorn iterations leave the critical path."""
+    parts side by side and the Sinkhorn iterations leave the critical path. Comb is the core's
+    Sinkhorn on a [BT, HC, HC] tile: for one token its row and column sums are warp shuffles."""
     tb = tl.program_id(0)
     eb = tl.program_id(1)
     t = tb * BT + tl.arange(0, BT)
@@ -210,29 +149,20 @@ def hc_finalize_kernel(x_ptr, part_ptr, ss_ptr, scale_ptr, base_ptr, xin_ptr, po
     pbase = part_ptr + (tc[:, None] * SPLIT + sp[None, :]) * NM  # [BT, SPLIT]
     i = tl.arange(0, HC)
     pre = tl.sum(tl.load(pbase[:, :, None] + i[None, None, :]), axis=1) / rs[:, None]  # [BT, HC]
-    pre = _sigmoid(pre * tl.load(scale_ptr) + tl.load(base_ptr + i)[None, :]) + hc_eps
+    pre = rules.mhc_pre_weights(pre, tl.load(scale_ptr), tl.load(base_ptr + i)[None, :], hc_eps)
     if not HEAD and PART != 1:
         if eb == 0:
             post = tl.sum(tl.load(pbase[:, :, None] + HC + i[None, None, :]), axis=1) / rs[:, None]
-            post = 2.0 * _sigmoid(post * tl.load(scale_ptr + 1) + tl.load(base_ptr + HC + i)[None, :])
+            post = rules.mhc_post_weights(post, tl.load(scale_ptr + 1), tl.load(base_ptr + HC + i)[None, :])
             tl.store(post_ptr + tc[:, None] * HC + i[None, :], post, mask=tm[:, None])
             cidx = 2 * HC + i[:, None] * HC + i[None, :]  # [HC, HC]
             # all SPLIT partials in one tile (a loop of SPLIT dependent steps is a serial chain)
             cp = part_ptr + (tc[:, None, None, None] * SPLIT + sp[None, :, None, None]) * NM
             c = tl.sum(tl.load(cp + cidx[None, None, :, :]), axis=1) / rs[:, None, None]
             c = c * tl.load(scale_ptr + 2) + tl.load(base_ptr + cidx)[None, :, :]
-            if BT == 1 and HC == 4:  # (every GPU launch)
-                tl.store(comb_ptr + tb * HC * HC + (cidx - 2 * HC)[None, :, :], c)
-                _sinkhorn4(comb_ptr + tb * HC * HC, hc_eps, ITERS)
-            else:
-                c = tl.exp(c - tl.max(c, axis=2)[:, :, None])
-                c = c / tl.sum(c, axis=2)[:, :, None] + hc_eps
-                c = c / (tl.sum(c, axis=1)[:, None, :] + hc_eps)
-                for _ in range(ITERS - 1):
-                    c = c / (tl.sum(c, axis=2)[:, :, None] + hc_eps)
-                    c = c / (tl.sum(c, axis=1)[:, None, :] + hc_eps)
-                tl.store(comb_ptr + tc[:, None, None] * HC * HC + (cidx - 2 * HC)[None, :, :], c,
-                         mask=tm[:, None, None])
+            c = rules.sinkhorn(c, ITERS, hc_eps)
+            tl.store(comb_ptr + tc[:, None, None] * HC * HC + (cidx - 2 * HC)[None, :, :], c,
+                     mask=tm[:, None, None])
     if PART != 2:
         e = eb * BE + tl.arange(0, BE)
         em = e < E
@@ -302,8 +232,9 @@ def rope_kernel(x_ptr, out_ptr, nw_ptr, freq_ptr, pos_ptr, ROWS, eps,
     s = _sin(theta)[None, :]
     if INVERSE:
         s = -s
-    ne = tl.where(km[None, :], xe * c - xo * s, xe)
-    no = tl.where(km[None, :], xe * s + xo * c, xo)
+    ne, no = rules.rope_rotate(xe, xo, c, s)
+    ne = tl.where(km[None, :], ne, xe)
+    no = tl.where(km[None, :], no, xo)
     if QAT:
         y = _qat_rows(tl.reshape(tl.join(ne, no), [BR, D]), QS, LOGD)
         tl.store(out_ptr + base[:, None] + tl.arange(0, D)[None, :], y, mask=rm[:, None])
