@@ -123,3 +123,11 @@ def test_bind_runs_this_module_code_with_the_given_namespace():
     c = np.random.default_rng(2).standard_normal((2, 4, 4)).astype(np.float32)
     np.testing.assert_array_equal(R.sinkhorn(c, 3, 1e-6), rules.sinkhorn(c, 3, 1e-6))
     assert calls.count("sum") == 6 and "exp" in calls and rules.xp is np
+
+
+def test_every_function_of_the_module_is_a_bound_rule():
+    # a rule left out of RULES would stay numpy's in every bound copy
+    import inspect
+
+    defined = {n for n, f in vars(rules).items() if inspect.isfunction(f) and f.__module__ == rules.__name__}
+    assert defined - {"bind"} == set(rules.RULES)
