@@ -9,8 +9,8 @@ import triton.language as tl
 from triton.language.extra.cuda import gdc_launch_dependents
 
 from .common import T_F16, _cos, _dot_f32, _qat_rows, _sin, _swiglu, _wtile
-from .rules import rules
 from .decode import _xq_store
+from .rules import rules
 
 
 @triton.jit
