@@ -79,6 +79,33 @@ class Engine:
         return Session(self, SessionLayout.create(self.config, ctx, prefill_cap))
 
 
+class EngineFront:
+    """What a multi-node engine (a pipeline head, a tensor-parallel leader) shows of the local
+    Engine it drives, `self.engine`: its model, config, backend, numerics and tokenizer."""
+
+    engine: Engine
+
+    @property
+    def model(self):
+        return self.engine.model
+
+    @property
+    def config(self):
+        return self.engine.config
+
+    @property
+    def backend(self):
+        return self.engine.backend
+
+    @property
+    def numerics(self) -> str:
+        return self.engine.numerics
+
+    @property
+    def tokenizer(self):
+        return self.engine.tokenizer
+
+
 def check_tokens(tokens, n_vocab: int, ctx: int) -> list[int]:
     """Token ids as ints, each checked against the vocabulary, all of them against the ctx."""
     tokens = [int(t) for t in tokens]

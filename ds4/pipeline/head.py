@@ -16,7 +16,7 @@ import numpy as np
 from ..core.graph import chunk_bounds, run_layers
 from ..core.sampling import GREEDY, Rng, SamplingParams, sample
 from ..core.state import SessionLayout
-from ..engine import Engine, Session, Snapshot, check_tokens, common_prefix
+from ..engine import Engine, EngineFront, Session, Snapshot, check_tokens, common_prefix
 from ..wire import qkp
 from .common import (DEFAULT_CONNECT_TIMEOUT, DEFAULT_IO_TIMEOUT, OPEN_RETRY_PAUSES, PipelineError,
                      PipelineRefused, covers, parse_addr, parse_layers, topk_for)
@@ -25,7 +25,7 @@ from .link import _Link
 log = logging.getLogger("ds4.pipeline")
 
 
-class SplitEngine:
+class SplitEngine(EngineFront):
     """An engine for layers [0, a) whose layers [a, n_layer) and output head run on the chain
     of workers behind `next_addr`. Same session API as `Engine` (see `SplitSession`).
 
@@ -77,26 +77,6 @@ class SplitEngine:
         return cls(Engine.open(path, backend=backend, numerics=numerics, layers=r), next_addr, **kw)
 
     # ---- Engine-like surface ----
-
-    @property
-    def config(self):
-        return self.engine.config
-
-    @property
-    def model(self):
-        return self.engine.model
-
-    @property
-    def tokenizer(self):
-        return self.engine.tokenizer
-
-    @property
-    def backend(self):
-        return self.engine.backend
-
-    @property
-    def numerics(self) -> str:
-        return self.engine.numerics
 
     @property
     def layers(self) -> range:

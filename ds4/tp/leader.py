@@ -28,7 +28,7 @@ from collections.abc import Container, Iterator
 
 import numpy as np
 
-from ..engine import Engine, Session, Snapshot
+from ..engine import Engine, EngineFront, Session, Snapshot
 from ..wire import ds4t
 from .link import DEFAULT_WAIT_S, Options, Pair, TPError, accept_worker, listen
 from .partner import LayerHash
@@ -40,7 +40,7 @@ LEADER_RANK = 0
 PROBE_WAIT_S = 1.0  # how long a health probe waits for a worker to join
 
 
-class TPEngine:
+class TPEngine(EngineFront):
     """Rank 0 of two: its own share of the model (an Engine) and the pair's connections."""
 
     def __init__(self, engine: Engine, listener: socket.socket, ctx: int, opts: Options,
@@ -81,26 +81,6 @@ class TPEngine:
     @property
     def address(self) -> tuple[str, int]:
         return self.listener.getsockname()[:2]
-
-    @property
-    def model(self):
-        return self.engine.model
-
-    @property
-    def config(self):
-        return self.engine.config
-
-    @property
-    def backend(self):
-        return self.engine.backend
-
-    @property
-    def numerics(self) -> str:
-        return self.engine.numerics
-
-    @property
-    def tokenizer(self):
-        return self.engine.tokenizer
 
     @property
     def bench_label(self) -> str:
