@@ -4,7 +4,10 @@ they run under TRITON_INTERPRET=1 (conftest.py) on small shapes; with one, compi
 
 from __future__ import annotations
 
+import json
 import os
+import subprocess
+import sys
 
 import numpy as np
 import pytest
@@ -261,3 +264,130 @@ def test_q8_shared_expert(tri, rng):
         assert _rel_rows(got, hv @ D[0].T, (np.abs(hv) + sh) @ np.abs(D[0]).T) < TOL
     finally:
         tri.q8_int16 = False
+
+
+# ---- the "f16" prefill precision: x rounded once to fp16, one product per block ------------------
+
+def _f16_rounded(x, block):
+    """x as the "f16" precision feeds the tensor cores, in float64: per row and block of `block`
+    values, x·s rounded once to fp16 and scaled back, s = 2^(14 − ⌊log2 max|x|⌋) (so the block's
+    largest value lands in [2^14, 2^15); an all-zero block stays zero)."""
+    x64 = np.asarray(x, np.float64)
+    b = x64.reshape(x64.shape[0], -1, block)
+    mx = np.abs(b).max(axis=2, keepdims=True)
+    s = np.ldexp(1.0, 14 - np.floor(np.log2(np.where(mx > 0, mx, 1.0))).astype(int))
+    return ((b * s).astype(np.float16).astype(np.float64) / s).reshape(x64.shape)
+
+
+@pytest.fixture(scope="module")
+def tri16():
+    be = TritonBackend(preset_config("test"), device=DEVICE, dot_precision="f16")
+    be.moe_int16 = True
+    return be
+
+
+def _one_rounding(got, x, W, block):
+    """The product got of x [n, K] and W [N, K] equals the float64 product of x as the "f16"
+    precision rounds it (to float32 accumulation), and differs from the exact product by more than
+    float32 accumulation would (so x really was rounded): both against Σ|w|·|x|."""
+    x64 = x.astype(np.float64)
+    scale = np.abs(x64) @ np.abs(W).T
+    assert _rel_rows(got, _f16_rounded(x, block) @ W.T, scale) < TOL
+    err = _rel_rows(got, x64 @ W.T, scale)
+    assert 4 * TOL < err < 2.0 ** -11, err
+
+
+def test_f16_precision_needs_ds4_numerics():
+    with pytest.raises(ValueError, match="numerics 'ds4'.*'exact'"):
+        TritonBackend(preset_config("test"), numerics="exact", device=DEVICE, dot_precision="f16")
+
+
+def test_f16_linear_rounds_x_once(tri16, rng):
+    """Q8_0 prefill products under "f16": the bf16 path's kernel on one fp16 term (blocks of 32),
+    and the fp16 integer path (q8_int16, chunks of 256) without its low term."""
+    N, K, n = 40, 512, 19
+    w, W = _experts(tri16, T.Q8_0, K, N, 1, rng)
+    x = _activations(n, K, rng)
+    x[0] = rng.standard_normal(K)  # (the all-zero row of _activations shows nothing here)
+    tri16.ledger = []
+    _one_rounding(tri16.to_numpy(tri16.linear(torch.from_numpy(x).to(tri16.dev), w)), x, W[0], 32)
+    tri16.q8_int16 = True
+    try:
+        _one_rounding(tri16.to_numpy(tri16.linear(torch.from_numpy(x).to(tri16.dev), w)), x, W[0], 256)
+    finally:
+        tri16.q8_int16 = False
+    ran = [name for name, _ in tri16.ledger]
+    tri16.ledger = None
+    assert ran == ["matmul_kernel", "split16_kernel", "matmul_q8_16_kernel"], ran
+
+
+def test_f16_experts_round_x_once(tri16, rng):
+    """The routed experts' prefill kernels under "f16" (backend.moe: IQ2_XXS gate/up, Q2_K down,
+    each on x·s in one fp16 term): within the one-rounding bound of the float64 layer, and not
+    float32-accurate (the low terms really are dropped)."""
+    NE, F, E, n, k, il = 3, 256, 512, 17, 2, 4
+    gate, G = _experts(tri16, T.IQ2_XXS, E, F, NE, rng)
+    up, U = _experts(tri16, T.IQ2_XXS, E, F, NE, rng)
+    down, D, Dm = _experts(tri16, T.Q2_K, F, E, NE, rng, terms=True)
+    x = _below_clamp(_activations(n, E, rng), rng)
+    ids = np.stack([rng.choice(NE, k, replace=False) for _ in range(n)])
+    wts = rng.uniform(0.1, 1.0, (n, k)).astype(np.float32)
+    tri16.ledger = []
+    got = tri16.to_numpy(tri16.moe(torch.from_numpy(x).to(tri16.dev), torch.from_numpy(ids.astype(np.int32)).to(tri16.dev),
+                                   torch.from_numpy(wts).to(tri16.dev), gate, up, down, il))
+    ran = [name for name, _ in tri16.ledger]
+    tri16.ledger = None
+    assert "moe_gateup_mm16_kernel" in ran and "moe_down_mm16_kernel" in ran, ran
+    clamp = float(tri16.cfg.swiglu_clamp[il])
+    x64, ax = x.astype(np.float64), np.abs(x.astype(np.float64))
+    want, scale = np.zeros((n, E)), np.zeros((n, E))
+    for j in range(k):
+        e = ids[:, j]
+        g, u = np.einsum("tfk,tk->tf", G[e], x64), np.einsum("tfk,tk->tf", U[e], x64)
+        hv = _swiglu64(g, u, clamp)
+        sh = _swiglu_scale(g, u, np.einsum("tfk,tk->tf", np.abs(G[e]), ax), np.einsum("tfk,tk->tf", np.abs(U[e]), ax), clamp)
+        want += wts[:, j, None].astype(np.float64) * np.einsum("tef,tf->te", D[e], hv)
+        scale += wts[:, j, None].astype(np.float64) * np.einsum("tef,tf->te", Dm[e], np.abs(hv) + sh)
+    # two roundings of 2^-12 each (x, then h), against the first-order error scale
+    err = _rel_rows(got, want, scale)
+    assert 4 * TOL < err < 2.0 ** -10, err
+
+
+# In a subprocess without the interpreter: the kernels of both precisions compiled for sm_90 (the
+# interpreter never runs the compiled branch of _dot16 / _dot_units); "f16" must issue a third of
+# bf16x3's tensor-core products on Q8_0 and half of the two-term path's on the experts.
+_COMPILE = r"""
+import json, re
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+from ds4.backends.triton import kernels as K, kernels_mm16 as K16
+
+PTR = {"wb": "*u8", "wh": "*i16", "wf": "*i32", "gridp": "*i32", "ksigns": "*i32", "gb": "*u8", "gh": "*i16",
+       "gf": "*i32", "ub": "*u8", "uh": "*i16", "uf": "*i32", "lv8": "*i64", "sg8": "*i64", "tok_ptr": "*i32",
+       "tile_e_ptr": "*i32", "tile_r0_ptr": "*i32", "tile_end_ptr": "*i32", "ww": "*i32", "ws": "*i32",
+       "xh_ptr": "*fp16", "xl_ptr": "*fp16", "gh_ptr": "*fp16", "gl_ptr": "*fp16", "clamp": "fp32"}
+cases = {"matmul": (K.matmul_kernel, dict(TYPE=80, BM=64, BN=128, NB=1, VB=32, PREC="tf32x3", U=32), "TERMS", (3, 1)),
+         "gateup": (K16.moe_gateup_mm16_kernel, dict(BM=64, BN=64, KS=128, ROUTED=True), "LO", (True, False)),
+         "down": (K16.moe_down_mm16_kernel, dict(BM=64, BN=64, KS=128), "LO", (True, False)),
+         "q8_16": (K16.matmul_q8_16_kernel, dict(BM=64, BN=64), "LO", (True, False))}
+out = {}
+for name, (fn, cx, flag, values) in cases.items():
+    for v in values:
+        c = {**cx, flag: v}
+        sig = {a: "constexpr" if a in c else PTR.get(a, "*fp32" if a.endswith("_ptr") else "i32") for a in fn.arg_names}
+        k = triton.compile(ASTSource(fn=fn, signature=sig, constexprs=c), target=GPUTarget("cuda", 90, 32),
+                           options=dict(num_warps=4, num_stages=1))
+        out.setdefault(name, []).append(len(re.findall(r"wgmma\.mma_async", k.asm["ptx"])))
+print(json.dumps(out))
+"""
+
+
+def test_f16_kernels_compile_for_sm90_with_fewer_products():
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    run = subprocess.run([sys.executable, "-c", _COMPILE], capture_output=True, text=True, env=env, timeout=600)
+    assert run.returncode == 0, run.stderr[-2000:]
+    n = json.loads(run.stdout.splitlines()[-1])
+    assert n["matmul"][0] == 3 * n["matmul"][1] > 0, n
+    for name in ("gateup", "down", "q8_16"):
+        assert n[name][0] == 2 * n[name][1] > 0, n

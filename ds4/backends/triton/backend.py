@@ -60,7 +60,8 @@ from .plumbing import (
     _ksign_table, _largest_pow2_divisor, _max_shared, _pow2, check_config,
 )
 from .steps import _DecodeSteps
-from .tuning import load_mv_shapes, load_tuning, parse_mv_shapes  # noqa: F401  (re-exported)
+from .tuning import INTEGER_PRECISIONS, ONE_TERM, load_tuning
+from .tuning import load_mv_shapes, parse_mv_shapes  # noqa: F401  (re-exported)
 
 
 class TritonBackend(_LinearOps, _DecodeSteps, _HcOps, _AttentionOps, _MoeOps, Backend):
@@ -101,7 +102,10 @@ class TritonBackend(_LinearOps, _DecodeSteps, _HcOps, _AttentionOps, _MoeOps, Ba
         for f in dataclasses.fields(self.tuning):  # per-instance copies that tests and benchmarks set
             v = getattr(self.tuning, f.name)
             setattr(self, f.name, dict(v) if isinstance(v, Mapping) else v)
-        self.prec_f = ("ieee" if self.interpret else "tf32x3") if self.prec == "bf16x3" else self.prec
+        if self.prec == ONE_TERM and not self.ds4_numerics:
+            raise ValueError(f"DS4_TRITON_DOT / dot_precision {ONE_TERM!r} rounds the prefill products' "
+                             f"activations to fp16 (ds4's own numerics): it needs numerics 'ds4', got {numerics!r}")
+        self.prec_f = ("ieee" if self.interpret else "tf32x3") if self.prec in INTEGER_PRECISIONS else self.prec
         d = self.dev
         self._gridp = torch.tensor(_grid_table(), dtype=torch.int32, device=d)
         self._ksigns = torch.tensor(_ksign_table(), dtype=torch.int32, device=d)
@@ -239,6 +243,12 @@ class TritonBackend(_LinearOps, _DecodeSteps, _HcOps, _AttentionOps, _MoeOps, Ba
         if self.ledger is not None:
             self.ledger.append((kern.fn.__name__ if hasattr(kern, "fn") else str(kern), int(nbytes)))
 
+    @property
+    def _x_lo(self) -> bool:
+        """Whether the integer prefill products carry x's low-order term(s) (float32 accuracy) or
+        take x rounded once to fp16 (prec "f16")."""
+        return self.prec != ONE_TERM
+
     def _pdl(self, dep: str | None = None) -> bool:
         """Whether a decode step's products on XQ8 x launch early (pdl_xq); dep: whether the
         kernel or product of that name takes part (pdl_dep)."""
@@ -315,9 +325,9 @@ class TritonBackend(_LinearOps, _DecodeSteps, _HcOps, _AttentionOps, _MoeOps, Ba
     def _mm_cfg(self, kt: int, K_: int) -> dict:
         """K-step of a matrix-matrix kernel: integer units (U values, NB per step) or float tiles."""
         ttype = int(kt)
-        if self.prec == "bf16x3" and ttype in (KernelType.Q8_0, KernelType.Q8C):
+        if self.prec in INTEGER_PRECISIONS and ttype in (KernelType.Q8_0, KernelType.Q8C):
             NB = _largest_pow2_divisor(K_ // 32, self.units_per_step)
-            return dict(NB=NB, VB=32, U=32, PREC=self.prec_f)
+            return dict(NB=NB, VB=32, U=32, PREC=self.prec_f, TERMS=3 if self._x_lo else 1)
         NB, VB = self._blocks(ttype, K_, 64 if not self.interpret else 128)
         return dict(NB=NB, VB=VB, U=0, PREC=self.prec_f)
 

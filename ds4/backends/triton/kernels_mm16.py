@@ -74,12 +74,13 @@ def _join8(v0, v1, v2, v3, v4, v5, v6, v7):
 
 @triton.jit
 def split16_kernel(x_ptr, sx, xh_ptr, xl_ptr, xi_ptr, gh_ptr, gl_ptr, R, K,
-                   BR: tl.constexpr, SUMS: tl.constexpr):
+                   BR: tl.constexpr, SUMS: tl.constexpr, LO: tl.constexpr = True):
     """Rows [BR·program, +BR) and chunk c = program 1 of x [R, K] (row stride sx):
     xh, xl [R, K] fp16 with x·s ≈ xh + xl (_hi_lo: to 2^-22 of each value, 2^-39 of the chunk's
     max at least), xi [R, K/256] = 1/s.
     SUMS: also the 16-value sums of x·s, divided by 16 (so they stay below 2^15), as gh + gl
-    [R, K/16] fp16: the Q2_K min term multiplies them."""
+    [R, K/16] fp16: the Q2_K min term multiplies them. LO False: xh (and gh) alone, x·s rounded
+    once to fp16 (the "f16" prefill precision); xl and gl are not written."""
     r = tl.program_id(0) * BR + tl.arange(0, BR)
     rm = r < R
     c = tl.program_id(1)
@@ -91,14 +92,16 @@ def split16_kernel(x_ptr, sx, xh_ptr, xl_ptr, xi_ptr, gh_ptr, gl_ptr, R, K,
     hi, lo = _hi_lo(xs)
     o = r64[:, None] * K + k[None, :]
     tl.store(xh_ptr + o, hi, mask=rm[:, None])
-    tl.store(xl_ptr + o, lo, mask=rm[:, None])
+    if LO:
+        tl.store(xl_ptr + o, lo, mask=rm[:, None])
     tl.store(xi_ptr + r64 * (K // 256) + c, inv, mask=rm)
     if SUMS:
         g = tl.sum(tl.reshape(xs, [BR, 16, 16]), axis=2) * 0.0625
         g_hi, g_lo = _hi_lo(g)
         og = r64[:, None] * (K // 16) + c * 16 + tl.arange(0, 16)[None, :]
         tl.store(gh_ptr + og, g_hi, mask=rm[:, None])
-        tl.store(gl_ptr + og, g_lo, mask=rm[:, None])
+        if LO:
+            tl.store(gl_ptr + og, g_lo, mask=rm[:, None])
 
 
 # ------------------------------------------------------------------------------------------------
@@ -245,20 +248,22 @@ def _q8_tile(wh, so, qo, rmask):
 
 
 @triton.jit
-def _dot16t(w, xh, xl, acc):
+def _dot16t(w, xh, xl, acc, LO: tl.constexpr = True):
     """acc + w·(xh + xl)ᵀ: _dot16 with W as the left operand (its rows on the accumulator's rows)."""
     if _INTERP:
         w = w.to(tl.float32)
-        acc = tl.dot(w, tl.trans(xl.to(tl.float32)), acc, input_precision="ieee")
+        if LO:
+            acc = tl.dot(w, tl.trans(xl.to(tl.float32)), acc, input_precision="ieee")
         acc = tl.dot(w, tl.trans(xh.to(tl.float32)), acc, input_precision="ieee")
     else:
-        acc = tl.dot(w, tl.trans(xl), acc)
+        if LO:
+            acc = tl.dot(w, tl.trans(xl), acc)
         acc = tl.dot(w, tl.trans(xh), acc)
     return acc
 
 
 @triton.jit
-def _q8_chunk(xh_ptr, xl_ptr, xrow, am, c0, wh, ro, rmask, BM: tl.constexpr):
+def _q8_chunk(xh_ptr, xl_ptr, xrow, am, c0, wh, ro, rmask, BM: tl.constexpr, LO: tl.constexpr):
     """Σ over the 8 Q8C blocks of the 256-value chunk from column c0: d_b · q_b·(xh + xl)_bᵀ,
     [BN, BM] (W rows on the accumulator's rows, so d is one value per row of a thread). Each
     block's exact product runs on fp16 tensor cores (K = 32) before its scale; x's columns are
@@ -270,16 +275,16 @@ def _q8_chunk(xh_ptr, xl_ptr, xrow, am, c0, wh, ro, rmask, BM: tl.constexpr):
     pc = tl.zeros([BN, BM], tl.float32)
     for kb in range(c0, c0 + 256, 32):
         xh = tl.load(xh_ptr + xrow + kb + kk, mask=am[:, None], other=0.0)
-        xl = tl.load(xl_ptr + xrow + kb + kk, mask=am[:, None], other=0.0)
+        xl = tl.load(xl_ptr + xrow + kb + kk, mask=am[:, None], other=0.0) if LO else xh
         so, qo = _q8c_block(ro, kb // 32)
         q, d = _q8_tile(wh, so, qo, rmask)
-        pc += _dot16t(q, xh, xl, tl.zeros([BN, BM], tl.float32)) * d[:, None]
+        pc += _dot16t(q, xh, xl, tl.zeros([BN, BM], tl.float32), LO) * d[:, None]
     return pc
 
 
 @triton.jit
 def matmul_q8_16_kernel(xh_ptr, xl_ptr, xi_ptr, SX, wh, out_ptr, so_t, M, N, K, RB, GROUP_ROWS, sx_g,
-                        BM: tl.constexpr, BN: tl.constexpr):
+                        BM: tl.constexpr, BN: tl.constexpr, LO: tl.constexpr = True):
     """out[M, N] = x[M, K] · W[N, K]ᵀ for Q8C rows W, x given split by split16_kernel (rows of
     SX values), as outᵀ = W·xᵀ per [BN, BM] tile; the chunks' 1/s apply once per 256 values.
     Rows of group g = r // GROUP_ROWS read x at column offset g·sx_g (a multiple of 256)."""
@@ -296,7 +301,7 @@ def matmul_q8_16_kernel(xh_ptr, xl_ptr, xi_ptr, SX, wh, out_ptr, so_t, M, N, K, 
     acc = tl.zeros([BN, BM], tl.float32)
     for k0 in range(0, K, 256):
         inv = tl.load(xi_ptr + xi_row + k0 // 256, mask=mm, other=0.0)
-        acc += _q8_chunk(xh_ptr, xl_ptr, xrow, mm, k0, wh, ro, rmask, BM) * inv[None, :]
+        acc += _q8_chunk(xh_ptr, xl_ptr, xrow, mm, k0, wh, ro, rmask, BM, LO) * inv[None, :]
     tl.store(out_ptr + tm[None, :].to(tl.int64) * so_t + rows[:, None], acc, mask=rmask[:, None] & mm[None, :])
 
 
@@ -322,7 +327,8 @@ def _tile_rows(tok_ptr, tile_e_ptr, tile_r0_ptr, tile_end_ptr, tile, BM: tl.cons
 @triton.jit
 def moe_gateup_mm16_kernel(xh_ptr, xl_ptr, xi_ptr, tok_ptr, wts_ptr, tile_e_ptr, tile_r0_ptr, tile_end_ptr,
                            gh, uh, gf, uf, lv8, sg8, h_ptr, F, K, RB, EXP_BYTES, clamp,
-                           BM: tl.constexpr, BN: tl.constexpr, KS: tl.constexpr, ROUTED: tl.constexpr):
+                           BM: tl.constexpr, BN: tl.constexpr, KS: tl.constexpr, ROUTED: tl.constexpr,
+                           LO: tl.constexpr = True):
     """Prefill gate/up in IQ2_XXS for one tile of assignments and BN rows:
     h[a, r] = w_a · swiglu(gate_e[r]·x[tok_a], up_e[r]·x[tok_a]), x given split by
     split16_kernel; gh / uh, gf / uf: the IQ2S scales and quant words of gate and up. Per super-block
@@ -349,9 +355,9 @@ def moe_gateup_mm16_kernel(xh_ptr, xl_ptr, xi_ptr, tok_ptr, wts_ptr, tile_e_ptr,
             for part in range(0, 256 // KS):
                 k0 = sb * 256 + part * KS
                 xh = tl.load(xh_ptr + xo + k0, mask=am[:, None], other=0.0)
-                xl = tl.load(xl_ptr + xo + k0, mask=am[:, None], other=0.0)
-                p_g = _dot16(xh, xl, _iq2_tile(gq, lv8, sg8, blk, part * (KS // 32), rmask, KS // 32), p_g)
-                p_u = _dot16(xh, xl, _iq2_tile(uq, lv8, sg8, blk, part * (KS // 32), rmask, KS // 32), p_u)
+                xl = tl.load(xl_ptr + xo + k0, mask=am[:, None], other=0.0) if LO else xh
+                p_g = _dot16(xh, xl, _iq2_tile(gq, lv8, sg8, blk, part * (KS // 32), rmask, KS // 32), p_g, LO)
+                p_u = _dot16(xh, xl, _iq2_tile(uq, lv8, sg8, blk, part * (KS // 32), rmask, KS // 32), p_u, LO)
             inv = tl.load(xi_ptr + tok * NS + sb, mask=am, other=0.0)[:, None]
             acc_g += p_g * (inv * _iq2_scale(ge, blk, rmask)[None, :])
             acc_u += p_u * (inv * _iq2_scale(ue, blk, rmask)[None, :])
@@ -364,7 +370,7 @@ def moe_gateup_mm16_kernel(xh_ptr, xl_ptr, xi_ptr, tok_ptr, wts_ptr, tile_e_ptr,
 @triton.jit
 def moe_gateup_q8_mm16_kernel(xh_ptr, xl_ptr, xi_ptr, tok_ptr, wts_ptr, tile_e_ptr, tile_r0_ptr, tile_end_ptr,
                               gh, uh, h_ptr, F, K, RB, EXP_BYTES, clamp,
-                              BM: tl.constexpr, BN: tl.constexpr, ROUTED: tl.constexpr):
+                              BM: tl.constexpr, BN: tl.constexpr, ROUTED: tl.constexpr, LO: tl.constexpr = True):
     """moe_gateup_mm16_kernel for Q8C weights (the shared expert): the products as
     [BN, BM] tiles (_q8_chunk), the chunks' 1/s once per 256 values."""
     tile = tl.program_id(0)
@@ -383,8 +389,8 @@ def moe_gateup_q8_mm16_kernel(xh_ptr, xl_ptr, xi_ptr, tok_ptr, wts_ptr, tile_e_p
         acc_u = tl.zeros([BN, BM], tl.float32)
         for k0 in range(0, K, 256):
             inv = tl.load(xi_ptr + tok * NS + k0 // 256, mask=am, other=0.0)[None, :]
-            acc_g += _q8_chunk(xh_ptr, xl_ptr, xrow, am, k0, ge, ro, rmask, BM) * inv
-            acc_u += _q8_chunk(xh_ptr, xl_ptr, xrow, am, k0, ue, ro, rmask, BM) * inv
+            acc_g += _q8_chunk(xh_ptr, xl_ptr, xrow, am, k0, ge, ro, rmask, BM, LO) * inv
+            acc_u += _q8_chunk(xh_ptr, xl_ptr, xrow, am, k0, ue, ro, rmask, BM, LO) * inv
         hv = _swiglu(acc_g, acc_u, clamp)
         if ROUTED:
             hv = hv * tl.load(wts_ptr + a, mask=am, other=0.0)[None, :]
@@ -394,7 +400,7 @@ def moe_gateup_q8_mm16_kernel(xh_ptr, xl_ptr, xi_ptr, tok_ptr, wts_ptr, tile_e_p
 @triton.jit
 def moe_down_mm16_kernel(xh_ptr, xl_ptr, xi_ptr, gh_ptr, gl_ptr, tile_e_ptr, tile_r0_ptr, tile_end_ptr,
                          ww, ws, wh, out_ptr, E, F, RB, EXP_BYTES,
-                         BM: tl.constexpr, BN: tl.constexpr, KS: tl.constexpr):
+                         BM: tl.constexpr, BN: tl.constexpr, KS: tl.constexpr, LO: tl.constexpr = True):
     """Prefill down in Q2_K (Q2S: quant words ww, scale words ws, (d, dmin) halfwords wh):
     out_sorted[a, r] = down_e[r] · h[a] for one tile of expert e's assignments, h given split by
     split16_kernel. The d·(sc·q) term per super-block in K-steps of KS values (a divisor of
@@ -419,13 +425,13 @@ def moe_down_mm16_kernel(xh_ptr, xl_ptr, xi_ptr, gh_ptr, gl_ptr, tile_e_ptr, til
             for part in range(0, 256 // KS):
                 k0 = sb * 256 + part * KS
                 xh = tl.load(xh_ptr + xo + k0, mask=am[:, None], other=0.0)
-                xl = tl.load(xl_ptr + xo + k0, mask=am[:, None], other=0.0)
-                p = _dot16(xh, xl, _q2k_tile(we, se, bo, part * (KS // 32), rmask, KS // 32), p)
+                xl = tl.load(xl_ptr + xo + k0, mask=am[:, None], other=0.0) if LO else xh
+                p = _dot16(xh, xl, _q2k_tile(we, se, bo, part * (KS // 32), rmask, KS // 32), p, LO)
             # the min term: 16-value sums (/16, hence 16·dmin) times m, a K = 16 product
             go = a64[:, None] * (F // 16) + sb * 16 + tl.arange(0, 16)[None, :]
             gh = tl.load(gh_ptr + go, mask=am[:, None], other=0.0)
-            gl = tl.load(gl_ptr + go, mask=am[:, None], other=0.0)
-            pm = _dot16(gh, gl, _q2k_mins(se, bo, rmask), tl.zeros([BM, BN], tl.float32))
+            gl = tl.load(gl_ptr + go, mask=am[:, None], other=0.0) if LO else gh
+            pm = _dot16(gh, gl, _q2k_mins(se, bo, rmask), tl.zeros([BM, BN], tl.float32), LO)
             d, dmin = _q2k_scales(he, bo, rmask)
             inv = tl.load(xi_ptr + a64 * NS + sb, mask=am, other=0.0)[:, None]
             acc += (p * d[None, :] - pm * (16.0 * dmin)[None, :]) * inv

@@ -59,7 +59,7 @@ class _LinearOps:
             if group_rows:
                 BN = min(BN, _largest_pow2_divisor(group_rows, BN))
             self._launch(K16.matmul_q8_16_kernel, (_cdiv(n, BM), _cdiv(N, BN)), xh, xl, xi, src.shape[1],
-                         w.i16, out, N, n, N, Kd, w.RB, gr, group_stride, BM=BM, BN=BN,
+                         w.i16, out, N, n, N, Kd, w.RB, gr, group_stride, BM=BM, BN=BN, LO=self._x_lo,
                          num_warps=warps, num_stages=stages, nbytes=w.RB * N + 4 * n * (Kd + N))
         else:
             mc = self._mm_cfg(w.kt, Kd)

@@ -11,6 +11,7 @@ from . import kernels as K
 from . import kernels_mm16 as K16
 from .formats import Decoder, KernelType
 from .plumbing import MM_MIN, QWeight, _Combined, _Normed, _cdiv, _op, _pow2, _x16
+from .tuning import INTEGER_PRECISIONS
 
 
 class _MoeOps:
@@ -181,9 +182,8 @@ class _MoeOps:
             lv8, sg8 = self._gridp[256:768].view(torch.int64), self._ksigns[128:384].view(torch.int64)
             self._launch(K16.moe_gateup_mm16_kernel, (T, _cdiv(F, BN)), xh, xl, xi, tok_sorted, w_sorted,
                          tile_e, tile_r0, tile_end, gate.i16, up.i16, gate.f32, up.f32, lv8, sg8, h, F, E,
-                         gate.RB, F * gate.RB, float(clamp), BM=BM, BN=BN, KS=KS, ROUTED=True, num_warps=warps,
-                         num_stages=stages,
-                         nbytes=2 * gate.nbytes + 4 * n * k * (E + F))
+                         gate.RB, F * gate.RB, float(clamp), BM=BM, BN=BN, KS=KS, ROUTED=True, LO=self._x_lo,
+                         num_warps=warps, num_stages=stages, nbytes=2 * gate.nbytes + 4 * n * k * (E + F))
         else:
             BN, warps = self.moe_tile["gateup"]
             self._launch(K.moe_gateup_mm_kernel, (T, _cdiv(F, BN)), x, x.stride(0), tok_sorted, w_sorted,
@@ -197,7 +197,7 @@ class _MoeOps:
             BN, KS, warps, stages = self.moe16_tile["down"]
             self._launch(K16.moe_down_mm16_kernel, (T, _cdiv(E, BN)), hh, hl, hi, gh, gl, tile_e, tile_r0,
                          tile_end, down.f32, down.b8.view(torch.int32), down.i16, osort, E, F, down.RB,
-                         E * down.RB, BM=BM, BN=BN, KS=KS,
+                         E * down.RB, BM=BM, BN=BN, KS=KS, LO=self._x_lo,
                          num_warps=warps, num_stages=stages, nbytes=down.nbytes + 4 * n * k * (E + F))
         else:
             BN, warps = self.moe_tile["down"]
@@ -213,12 +213,12 @@ class _MoeOps:
 
     def _moe16(self, w: QWeight, ttype: int) -> bool:
         """Whether expert weight w takes the exact-integer fp16 path (kernels_mm16.py)."""
-        return self.moe_int16 and self.prec == "bf16x3" and int(w.type) == int(ttype) and w.K % 256 == 0
+        return self.moe_int16 and self.prec in INTEGER_PRECISIONS and int(w.type) == int(ttype) and w.K % 256 == 0
 
     def _q8_16(self, w: QWeight, x: torch.Tensor, group_stride: int = 0) -> bool:
         """Whether a Q8_0 product with x [n, columns] takes the fp16 integer path: whole 256-value
         chunks of x (split16_kernel) and groups starting on chunk boundaries."""
-        return (self.q8_int16 and self.prec == "bf16x3" and w.kt == KernelType.Q8C
+        return (self.q8_int16 and self.prec in INTEGER_PRECISIONS and w.kt == KernelType.Q8C
                 and x.shape[1] % 256 == 0 and group_stride % 256 == 0 and x.stride(1) == 1)
 
     def _split16(self, x: torch.Tensor, sums: bool):
@@ -231,7 +231,7 @@ class _MoeOps:
         gh, gl = (torch.empty((R, Kd // 16), **f16), torch.empty((R, Kd // 16), **f16)) if sums else (xh, xl)
         BR = 64 if self.interpret else 8
         self._launch(K16.split16_kernel, (_cdiv(R, BR), Kd // 256), x, x.stride(0), xh, xl, xi, gh, gl, R, Kd,
-                     BR=BR, SUMS=sums, num_warps=4, nbytes=8 * R * Kd)
+                     BR=BR, SUMS=sums, LO=self._x_lo, num_warps=4, nbytes=(8 if self._x_lo else 6) * R * Kd)
         return xh, xl, xi, gh, gl
 
     def ids_from_numpy(self, ids):
@@ -280,8 +280,8 @@ class _MoeOps:
             xh, xl, xi, _, _ = self._split16(x, sums=False)
             self._launch(K16.moe_gateup_q8_mm16_kernel, (T, _cdiv(F, BN)), xh, xl, xi, self._dummy_i,
                          self._dummy_f, tile_e, tile_r0, tile_end, gate.i16, up.i16, h, F, E, gate.RB, 0,
-                         float(clamp), BM=BM, BN=BN, ROUTED=False, num_warps=warps, num_stages=stages,
-                         nbytes=2 * gate.nbytes + 4 * n * (E + F))
+                         float(clamp), BM=BM, BN=BN, ROUTED=False, LO=self._x_lo, num_warps=warps,
+                         num_stages=stages, nbytes=2 * gate.nbytes + 4 * n * (E + F))
         else:
             BM = 64
             mc = self._mm_cfg(gate.kt, E)

@@ -11,7 +11,7 @@ Environment overrides (read here and nowhere else):
 ==========================  ===================================================================
 variable                    effect
 ==========================  ===================================================================
-DS4_TRITON_DOT              prefill product precision: bf16x3 (default), tf32x3, tf32 or ieee
+DS4_TRITON_DOT              prefill product precision: bf16x3 (default), f16, tf32x3, tf32 or ieee
                             (the backend's dot_precision argument wins)
 DS4_TRITON_UNITS            units per K-step of the generic decoders (default 1)
 DS4_TRITON_LANES            side streams of a decode step, 0 = none (default 6)
@@ -37,7 +37,10 @@ from dataclasses import dataclass, field
 from .formats import Decoder, KernelType
 
 _D = Decoder
-PRECISIONS = ("bf16x3", "tf32x3", "tf32", "ieee")
+PRECISIONS = ("bf16x3", "f16", "tf32x3", "tf32", "ieee")
+# the precisions whose Q8_0 / IQ2_XXS / Q2_K products run as exact integers on 16-bit tensor cores
+INTEGER_PRECISIONS = ("bf16x3", "f16")
+ONE_TERM = "f16"  # of those, the one that rounds x once to fp16
 DEFAULT_MV_SHAPES = os.path.join(os.path.dirname(__file__), "mv_shapes_h200.json")
 FP16_ATTN_SHARED = 135168  # shared memory (bytes) the fp16 prefill attention tile needs
 
@@ -47,7 +50,9 @@ class TritonTuning:
     # prefill products: "bf16x3" multiplies Q8_0 quants (exact integers) on bf16 tensor cores with
     # x split exactly in three bf16 terms, and the IQ2_XXS / Q2_K experts as exact integers on fp16
     # tensor cores (moe_int16); other weights, and every weight under "tf32x3" / "tf32" / "ieee",
-    # go through tl.dot at that precision on float32-decoded tiles
+    # go through tl.dot at that precision on float32-decoded tiles. "f16": the same integer paths
+    # with x rounded once to fp16 (one product instead of three or two): the activations ds4 feeds
+    # its own GPU prefill, not float32-accurate (numerics "ds4" only; spec §3.10)
     prec: str = "bf16x3"
     units_per_step: int = 1
     chain_block: int = 2048  # logits per program of greedy_next_kernel / sample_next_kernel
@@ -148,7 +153,7 @@ def load_tuning(interpret: bool, max_shared: int | None = None, dot_precision: s
     t = {}
     prec = dot_precision or env.get("DS4_TRITON_DOT") or "bf16x3"
     if prec not in PRECISIONS:
-        raise ValueError(f"DS4_TRITON_DOT: expected bf16x3, tf32x3, tf32 or ieee, got {prec!r}")
+        raise ValueError(f"DS4_TRITON_DOT: expected one of {', '.join(PRECISIONS)}, got {prec!r}")
     t["prec"] = prec
     t["units_per_step"] = int(env.get("DS4_TRITON_UNITS", "1"))
     lanes = env.get("DS4_TRITON_LANES", "6")

@@ -293,16 +293,19 @@ def _hi_lo(v):
 
 
 @triton.jit
-def _dot16(xh, xl, w, acc):
+def _dot16(xh, xl, w, acc, LO: tl.constexpr = True):
     """acc + (xh + xl)·wᵀ with float32 accumulation, the smaller term first. The fp16 products
-    are exact (11 × 11 significant bits), so only the accumulation rounds."""
+    are exact (11 × 11 significant bits), so only the accumulation rounds. LO False: xh alone (x
+    rounded once to fp16, the "f16" prefill precision; xl is not read)."""
     if _INTERP:  # the interpreter's fp16 products are not trustworthy: the same terms in float32
         wt = tl.trans(w.to(tl.float32))
-        acc = tl.dot(xl.to(tl.float32), wt, acc, input_precision="ieee")
+        if LO:
+            acc = tl.dot(xl.to(tl.float32), wt, acc, input_precision="ieee")
         acc = tl.dot(xh.to(tl.float32), wt, acc, input_precision="ieee")
     else:
         wt = tl.trans(w)
-        acc = tl.dot(xl, wt, acc)
+        if LO:
+            acc = tl.dot(xl, wt, acc)
         acc = tl.dot(xh, wt, acc)
     return acc
 
@@ -415,30 +418,43 @@ def _wint(wb, wh, row_off, rmask, u, TYPE: tl.constexpr):
 
 
 @triton.jit
-def _dot_units(x_ptr, sx_t, tm, mm, k0, wb, wh, row_off, rmask, acc, NU: tl.constexpr, TYPE: tl.constexpr):
-    """acc[BM, BN] += x[tm, k0 : k0 + 32·NU] · Wᵀ over NU Q8_0 / Q8C blocks on bf16 tensor cores:
-    the quants are exact in bf16 and x is split exactly into three bf16 terms (8 + 8 + 8
-    significant bits), so each block's product has float32 accuracy before its scale is applied."""
+def _dot_units(x_ptr, sx_t, tm, mm, k0, wb, wh, row_off, rmask, acc, NU: tl.constexpr, TYPE: tl.constexpr,
+               TERMS: tl.constexpr = 3):
+    """acc[BM, BN] += x[tm, k0 : k0 + 32·NU] · Wᵀ over NU Q8_0 / Q8C blocks on tensor cores, the
+    quants exact as 16-bit floats. TERMS 3 ("bf16x3"): x split exactly into three bf16 terms
+    (8 + 8 + 8 significant bits), so each block's product has float32 accuracy before its scale
+    is applied. TERMS 1 ("f16"): one product per block on x·s rounded once to fp16 (11 significant
+    bits; s a power of two per row and block, _pow2_scale, so no x overflows fp16's range): the
+    precision of the activations ds4 itself feeds its GPU prefill products."""
     U: tl.constexpr = 32
     ku = tl.arange(0, U)
     for i in tl.static_range(NU):
         kb = k0 + i * U
         xt = tl.load(x_ptr + tm[:, None].to(tl.int64) * sx_t + kb + ku[None, :], mask=mm[:, None], other=0.0)
         q, sc = _wint(wb, wh, row_off, rmask, kb // U, TYPE)
-        x1 = xt.to(tl.bfloat16)
-        r1 = xt - x1.to(tl.float32)
-        x2 = r1.to(tl.bfloat16)
-        x3 = (r1 - x2.to(tl.float32)).to(tl.bfloat16)
-        if _INTERP:  # the interpreter's bf16 products are wrong: the same terms in float32
-            qt = tl.trans(q)
-            p = tl.dot(x1.to(tl.float32), qt, input_precision="ieee")
-            p = tl.dot(x2.to(tl.float32), qt, p, input_precision="ieee")
-            p = tl.dot(x3.to(tl.float32), qt, p, input_precision="ieee")
+        if TERMS == 1:
+            s, inv = _pow2_scale(tl.max(tl.abs(xt), axis=1))
+            x1 = (xt * s[:, None]).to(tl.float16)  # exact scaling, one rounding
+            if _INTERP:  # the interpreter's fp16 products are not trustworthy: float32 instead
+                p = tl.dot(x1.to(tl.float32), tl.trans(q), input_precision="ieee")
+            else:
+                p = tl.dot(x1, tl.trans(q.to(tl.float16)))
+            p = p * inv[:, None]
         else:
-            qt = tl.trans(q.to(tl.bfloat16))
-            p = tl.dot(x3, qt)  # smallest first
-            p = tl.dot(x2, qt, p)
-            p = tl.dot(x1, qt, p)
+            x1 = xt.to(tl.bfloat16)
+            r1 = xt - x1.to(tl.float32)
+            x2 = r1.to(tl.bfloat16)
+            x3 = (r1 - x2.to(tl.float32)).to(tl.bfloat16)
+            if _INTERP:  # the interpreter's bf16 products are wrong: the same terms in float32
+                qt = tl.trans(q)
+                p = tl.dot(x1.to(tl.float32), qt, input_precision="ieee")
+                p = tl.dot(x2.to(tl.float32), qt, p, input_precision="ieee")
+                p = tl.dot(x3.to(tl.float32), qt, p, input_precision="ieee")
+            else:
+                qt = tl.trans(q.to(tl.bfloat16))
+                p = tl.dot(x3, qt)  # smallest first
+                p = tl.dot(x2, qt, p)
+                p = tl.dot(x1, qt, p)
         acc += p * sc[None, :]
     return acc
 

@@ -119,7 +119,8 @@ def moe_gateup_mm_kernel(x_ptr, sx_t, tok_ptr, wts_ptr, tile_e_ptr, tile_r0_ptr,
                          gb, gh, gf, ub, uh, uf, gridp, ksigns, h_ptr,
                          F, K, RB, EXP_BYTES, clamp,
                          TYPE: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, NB: tl.constexpr,
-                         VB: tl.constexpr, ROUTED: tl.constexpr, PREC: tl.constexpr, U: tl.constexpr = 0):
+                         VB: tl.constexpr, ROUTED: tl.constexpr, PREC: tl.constexpr, U: tl.constexpr = 0,
+                         TERMS: tl.constexpr = 3):
     """Prefill: one tile of BM assignments (token, slot) of one expert, sorted by expert.
     h[a, r] = w_a · swiglu(gate_e[r]·x[tok_a], up_e[r]·x[tok_a])."""
     tile = tl.program_id(0)
@@ -143,8 +144,8 @@ def moe_gateup_mm_kernel(x_ptr, sx_t, tok_ptr, wts_ptr, tile_e_ptr, tile_r0_ptr,
         acc_u = tl.zeros([BM, BN], tl.float32)
         if U > 0:
             for k0 in range(0, K, NB * U):
-                acc_g = _dot_units(x_ptr, sx_t, tok, am, k0, gb, gh, row_off, rmask, acc_g, NB, TYPE)
-                acc_u = _dot_units(x_ptr, sx_t, tok, am, k0, ub, uh, row_off, rmask, acc_u, NB, TYPE)
+                acc_g = _dot_units(x_ptr, sx_t, tok, am, k0, gb, gh, row_off, rmask, acc_g, NB, TYPE, TERMS)
+                acc_u = _dot_units(x_ptr, sx_t, tok, am, k0, ub, uh, row_off, rmask, acc_u, NB, TYPE, TERMS)
         else:
             for k0 in range(0, K, BK):
                 xt = tl.load(x_ptr + tok[:, None] * sx_t + k0 + kk[None, :], mask=am[:, None], other=0.0)
@@ -162,7 +163,7 @@ def moe_gateup_mm_kernel(x_ptr, sx_t, tok_ptr, wts_ptr, tile_e_ptr, tile_r0_ptr,
 def moe_down_mm_kernel(h_ptr, tile_e_ptr, tile_r0_ptr, tile_end_ptr, db, dh, df, gridp, ksigns, out_ptr,
                        E, F, RB, EXP_BYTES,
                        TYPE: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, NB: tl.constexpr,
-                       VB: tl.constexpr, PREC: tl.constexpr, U: tl.constexpr = 0):
+                       VB: tl.constexpr, PREC: tl.constexpr, U: tl.constexpr = 0, TERMS: tl.constexpr = 3):
     """Prefill: out_sorted[a, r] = down_e[r] · h[a] for one tile of expert e's assignments."""
     tile = tl.program_id(0)
     pn = tl.program_id(1)
@@ -175,7 +176,8 @@ def moe_down_mm_kernel(h_ptr, tile_e_ptr, tile_r0_ptr, tile_end_ptr, db, dh, df,
         rows = pn * BN + tl.arange(0, BN)
         rmask = rows < E
         row_off = e.to(tl.int64) * EXP_BYTES + rows.to(tl.int64) * RB
-        acc = _mm_rows(h_ptr, F, a, am, F, db, dh, df, gridp, ksigns, row_off, rmask, BM, BN, TYPE, NB, VB, PREC, U)
+        acc = _mm_rows(h_ptr, F, a, am, F, db, dh, df, gridp, ksigns, row_off, rmask, BM, BN, TYPE, NB, VB, PREC, U,
+                       TERMS)
         tl.store(out_ptr + a[:, None].to(tl.int64) * E + rows[None, :], acc, mask=am[:, None] & rmask[None, :])
 
 
