@@ -1,6 +1,7 @@
 #!/bin/bash
 # One call on the GPU machine (the `run` tool): the Triton tests compiled on the GPU, then the
 # full-size synthetic benchmark. Carries .whl (gguf) and optionally .tcache (a Triton cache).
+# Reads RUN_TESTS, TESTS, TEST_TIMEOUT, XDIST, RUN_BENCH, BENCH_ARGS, BUDGET, BENCH_TIMEOUT, EXTRA.
 export PYTHONUNBUFFERED=1
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
   && export PYTHONPATH=/tmp/site:. || exit 1
@@ -8,8 +9,10 @@ nvidia-smi --query-gpu=name,memory.total,clocks.sm,clocks.mem,driver_version --f
 if [ -f .tcache/cache.tar.xz ]; then mkdir -p ~/.triton && tar xJf .tcache/cache.tar.xz -C ~/.triton; fi
 mkdir -p $OUT/results
 if [ "${RUN_TESTS:-1}" = 1 ]; then
-  timeout ${TEST_TIMEOUT:-240} python3 -m pytest -q -x -n ${XDIST:-8} tests/test_triton_kernels.py tests/test_triton_model.py \
-    -p no:cacheprovider 2>&1 | tail -${TEST_TAIL:-40} | tee $OUT/results/tests.log
+  # every test that runs Triton kernels: compiled on the GPU here, interpreted in CI
+  timeout ${TEST_TIMEOUT:-240} python3 -m pytest -q -x -n ${XDIST:-8} -p no:cacheprovider \
+    ${TESTS:-tests/test_triton_*.py tests/test_type_matrix.py tests/test_config_props.py tests/test_rules.py} \
+    2>&1 | tail -${TEST_TAIL:-40} | tee $OUT/results/tests.log
 fi
 if [ "${RUN_BENCH:-1}" = 1 ]; then
   timeout ${BENCH_TIMEOUT:-330} python3 bench/triton/bench_full.py --out $OUT/results --budget ${BUDGET:-250} ${BENCH_ARGS:-} 2>&1 | tee $OUT/results/bench.log
