@@ -286,15 +286,17 @@ def tri16():
     return be
 
 
-def _one_rounding(got, x, W, block):
+def _one_rounding(got, x, W, block, w_rounded=False):
     """The product got of x [n, K] and W [N, K] equals the float64 product of x as the "f16"
-    precision rounds it (to float32 accumulation), and differs from the exact product by more than
-    float32 accumulation would (so x really was rounded): both against Σ|w|·|x|."""
+    precision rounds it (blocks of `block` values; with w_rounded W's rows too, whole) to float32
+    accumulation, and differs from the exact product by more than float32 accumulation would (so
+    the values really were rounded), by at most one (two) fp16 roundings: all against Σ|w|·|x|."""
     x64 = x.astype(np.float64)
     scale = np.abs(x64) @ np.abs(W).T
-    assert _rel_rows(got, _f16_rounded(x, block) @ W.T, scale) < TOL
+    W16 = _f16_rounded(W, W.shape[1]) if w_rounded else W
+    assert _rel_rows(got, _f16_rounded(x, block) @ W16.T, scale) < TOL
     err = _rel_rows(got, x64 @ W.T, scale)
-    assert 4 * TOL < err < 2.0 ** -11, err
+    assert 4 * TOL < err < 2.0 ** (-10 if w_rounded else -11), err
 
 
 def test_f16_precision_needs_ds4_numerics():
@@ -303,22 +305,39 @@ def test_f16_precision_needs_ds4_numerics():
 
 
 def test_f16_linear_rounds_x_once(tri16, rng):
-    """Q8_0 prefill products under "f16": the bf16 path's kernel on one fp16 term (blocks of 32),
-    and the fp16 integer path (q8_int16, chunks of 256) without its low term."""
+    """Q8_0 prefill products under "f16": by default x and the weights in fp16, one scale per row
+    each (matmul_f16w_kernel, K a multiple of 256, also grouped); the bf16 path's kernel on one
+    fp16 term (blocks of 32, and the only path where K is not a multiple of 256); the fp16 integer
+    path (q8_int16, chunks of 256) without its low term."""
     N, K, n = 40, 512, 19
     w, W = _experts(tri16, T.Q8_0, K, N, 1, rng)
     x = _activations(n, K, rng)
     x[0] = rng.standard_normal(K)  # (the all-zero row of _activations shows nothing here)
+    xt = torch.from_numpy(x).to(tri16.dev)
     tri16.ledger = []
-    _one_rounding(tri16.to_numpy(tri16.linear(torch.from_numpy(x).to(tri16.dev), w)), x, W[0], 32)
+    _one_rounding(tri16.to_numpy(tri16.linear(xt, w)), x, W[0], K, w_rounded=True)
+    assert w.f16_row_scale is not None
+    tri16.q8_f16w = False
+    _one_rounding(tri16.to_numpy(tri16.linear(xt, w)), x, W[0], 32)
     tri16.q8_int16 = True
     try:
-        _one_rounding(tri16.to_numpy(tri16.linear(torch.from_numpy(x).to(tri16.dev), w)), x, W[0], 256)
+        _one_rounding(tri16.to_numpy(tri16.linear(xt, w)), x, W[0], 256)
     finally:
-        tri16.q8_int16 = False
+        tri16.q8_int16, tri16.q8_f16w = False, True
+    w2, W2 = _experts(tri16, T.Q8_0, 160, N, 1, rng)  # Q8_0 rows that are not Q8C chunks
+    _one_rounding(tri16.to_numpy(tri16.linear(xt[:, :160], w2)), x[:, :160], W2[0], 32)
+    # two groups of 32 rows, each reading its own 256 columns of x
+    wg, Wg = _experts(tri16, T.Q8_0, 256, 64, 1, rng)
+    got = tri16.to_numpy(tri16._linear(xt, wg, group_rows=32, group_stride=256))
+    xr, W16 = _f16_rounded(x, K), _f16_rounded(Wg[0], 256)
+    want = np.concatenate([xr[:, :256] @ W16[:32].T, xr[:, 256:] @ W16[32:].T], axis=1)
+    ax, aw = np.abs(x.astype(np.float64)), np.abs(Wg[0])
+    scale = np.concatenate([ax[:, :256] @ aw[:32].T, ax[:, 256:] @ aw[32:].T], axis=1)
+    assert _rel_rows(got, want, scale) < TOL
     ran = [name for name, _ in tri16.ledger]
     tri16.ledger = None
-    assert ran == ["matmul_kernel", "split16_kernel", "matmul_q8_16_kernel"], ran
+    assert ran == ["x16_kernel", "matmul_f16w_kernel", "matmul_kernel", "split16_kernel", "matmul_q8_16_kernel",
+                   "matmul_kernel", "x16_kernel", "matmul_f16w_kernel"], ran
 
 
 def test_f16_experts_round_x_once(tri16, rng):
@@ -354,8 +373,9 @@ def test_f16_experts_round_x_once(tri16, rng):
 
 
 # In a subprocess without the interpreter: the kernels of both precisions compiled for sm_90 (the
-# interpreter never runs the compiled branch of _dot16 / _dot_units); "f16" must issue a third of
-# bf16x3's tensor-core products on Q8_0 and half of the two-term path's on the experts.
+# interpreter never runs the compiled branches of _dot16 / _dot_units / matmul_f16w_kernel); "f16"
+# must issue a third of bf16x3's tensor-core products on Q8_0 and half of the two-term path's on the
+# experts, and its Q8C kernel must run on wgmma.
 _COMPILE = r"""
 import json, re
 import triton
@@ -379,6 +399,12 @@ for name, (fn, cx, flag, values) in cases.items():
         k = triton.compile(ASTSource(fn=fn, signature=sig, constexprs=c), target=GPUTarget("cuda", 90, 32),
                            options=dict(num_warps=4, num_stages=1))
         out.setdefault(name, []).append(len(re.findall(r"wgmma\.mma_async", k.asm["ptx"])))
+fn, c = K.matmul_f16w_kernel, dict(BM=128, BN=128, BK=64, GM=8)
+sig = {a: "constexpr" if a in c else {"x_ptr": "*fp16", **PTR}.get(a, "*fp32" if a.endswith("_ptr") else "i32")
+       for a in fn.arg_names}
+k = triton.compile(ASTSource(fn=fn, signature=sig, constexprs=c), target=GPUTarget("cuda", 90, 32),
+                   options=dict(num_warps=8, num_stages=3))
+out["f16w"] = [len(re.findall(r"wgmma\.mma_async", k.asm["ptx"]))]
 print(json.dumps(out))
 """
 
@@ -391,3 +417,4 @@ def test_f16_kernels_compile_for_sm90_with_fewer_products():
     assert n["matmul"][0] == 3 * n["matmul"][1] > 0, n
     for name in ("gateup", "down", "q8_16"):
         assert n[name][0] == 2 * n[name][1] > 0, n
+    assert n["f16w"][0] > 0, n  # the fp16 Q8C path: its products on wgmma

@@ -1,12 +1,19 @@
 """Linear layers of the Triton backend: decode products (matrix-vector, or the Q8C_XQ8 path on
-x in XQ8 form) and prefill products (matrix-matrix, or the integer fp16 Q8_0 path)."""
+x in XQ8 form) and prefill products (matrix-matrix, the integer fp16 Q8_0 path, or under the
+"f16" precision the fp16 Q8C path)."""
 
 from __future__ import annotations
+
+import torch
 
 from . import kernels as K
 from . import kernels_mm16 as K16
 from .formats import Decoder, KernelType
 from .plumbing import MM_MIN, QWeight, _Normed, _Quantized, _cdiv, _largest_pow2_divisor, _x16
+from .tuning import ONE_TERM
+
+ROW_SCALE_ROWS = 8192  # rows per pass of _row_scale
+MAX_POW2 = 126  # the largest scale exponent whose reciprocal stays a normal float32
 
 
 class _LinearOps:
@@ -53,6 +60,14 @@ class _LinearOps:
                          w.b8, w.i16, w.f32, self._gridp, self._ksigns, out, N, ws, self._tickets(),
                          N, Kd, w.RB, gr, self.cfg.rms_eps, NORM=norm, **c,
                          nbytes=w.RB * N + 4 * n * (Kd + N))
+        elif self._f16w(w, src, group_stride):
+            xs, xinv = self._x16(src)
+            BM, BN, BK, GM, warps, stages = self.f16w_tile
+            if group_rows:
+                BN = min(BN, _largest_pow2_divisor(group_rows, BN))
+            self._launch(K.matmul_f16w_kernel, (_cdiv(n, BM) * _cdiv(N, BN),), xs, xinv, xs.shape[1], w.b8, w.i16,
+                         self._row_scale(w), out, N, n, N, Kd, w.RB, gr, group_stride, BM=BM, BN=BN, BK=BK, GM=GM,
+                         num_warps=warps, num_stages=stages, nbytes=w.RB * N + 2 * n * Kd + 4 * n * N)
         elif self._q8_16(w, src, group_stride):
             xh, xl, xi, _, _ = self._split16(src, sums=False)
             BM, BN, warps, stages = self.q8_16_tile["linear"]
@@ -71,6 +86,40 @@ class _LinearOps:
                          n, N, Kd, w.RB, gr, TYPE=w.kt, BM=BM, BN=BN, **mc,
                          num_warps=warps, num_stages=2, nbytes=w.RB * N + 4 * n * (Kd + N))
         return out
+
+    def _f16w(self, w: QWeight, x, group_stride: int) -> bool:
+        """Whether a prefill product takes the "f16" precision's Q8C path (matmul_f16w_kernel):
+        whole 256-value chunks of x and groups starting on chunk boundaries."""
+        return (self.q8_f16w and self.prec == ONE_TERM and w.kt == KernelType.Q8C and x.shape[1] % 256 == 0
+                and group_stride % 256 == 0 and x.stride(1) == 1)
+
+    def _x16(self, x):
+        """x [R, K] float32 -> (x·s in fp16, chunks in Q8C byte order [R, K]; 1/s [R]): x16_kernel."""
+        R, Kd = x.shape
+        xs = torch.empty((R, Kd), dtype=torch.float16, device=self.dev)
+        inv = torch.empty(R, dtype=torch.float32, device=self.dev)
+        BR = 16 if self.interpret else 4
+        self._launch(K.x16_kernel, (_cdiv(R, BR),), x, x.stride(0), xs, inv, R, Kd, BR=BR, BC=256,
+                     num_warps=4, nbytes=10 * R * Kd)
+        return xs, inv
+
+    def _row_scale(self, w: QWeight):
+        """The powers of two t [N] that bring each Q8C row's largest |q·d| into [2^14, 2^15) (the
+        fp16 weights of matmul_f16w_kernel), computed once per weight from its bytes."""
+        t = w.f16_row_scale
+        if t is None:
+            rows = w.u8.reshape(w.N, w.K // 256, 272)
+            m = torch.empty(w.N, dtype=torch.float32, device=self.dev)
+            for r0 in range(0, w.N, ROW_SCALE_ROWS):  # bounded temporaries for the 129280-row head
+                b = rows[r0:r0 + ROW_SCALE_ROWS]
+                d = b[..., :16].contiguous().view(torch.float16).float().abs()  # [rows, chunks, 8]
+                q = (b[..., 16:].to(torch.int16) - 128).abs().reshape(*d.shape, 32).amax(-1).float()
+                m[r0:r0 + ROW_SCALE_ROWS] = (q * d).amax(dim=(1, 2))  # exact: q·d has 8 + 11 bits
+            _, e = torch.frexp(m)  # m = f·2^e with f in [0.5, 1): m·2^(15−e) lies in [2^14, 2^15)
+            t = torch.where(m > 0, torch.ldexp(torch.ones_like(m), (15 - e).clamp(max=MAX_POW2)),
+                            torch.ones_like(m))
+            w.f16_row_scale = t
+        return t
 
     def _linear_xq(self, x, w: QWeight, c: dict, gr: int, group_stride: int, xq_out: bool):
         """A decode product on Q8C rows through decoder 309 (c: its _mv_cfg), x in XQ8 form; with

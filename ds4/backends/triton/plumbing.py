@@ -91,6 +91,7 @@ class QWeight:
         elif self.kt == int(GGMLType.Q2_K):  # Q2S: quant words, scale bytes and (d, dmin) apart
             self.f32, self.b8, self.i16 = q2_views(u8)
         self.i32 = u8.view(torch.int32) if self.type == GGMLType.I32 else None
+        self.f16_row_scale = None  # (Q8C: the per-row powers of two of the "f16" prefill path, on first use)
 
     @classmethod
     def place(cls, name: str, ttype: GGMLType, dims: tuple[int, ...], u8: torch.Tensor) -> "QWeight":

@@ -58,7 +58,9 @@ from .mmvq import (  # noqa: F401
     matvec_kernel,
 )
 from .mmq import (  # noqa: F401
+    matmul_f16w_kernel,
     matmul_kernel,
+    x16_kernel,
 )
 from .moe import (  # noqa: F401
     moe_gateup_mv_kernel,
