@@ -11,8 +11,9 @@ at the given contexts (state filled with random rows, CUDA-graph replay) three w
 token chosen on the device, the next step queued before the host reads it), and given tokens
 through `Session.eval` (the logits copied to the host after every step, as a sampler on the host
 needs them); prefill tokens/s,
-and a per-kernel table of one eager decode step (time from the profiler, bytes each launch must
-move, bandwidth against the copy rate).
+and per-kernel tables of one eager decode step and one prefill chunk (time from the profiler,
+bytes each launch must move, bandwidth against the copy rate; for the prefill products also
+TFLOP/s against the bf16 peak).
 
     PYTHONPATH=. python bench/triton/bench_full.py --out results/ [--preset flash]
 """
@@ -36,6 +37,8 @@ import ds4
 from ds4.core.gguf_write import write_sparse_gguf
 from ds4.core.sampling import Rng, SamplingParams
 from ds4.core.tiny import preset_config
+
+BF16_PEAK_TFLOPS = 790.0  # the H200's dense bf16 / fp16 tensor-core peak: the prefill table's yardstick
 
 
 def log(*a):
@@ -198,15 +201,17 @@ def _profile(be, fn, copy_bw: float) -> list[dict]:
     from torch.profiler import ProfilerActivity, profile
 
     torch.cuda.synchronize()
-    be.ledger = []
+    be.ledger, be.flop_ledger = [], []
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
         fn()
         torch.cuda.synchronize()
-    ledger, be.ledger = be.ledger, None
-    kbytes, kcalls = defaultdict(int), defaultdict(int)
+    ledger, flop_ledger, be.ledger, be.flop_ledger = be.ledger, be.flop_ledger, None, None
+    kbytes, kcalls, kflops = defaultdict(int), defaultdict(int), defaultdict(int)
     for name, nb in ledger:
         kbytes[name] += nb
         kcalls[name] += 1
+    for name, fl in flop_ledger:
+        kflops[name] += fl
     ktime = defaultdict(float)
     other = 0.0
     for ev in prof.key_averages():
@@ -222,11 +227,13 @@ def _profile(be, fn, copy_bw: float) -> list[dict]:
     for name in sorted(kbytes, key=lambda k: -ktime[k]):
         us = ktime[name]
         bw = kbytes[name] / (us * 1e-6) if us else float("nan")
+        tf = kflops[name] / (us * 1e-6) / 1e12 if us and kflops[name] else 0.0
         rows.append(dict(kernel=name, calls=kcalls[name], time_us=round(us, 1), bytes=kbytes[name],
-                         gb_per_s=round(bw / 1e9, 1), pct_of_copy_bw=round(100 * bw / copy_bw, 1)))
+                         gb_per_s=round(bw / 1e9, 1), pct_of_copy_bw=round(100 * bw / copy_bw, 1),
+                         tflop_per_s=round(tf, 1), pct_of_bf16_peak=round(100 * tf / BF16_PEAK_TFLOPS, 1)))
     if other:
         rows.append(dict(kernel="(torch glue)", calls=0, time_us=round(other, 1), bytes=0, gb_per_s=0,
-                         pct_of_copy_bw=0))
+                         pct_of_copy_bw=0, tflop_per_s=0, pct_of_bf16_peak=0))
     return rows
 
 
@@ -278,6 +285,11 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", default="bench/triton/results")
     ap.add_argument("--preset", default="flash")
+    ap.add_argument("--layers", type=int, default=0,
+                    help="layers of the preset to load (0: all); fewer fit a smaller GPU, per-layer costs stay")
+    ap.add_argument("--variant-tables", action="store_true",
+                    help="also profile the first prefill size per kernel under each prefill variant "
+                         "(prefill_kernels_<variant>.csv)")
     ap.add_argument("--ctx", default="4096,32768")
     ap.add_argument("--prefill", default="2048,8192")
     ap.add_argument("--steps", type=int, default=32)
@@ -306,7 +318,8 @@ def main() -> None:
     res["copy_bw_GBps"] = copy_bandwidth() / 1e9
     log(f"device {res['device']}, copy {res['copy_bw_GBps']:.0f} GB/s")
 
-    cfg = preset_config(a.preset)
+    cfg = preset_config(a.preset, **({"n_layer": a.layers} if a.layers else {}))
+    res["layers"] = cfg.n_layer
     tokens = [f"<t{i}>" for i in range(cfg.n_vocab)]
     write_sparse_gguf(a.gguf, cfg, {}, tokens, [])
     t0 = time.time()
@@ -384,6 +397,15 @@ def main() -> None:
             finally:
                 for k, v in saved.items():
                     setattr(be, k, v)
+            if a.variant_tables:  # its kernels per kernel, the variant's settings on again
+                for k, v in attrs.items():
+                    setattr(be, k, v)
+                try:
+                    rv["kernels"] = prefill_table(eng, n, res["copy_bw_GBps"] * 1e9)
+                    _write_csv(os.path.join(a.out, f"prefill_kernels_{name}.csv"), rv["kernels"])
+                finally:
+                    for k, v in saved.items():
+                        setattr(be, k, v)
             res.setdefault("prefill_variants", []).append(dict(variant=name, **attrs, **rv))
             log(f"  variant {name}: {rv['tokens_per_s']:.0f} tok/s ({rv['seconds']:.2f}s)")
         json.dump(res, open(os.path.join(a.out, "results.json"), "w"), indent=1)

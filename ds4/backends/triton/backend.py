@@ -146,6 +146,7 @@ class TritonBackend(_LinearOps, _DecodeSteps, _HcOps, _AttentionOps, _MoeOps, Ba
         self._cap_ctx = None
         self._cap_stream = None
         self.ledger: list | None = None  # (kernel name, bytes) per launch when profiling
+        self.flop_ledger: list | None = None  # (kernel name, floating-point operations) per product launch
 
     @property
     def device(self) -> str:
@@ -229,7 +230,7 @@ class TritonBackend(_LinearOps, _DecodeSteps, _HcOps, _AttentionOps, _MoeOps, Ba
             self._lanes.arena(t)
         return t
 
-    def _launch(self, kern, grid, *args, nbytes: int = 0, **kw):
+    def _launch(self, kern, grid, *args, nbytes: int = 0, flops: int = 0, **kw):
         if self.interpret:
             kw.pop("num_warps", None)
             kw.pop("num_stages", None)
@@ -242,6 +243,8 @@ class TritonBackend(_LinearOps, _DecodeSteps, _HcOps, _AttentionOps, _MoeOps, Ba
             kern[grid](*args, **kw)
         if self.ledger is not None:
             self.ledger.append((kern.fn.__name__ if hasattr(kern, "fn") else str(kern), int(nbytes)))
+        if self.flop_ledger is not None and flops:
+            self.flop_ledger.append((kern.fn.__name__ if hasattr(kern, "fn") else str(kern), int(flops)))
 
     @property
     def _x_lo(self) -> bool:

@@ -67,7 +67,8 @@ class _LinearOps:
                 BN = min(BN, _largest_pow2_divisor(group_rows, BN))
             self._launch(K.matmul_f16w_kernel, (_cdiv(n, BM) * _cdiv(N, BN),), xs, xinv, xs.shape[1], w.b8, w.i16,
                          self._row_scale(w), out, N, n, N, Kd, w.RB, gr, group_stride, BM=BM, BN=BN, BK=BK, GM=GM,
-                         num_warps=warps, num_stages=stages, nbytes=w.RB * N + 2 * n * Kd + 4 * n * N)
+                         num_warps=warps, num_stages=stages,
+                         flops=2 * n * N * Kd, nbytes=w.RB * N + 2 * n * Kd + 4 * n * N)
         elif self._q8_16(w, src, group_stride):
             xh, xl, xi, _, _ = self._split16(src, sums=False)
             BM, BN, warps, stages = self.q8_16_tile["linear"]
@@ -75,7 +76,7 @@ class _LinearOps:
                 BN = min(BN, _largest_pow2_divisor(group_rows, BN))
             self._launch(K16.matmul_q8_16_kernel, (_cdiv(n, BM), _cdiv(N, BN)), xh, xl, xi, src.shape[1],
                          w.i16, out, N, n, N, Kd, w.RB, gr, group_stride, BM=BM, BN=BN, LO=self._x_lo,
-                         num_warps=warps, num_stages=stages, nbytes=w.RB * N + 4 * n * (Kd + N))
+                         num_warps=warps, num_stages=stages, flops=2 * n * N * Kd, nbytes=w.RB * N + 4 * n * (Kd + N))
         else:
             mc = self._mm_cfg(w.kt, Kd)
             BM, BN, warps = self.mm_tile_q8 if mc["U"] and not self.interpret else self.mm_tile
@@ -84,7 +85,7 @@ class _LinearOps:
             self._launch(K.matmul_kernel, (_cdiv(n, BM), _cdiv(N, BN)), src, sx_t, group_stride,
                          w.b8, w.i16, w.f32, self._gridp, self._ksigns, out, N,
                          n, N, Kd, w.RB, gr, TYPE=w.kt, BM=BM, BN=BN, **mc,
-                         num_warps=warps, num_stages=2, nbytes=w.RB * N + 4 * n * (Kd + N))
+                         num_warps=warps, num_stages=2, flops=2 * n * N * Kd, nbytes=w.RB * N + 4 * n * (Kd + N))
         return out
 
     def _f16w(self, w: QWeight, x, group_stride: int) -> bool:

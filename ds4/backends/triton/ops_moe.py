@@ -183,14 +183,16 @@ class _MoeOps:
             self._launch(K16.moe_gateup_mm16_kernel, (T, _cdiv(F, BN)), xh, xl, xi, tok_sorted, w_sorted,
                          tile_e, tile_r0, tile_end, gate.i16, up.i16, gate.f32, up.f32, lv8, sg8, h, F, E,
                          gate.RB, F * gate.RB, float(clamp), BM=BM, BN=BN, KS=KS, ROUTED=True, LO=self._x_lo,
-                         num_warps=warps, num_stages=stages, nbytes=2 * gate.nbytes + 4 * n * k * (E + F))
+                         num_warps=warps, num_stages=stages,
+                         flops=4 * n * k * F * E, nbytes=2 * gate.nbytes + 4 * n * k * (E + F))
         else:
             BN, warps = self.moe_tile["gateup"]
             self._launch(K.moe_gateup_mm_kernel, (T, _cdiv(F, BN)), x, x.stride(0), tok_sorted, w_sorted,
                          tile_e, tile_r0, tile_end, gate.b8, gate.i16, gate.f32, up.b8, up.i16, up.f32,
                          self._gridp, self._ksigns, h, F, E, gate.RB, F * gate.RB, float(clamp),
                          TYPE=gate.kt, BM=BM, BN=BN, ROUTED=True, **self._mm_cfg(gate.kt, E),
-                         num_warps=warps, num_stages=2, nbytes=2 * gate.nbytes + 4 * n * k * (E + F))
+                         num_warps=warps, num_stages=2,
+                         flops=4 * n * k * F * E, nbytes=2 * gate.nbytes + 4 * n * k * (E + F))
         osort = torch.empty((n * k, E), dtype=torch.float32, device=self.dev)
         if dn16:
             hh, hl, hi, gh, gl = self._split16(h, sums=True)
@@ -198,13 +200,15 @@ class _MoeOps:
             self._launch(K16.moe_down_mm16_kernel, (T, _cdiv(E, BN)), hh, hl, hi, gh, gl, tile_e, tile_r0,
                          tile_end, down.f32, down.b8.view(torch.int32), down.i16, osort, E, F, down.RB,
                          E * down.RB, BM=BM, BN=BN, KS=KS, LO=self._x_lo,
-                         num_warps=warps, num_stages=stages, nbytes=down.nbytes + 4 * n * k * (E + F))
+                         num_warps=warps, num_stages=stages,
+                         flops=2 * n * k * E * F, nbytes=down.nbytes + 4 * n * k * (E + F))
         else:
             BN, warps = self.moe_tile["down"]
             self._launch(K.moe_down_mm_kernel, (T, _cdiv(E, BN)), h, tile_e, tile_r0, tile_end,
                          down.b8, down.i16, down.f32, self._gridp, self._ksigns, osort, E, F, down.RB,
                          E * down.RB, TYPE=down.kt, BM=BM, BN=BN, **self._mm_cfg(down.kt, F),
-                         num_warps=warps, num_stages=2, nbytes=down.nbytes + 4 * n * k * (E + F))
+                         num_warps=warps, num_stages=2,
+                         flops=2 * n * k * E * F, nbytes=down.nbytes + 4 * n * k * (E + F))
         out = self._new((n, E))
         BE = min(1024, _pow2(E))
         self._launch(K.moe_reduce_kernel, (n, _cdiv(E, BE)), osort, inv, out, E, KSLOTS=k, BE=BE,
@@ -281,7 +285,7 @@ class _MoeOps:
             self._launch(K16.moe_gateup_q8_mm16_kernel, (T, _cdiv(F, BN)), xh, xl, xi, self._dummy_i,
                          self._dummy_f, tile_e, tile_r0, tile_end, gate.i16, up.i16, h, F, E, gate.RB, 0,
                          float(clamp), BM=BM, BN=BN, ROUTED=False, LO=self._x_lo, num_warps=warps,
-                         num_stages=stages, nbytes=2 * gate.nbytes + 4 * n * (E + F))
+                         num_stages=stages, flops=4 * n * F * E, nbytes=2 * gate.nbytes + 4 * n * (E + F))
         else:
             BM = 64
             mc = self._mm_cfg(gate.kt, E)
@@ -295,5 +299,5 @@ class _MoeOps:
                          tile_e, tile_r0, tile_end, gate.b8, gate.i16, gate.f32, up.b8, up.i16, up.f32,
                          self._gridp, self._ksigns, h, F, E, gate.RB, 0, float(clamp),
                          TYPE=gate.kt, BM=BM, BN=BN, ROUTED=False, **mc,
-                         num_warps=warps, num_stages=2, nbytes=2 * gate.nbytes + 4 * n * (E + F))
+                         num_warps=warps, num_stages=2, flops=4 * n * F * E, nbytes=2 * gate.nbytes + 4 * n * (E + F))
         return self._linear(h, down)
