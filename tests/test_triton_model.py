@@ -165,6 +165,28 @@ def test_session_hands_off_between_backends(engines, cases):
     assert _same_greedy(s_tri2.logits, s_ref2.logits)
 
 
+def test_f16_prefill_stays_within_the_ds4_tolerance(engines, cases):
+    """The "f16" prefill precision (x, and the Q8C linears' weights, rounded once to fp16 before
+    the products: ds4's own GPU prefill numerics) on the ds4 case: the prompt's logits within
+    DS4_RTOL of the reference and the same greedy token."""
+    ref, tri = engines["ds4"]
+    prompt = cases["ds4"][1]
+    a = ref.session(ctx=64)
+    a.sync(prompt)
+    be = tri.backend
+    saved, be.prec, be.ledger = be.prec, "f16", []
+    try:
+        b = tri.session(ctx=64)
+        b.sync(prompt)
+    finally:
+        be.prec = saved
+    ran = {k for k, _ in be.ledger}
+    be.ledger = None
+    assert {"x16_kernel", "matmul_f16w_kernel"} <= ran, ran
+    assert _rel(b.logits, a.logits) <= DS4_RTOL
+    assert _same_greedy(b.logits, a.logits)
+
+
 # ---- GPU only -----------------------------------------------------------------------------------
 
 @needs_gpu
