@@ -19,7 +19,9 @@ chunk by a power of two s with max|x·s| < 2^15, and x·s = hi + lo in two fp16 
 to 2^-22 of each value (2^-38 of the chunk's largest below fp16's normal range). fp16 products are
 exact (11 × 11 bits) and accumulate in float32, so each super-block's (hi + lo)·qᵀ has float32
 accuracy; the tensor cores accumulate it over the super-block's 256 values (K-steps of KS) and
-the float scales d / s are applied to the [BM, BN] partial sum once per super-block.
+the float scales d / s are applied to the [BM, BN] partial sum once per super-block. Under the
+"f16" prefill precision (LO False) the kernels take hi alone: x·s rounded once to fp16, half the
+tensor-core products.
 
 Each program decodes the [BN, KS] integer tiles of a super-block once and reuses them for its BM
 assignments. The decoders are built from tl.join, so the 32 values a thread decodes (one IQ2_XXS
