@@ -1,7 +1,8 @@
 #!/bin/bash
 # One call on the GPU machine (the `run` tool): the Triton tests compiled on the GPU, then the
 # full-size synthetic benchmark. Carries .whl (gguf) and optionally .tcache (a Triton cache).
-# Reads RUN_TESTS, TESTS, TEST_TIMEOUT, XDIST, RUN_BENCH, BENCH_ARGS, BUDGET, BENCH_TIMEOUT, EXTRA.
+# Reads RUN_TESTS, TESTS, TEST_TIMEOUT, XDIST, RUN_BENCH, BENCH_ARGS, BUDGET, BENCH_TIMEOUT, EXTRA,
+# TCACHE=0 (no Triton cache back).
 export PYTHONUNBUFFERED=1
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
   && export PYTHONPATH=/tmp/site:. || exit 1
@@ -19,4 +20,6 @@ if [ "${RUN_BENCH:-1}" = 1 ]; then
 fi
 
 if [ -n "${EXTRA:-}" ]; then eval "$EXTRA"; fi
-tar cf - -C ~/.triton cache 2>/dev/null | xz -1 -T8 > $OUT/tcache.tar.xz; ls -la $OUT/tcache.tar.xz
+if [ "${TCACHE:-1}" = 1 ]; then  # the Triton cache back, for .tcache/ next time
+  tar cf - -C ~/.triton cache 2>/dev/null | xz -1 -T8 > $OUT/tcache.tar.xz; ls -la $OUT/tcache.tar.xz
+fi
