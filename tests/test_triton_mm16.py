@@ -309,7 +309,7 @@ def test_f16_linear_rounds_x_once(tri16, rng):
     """Q8_0 prefill products under "f16": by default x and the weights in fp16, one scale per row
     each (matmul_f16w_kernel, K a multiple of 256, also grouped); the bf16 path's kernel on one
     fp16 term (blocks of 32, and the only path where K is not a multiple of 256); the fp16 integer
-    path (q8_int16, chunks of 256) without its low term."""
+    path (q8_int16, chunks of 256) without its low term. F16 rows: x in fp16 (matmul_f16w_kernel)."""
     N, K, n = 40, 512, 19
     w, W = _experts(tri16, T.Q8_0, K, N, 1, rng)
     x = _activations(n, K, rng)
@@ -335,10 +335,12 @@ def test_f16_linear_rounds_x_once(tri16, rng):
     ax, aw = np.abs(x.astype(np.float64)), np.abs(Wg[0])
     scale = np.concatenate([ax[:, :256] @ aw[:32].T, ax[:, 256:] @ aw[32:].T], axis=1)
     assert _rel_rows(got, want, scale) < TOL
+    wh, Wh = _experts(tri16, T.F16, K, N, 1, rng)  # F16 rows: x rounded, the weights as they are
+    _one_rounding(tri16.to_numpy(tri16.linear(xt, wh)), x, Wh[0], K)
     ran = [name for name, _ in tri16.ledger]
     tri16.ledger = None
     assert ran == ["x16_kernel", "matmul_f16w_kernel", "matmul_kernel", "split16_kernel", "matmul_q8_16_kernel",
-                   "matmul_kernel", "x16_kernel", "matmul_f16w_kernel"], ran
+                   "matmul_kernel", "x16_kernel", "matmul_f16w_kernel", "x16_kernel", "matmul_f16w_kernel"], ran
 
 
 def test_f16_experts_round_x_once(tri16, rng):
@@ -400,12 +402,13 @@ for name, (fn, cx, flag, values) in cases.items():
         k = triton.compile(ASTSource(fn=fn, signature=sig, constexprs=c), target=GPUTarget("cuda", 90, 32),
                            options=dict(num_warps=4, num_stages=1))
         out.setdefault(name, []).append(len(re.findall(r"wgmma\.mma_async", k.asm["ptx"])))
-fn, c = K.matmul_f16w_kernel, dict(BM=128, BN=128, BK=64, GM=8)
-sig = {a: "constexpr" if a in c else {"x_ptr": "*fp16", **PTR}.get(a, "*fp32" if a.endswith("_ptr") else "i32")
-       for a in fn.arg_names}
-k = triton.compile(ASTSource(fn=fn, signature=sig, constexprs=c), target=GPUTarget("cuda", 90, 32),
-                   options=dict(num_warps=8, num_stages=3))
-out["f16w"] = [len(re.findall(r"wgmma\.mma_async", k.asm["ptx"]))]
+for ttype in (80, 1):  # Q8C, F16
+    fn, c = K.matmul_f16w_kernel, dict(TYPE=ttype, BM=128, BN=128, BK=64, GM=8)
+    sig = {a: "constexpr" if a in c else {"x_ptr": "*fp16", **PTR}.get(a, "*fp32" if a.endswith("_ptr") else "i32")
+           for a in fn.arg_names}
+    k = triton.compile(ASTSource(fn=fn, signature=sig, constexprs=c), target=GPUTarget("cuda", 90, 32),
+                       options=dict(num_warps=8, num_stages=3))
+    out.setdefault("f16w", []).append(len(re.findall(r"wgmma\.mma_async", k.asm["ptx"])))
 print(json.dumps(out))
 """
 
@@ -418,4 +421,4 @@ def test_f16_kernels_compile_for_sm90_with_fewer_products():
     assert n["matmul"][0] == 3 * n["matmul"][1] > 0, n
     for name in ("gateup", "down", "q8_16"):
         assert n[name][0] == 2 * n[name][1] > 0, n
-    assert n["f16w"][0] > 0, n  # the fp16 Q8C path: its products on wgmma
+    assert min(n["f16w"]) > 0, n  # the fp16 path, Q8C and F16 rows: its products on wgmma

@@ -61,12 +61,14 @@ class _LinearOps:
                          N, Kd, w.RB, gr, self.cfg.rms_eps, NORM=norm, **c,
                          nbytes=w.RB * N + 4 * n * (Kd + N))
         elif self._f16w(w, src, group_stride):
-            xs, xinv = self._x16(src)
+            q8 = w.kt == KernelType.Q8C
+            xs, xinv = self._x16(src, perm=q8)
             BM, BN, BK, GM, warps, stages = self.f16w_tile
             if group_rows:
                 BN = min(BN, _largest_pow2_divisor(group_rows, BN))
             self._launch(K.matmul_f16w_kernel, (_cdiv(n, BM) * _cdiv(N, BN),), xs, xinv, xs.shape[1], w.b8, w.i16,
-                         self._row_scale(w), out, N, n, N, Kd, w.RB, gr, group_stride, BM=BM, BN=BN, BK=BK, GM=GM,
+                         self._row_scale(w) if q8 else self._dummy_f, out, N, n, N, Kd, w.RB, gr, group_stride,
+                         TYPE=w.kt, BM=BM, BN=BN, BK=BK, GM=GM,
                          num_warps=warps, num_stages=stages,
                          flops=2 * n * N * Kd, nbytes=w.RB * N + 2 * n * Kd + 4 * n * N)
         elif self._q8_16(w, src, group_stride):
@@ -89,18 +91,19 @@ class _LinearOps:
         return out
 
     def _f16w(self, w: QWeight, x, group_stride: int) -> bool:
-        """Whether a prefill product takes the "f16" precision's Q8C path (matmul_f16w_kernel):
-        whole 256-value chunks of x and groups starting on chunk boundaries."""
-        return (self.q8_f16w and self.prec == ONE_TERM and w.kt == KernelType.Q8C and x.shape[1] % 256 == 0
-                and group_stride % 256 == 0 and x.stride(1) == 1)
+        """Whether a prefill product takes the "f16" precision's fp16 path (matmul_f16w_kernel):
+        Q8C or F16 rows, whole 256-value chunks of x and groups starting on chunk boundaries."""
+        return (self.q8_f16w and self.prec == ONE_TERM and w.kt in (KernelType.Q8C, KernelType.F16)
+                and x.shape[1] % 256 == 0 and w.K % 256 == 0 and group_stride % 256 == 0 and x.stride(1) == 1)
 
-    def _x16(self, x):
-        """x [R, K] float32 -> (x·s in fp16, chunks in Q8C byte order [R, K]; 1/s [R]): x16_kernel."""
+    def _x16(self, x, perm: bool):
+        """x [R, K] float32 -> (x·s in fp16 [R, K], with perm each chunk in Q8C byte order; 1/s [R]):
+        x16_kernel."""
         R, Kd = x.shape
         xs = torch.empty((R, Kd), dtype=torch.float16, device=self.dev)
         inv = torch.empty(R, dtype=torch.float32, device=self.dev)
         BR = 16 if self.interpret else 4
-        self._launch(K.x16_kernel, (_cdiv(R, BR),), x, x.stride(0), xs, inv, R, Kd, BR=BR, BC=256,
+        self._launch(K.x16_kernel, (_cdiv(R, BR),), x, x.stride(0), xs, inv, R, Kd, BR=BR, BC=256, PERM=perm,
                      num_warps=4, nbytes=10 * R * Kd)
         return xs, inv
 

@@ -51,9 +51,9 @@ class TritonTuning:
     # x split exactly in three bf16 terms, and the IQ2_XXS / Q2_K experts as exact integers on fp16
     # tensor cores (moe_int16); other weights, and every weight under "tf32x3" / "tf32" / "ieee",
     # go through tl.dot at that precision on float32-decoded tiles. "f16": the same integer paths
-    # with x rounded once to fp16 (one product instead of three or two), and the Q8C linears as
-    # fp16 products of x and the weights each rounded once (q8_f16w): what ds4 feeds its own GPU
-    # prefill, not float32-accurate (numerics "ds4" only; spec §3.10)
+    # with x rounded once to fp16 (one product instead of three or two), and the Q8C and F16
+    # linears as fp16 products of x and the weights each rounded once (q8_f16w): what ds4 feeds
+    # its own GPU prefill, not float32-accurate (numerics "ds4" only; spec §3.10)
     prec: str = "bf16x3"
     units_per_step: int = 1
     chain_block: int = 2048  # logits per program of greedy_next_kernel / sample_next_kernel
@@ -78,9 +78,9 @@ class TritonTuning:
     # warps, pipeline stages
     q8_int16: bool = False
     q8_16_tile: Mapping = field(default_factory=lambda: {"linear": (64, 64, 4, 1), "gateup": (64, 64, 8, 1)})
-    # "f16" precision, Q8C linears: x in fp16 once per product (x16_kernel) and the weights folded
-    # to fp16 as they load (matmul_f16w_kernel), one float32 accumulator over K. Rows of x, rows
-    # of W, K-step (a divisor of 256), row tiles of x per W tile, warps, pipeline stages
+    # "f16" precision, Q8C and F16 linears: x in fp16 once per product (x16_kernel) and the Q8C
+    # weights folded to fp16 as they load (matmul_f16w_kernel), one float32 accumulator over K.
+    # Rows of x, rows of W, K-step (a divisor of 256), row tiles of x per W tile, warps, stages
     q8_f16w: bool = True
     f16w_tile: tuple = (128, 128, 64, 8, 8, 3)
     topk_reg_max: int = 16384  # indexer rows that top-k keeps in registers

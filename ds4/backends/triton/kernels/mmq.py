@@ -1,12 +1,12 @@
 """Matrix-matrix products (prefill) of quantized weights: `matmul_kernel` (every type), and the
-"f16" precision's Q8C path (`x16_kernel`, `matmul_f16w_kernel`)."""
+"f16" precision's path for Q8C and F16 rows (`x16_kernel`, `matmul_f16w_kernel`)."""
 
 from __future__ import annotations
 
 import triton
 import triton.language as tl
 
-from .common import _INTERP, _dot_units, _ld_f16, _pow2_scale, _q8c_value, _wtile
+from .common import _INTERP, T_Q8C, _dot_units, _ld_f16, _pow2_scale, _q8c_value, _wtile
 
 
 @triton.jit
@@ -55,21 +55,25 @@ def matmul_kernel(x_ptr, sx_t, sx_g, wb, wh, wf, gridp, ksigns, out_ptr, so_t,
 
 
 # ------------------------------------------------------------------------------------------------
-# the "f16" precision's Q8C products: one fp16 product per K-step, the scales folded into the load
+# the "f16" precision's products on Q8C and F16 rows: one fp16 product per K-step, the scales
+# folded into the load
 
 
 @triton.jit
-def x16_kernel(x_ptr, sx, out_ptr, inv_ptr, R, K, BR: tl.constexpr, BC: tl.constexpr):
-    """x [R, K] float32 (row stride sx) -> out [R, K] fp16 = x·s rounded once, each 256-value chunk's
-    values in Q8C quant byte order (value 32·b + _q8c_value(p) of the chunk at byte 32·b + p), and
-    inv [R] = 1/s, s a power of two per row with the row's max·s in [2^14, 2^15) (_pow2_scale): a
-    Q8C row's quant bytes then meet the x values they multiply in order. BC: a divisor of K, a
-    multiple of 256."""
+def x16_kernel(x_ptr, sx, out_ptr, inv_ptr, R, K, BR: tl.constexpr, BC: tl.constexpr, PERM: tl.constexpr):
+    """x [R, K] float32 (row stride sx) -> out [R, K] fp16 = x·s rounded once and inv [R] = 1/s, s a
+    power of two per row with the row's max·s in [2^14, 2^15) (_pow2_scale). PERM: each 256-value
+    chunk's values in Q8C quant byte order (value 32·b + _q8c_value(p) of the chunk at byte
+    32·b + p), so that a Q8C row's quant bytes meet the x values they multiply in order. BC: a
+    divisor of K, a multiple of 256."""
     r = tl.program_id(0) * BR + tl.arange(0, BR)
     rm = r < R
     r64 = r.to(tl.int64)
     j = tl.arange(0, BC)
-    src = (j // 32) * 32 + _q8c_value(j % 32)  # the value at byte j of a run of whole blocks
+    if PERM:
+        src = (j // 32) * 32 + _q8c_value(j % 32)  # the value at byte j of a run of whole blocks
+    else:
+        src = j
     mx = tl.zeros([BR], tl.float32)
     for k0 in range(0, K, BC):
         x = tl.load(x_ptr + r64[:, None] * sx + k0 + j[None, :], mask=rm[:, None], other=0.0)
@@ -83,14 +87,16 @@ def x16_kernel(x_ptr, sx, out_ptr, inv_ptr, R, K, BR: tl.constexpr, BC: tl.const
 
 @triton.jit
 def matmul_f16w_kernel(x_ptr, xinv_ptr, SX, wb, wh, wt_ptr, out_ptr, so_t, M, N, K, RB, GROUP_ROWS, sx_g,
-                       BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, GM: tl.constexpr):
-    """out[M, N] = x[M, K] · W[N, K]ᵀ for Q8C rows W under the "f16" precision: x from x16_kernel
-    (rows of SX values, fp16 in quant byte order, 1/s per row) and each weight q·d·t rounded once
-    to fp16 as its bytes load (t [N] at wt_ptr: a power of two per row with the row's max |q·d|·t
-    in [2^14, 2^15)), so the K loop is plain fp16 tensor-core products into one float32
-    accumulator; 1/s and 1/t apply once at the end. Rows of group g = r // GROUP_ROWS read x at
-    column offset g·sx_g (a multiple of 256). BK: a divisor of 256. Programs run GM row tiles of x
-    per column tile of W, so that neighbours share W in L2."""
+                       TYPE: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
+                       GM: tl.constexpr):
+    """out[M, N] = x[M, K] · W[N, K]ᵀ under the "f16" precision: x from x16_kernel (rows of SX
+    values, fp16, 1/s per row; in quant byte order for Q8C) and W as fp16 values, so the K loop
+    is plain fp16 tensor-core products into one float32 accumulator and 1/s applies once at the
+    end. TYPE Q8C: each weight q·d·t rounded once to fp16 as its bytes load (t [N] at wt_ptr: a
+    power of two per row with the row's max |q·d|·t in [2^14, 2^15); 1/t applies at the end);
+    TYPE F16: the weights as they are. Rows of group g = r // GROUP_ROWS read x at column offset
+    g·sx_g (a multiple of 256). BK: a divisor of 256. Programs run GM row tiles of x per column
+    tile of W, so that neighbours share W in L2."""
     pid = tl.program_id(0)
     n_m = tl.cdiv(M, BM)
     n_n = tl.cdiv(N, BN)
@@ -104,23 +110,29 @@ def matmul_f16w_kernel(x_ptr, xinv_ptr, SX, wb, wh, wt_ptr, out_ptr, so_t, M, N,
     rows = pn * BN + tl.arange(0, BN)
     rmask = rows < N
     ro = rows.to(tl.int64) * RB
-    t = tl.load(wt_ptr + rows, mask=rmask, other=1.0)
+    if TYPE == T_Q8C:
+        t = tl.load(wt_ptr + rows, mask=rmask, other=1.0)
     kk = tl.arange(0, BK)
     NU: tl.constexpr = BK // 32
     xrow = x_ptr + tm[:, None].to(tl.int64) * SX + ((pn * BN) // GROUP_ROWS) * sx_g
     acc = tl.zeros([BM, BN], tl.float32)
     for k0 in range(0, K, BK):
-        c = ro + (k0 // 256) * 272  # the chunk: 8 f16 scales, then 256 quant bytes
-        p = k0 % 256
         xt = tl.load(xrow + k0 + kk[None, :], mask=mm[:, None], other=0.0)
-        q = tl.load(wb + c[:, None] + 16 + p + kk[None, :], mask=rmask[:, None], other=128).to(tl.int32)
-        d = _ld_f16(wh, c[:, None] + (p // 32 + tl.arange(0, NU))[None, :] * 2, rmask[:, None]) * t[:, None]
-        qf = (q | 0x4B000000).to(tl.float32, bitcast=True) - 8388736.0  # byte − 128, exactly (see _u8f)
-        w = tl.reshape(tl.reshape(qf, [BN, NU, 32]) * d[:, :, None], [BN, BK]).to(tl.float16)
+        if TYPE == T_Q8C:
+            c = ro + (k0 // 256) * 272  # the chunk: 8 f16 scales, then 256 quant bytes
+            p = k0 % 256
+            q = tl.load(wb + c[:, None] + 16 + p + kk[None, :], mask=rmask[:, None], other=128).to(tl.int32)
+            d = _ld_f16(wh, c[:, None] + (p // 32 + tl.arange(0, NU))[None, :] * 2, rmask[:, None]) * t[:, None]
+            qf = (q | 0x4B000000).to(tl.float32, bitcast=True) - 8388736.0  # byte − 128, exactly (see _u8f)
+            w = tl.reshape(tl.reshape(qf, [BN, NU, 32]) * d[:, :, None], [BN, BK]).to(tl.float16)
+        else:
+            w = tl.load(wh + ro[:, None] // 2 + k0 + kk[None, :], mask=rmask[:, None], other=0).to(tl.float16,
+                                                                                                  bitcast=True)
         if _INTERP:  # the interpreter's fp16 products are not trustworthy: the same values in float32
             acc = tl.dot(xt.to(tl.float32), tl.trans(w.to(tl.float32)), acc, input_precision="ieee")
         else:
             acc = tl.dot(xt, tl.trans(w), acc)
-    inv = tl.load(xinv_ptr + tm, mask=mm, other=0.0)
-    out = acc * inv[:, None] * (1.0 / t)[None, :]
+    out = acc * tl.load(xinv_ptr + tm, mask=mm, other=0.0)[:, None]
+    if TYPE == T_Q8C:
+        out = out * (1.0 / t)[None, :]
     tl.store(out_ptr + tm[:, None].to(tl.int64) * so_t + rows[None, :], out, mask=mm[:, None] & rmask[None, :])
