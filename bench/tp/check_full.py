@@ -10,7 +10,9 @@ hole for the data) run with `synthetic=True`: every rank makes each tensor's byt
 tensor's name and cuts its part, so the ranks hold the parts of one model. `one` and `pair` run
 in separate processes (one after the other) so the GPU holds one model at a time; both ranks of
 `pair` share the one GPU, gates over loopback TCP, with --debug-hash on. Each writes JSON into
---out; `pair` and `small` compare tokens and logits with their one-rank run.
+--out; `pair` and `small` feed the one-rank run's greedy tokens and compare, step by step, the
+logits and their argmax with the one-rank run's (a differing argmax is reported with the one-rank
+top-2 gap, so that a near-tie, which a different order of addition can flip, shows as one).
 """
 
 from __future__ import annotations
@@ -53,16 +55,24 @@ def rel(a: np.ndarray, b: np.ndarray) -> float:
     return float(np.max(np.abs(a - b)) / np.max(np.abs(a)))
 
 
-def run(session, ids: list[int], n: int | None = None) -> dict:
+def run(session, ids: list[int], force: list[int] | None = None, n: int | None = None) -> dict:
+    """The prompt, then n greedy steps through Session.eval (the logits of every step kept).
+    force: feed these tokens instead of the session's own choices (a second run then sees the
+    first run's history at every step, so its logits stay comparable past a near-tie);
+    `tokens` are always the session's own argmax choices."""
     n = GEN_TOKENS if n is None else n
     t0 = time.perf_counter()
     session.sync(ids)
     t_prefill = time.perf_counter() - t0
     first = np.array(session.logits, copy=True)
+    toks, steps = [], []
     t0 = time.perf_counter()
-    toks = list(session.greedy(n))
+    for i in range(n):
+        toks.append(int(np.argmax(session.logits)))
+        session.eval(toks[-1] if force is None else int(force[i]))
+        steps.append(np.array(session.logits, copy=True))
     t_gen = time.perf_counter() - t0
-    return dict(tokens=toks, first=first, last=np.array(session.logits, copy=True),
+    return dict(tokens=toks, first=first, last=steps[-1], steps=np.stack(steps),
                 prefill_s=t_prefill, decode_tok_s=n / t_gen)
 
 
@@ -74,16 +84,32 @@ def gpu_gb() -> float:
 
 
 def save(out: Path, name: str, r: dict, extra: dict) -> None:
-    np.savez(out / f"{name}.npz", tokens=r["tokens"], first=r["first"], last=r["last"])
-    meta = {k: v for k, v in r.items() if k not in ("first", "last")} | extra
+    np.savez(out / f"{name}.npz", tokens=r["tokens"], first=r["first"], last=r["last"], steps=r["steps"])
+    meta = {k: v for k, v in r.items() if k not in ("first", "last", "steps")} | extra
     (out / f"{name}.json").write_text(json.dumps(meta, indent=1))
 
 
-def compare(out: Path, one: str, two: str, r: dict) -> dict:
+def one_tokens(out: Path, one: str) -> list[int]:
+    return [int(t) for t in np.load(out / f"{one}.npz")["tokens"]]
+
+
+def compare(out: Path, one: str, r: dict) -> dict:
+    """r (run with force = the one-rank run's tokens) against the one-rank run, step by step: the
+    logits' relative difference, and where the argmax differs whether it is a certified near-tie
+    (the one-rank top-2 gap is within twice the largest logit difference, so the difference
+    alone can swap them)."""
     ref = np.load(out / f"{one}.npz")
-    return dict(tokens_equal=bool(list(ref["tokens"]) == list(r["tokens"])),
-                first_diff_at=next((i for i, (a, b) in enumerate(zip(ref["tokens"], r["tokens"])) if a != b), None),
-                prompt_logits_rel=rel(ref["first"], r["first"]), final_logits_rel=rel(ref["last"], r["last"]))
+    want = np.concatenate([ref["first"][None], ref["steps"]])
+    got = np.concatenate([r["first"][None], r["steps"]])
+    flips = []
+    for i, (a, b) in enumerate(zip(want, got)):
+        if int(np.argmax(a)) != int(np.argmax(b)):
+            top2 = np.sort(a)[-2:]
+            gap, diff = float(top2[1] - top2[0]), float(np.abs(a - b).max())
+            flips.append(dict(step=i, one_top2_gap=gap, max_logit_diff=diff, near_tie=gap <= 2 * diff))
+    rels = [rel(a, b) for a, b in zip(want, got)]
+    return dict(tokens_equal=not flips, steps=len(want), flips=flips,
+                prompt_logits_rel=rels[0], max_step_logits_rel=max(rels), final_logits_rel=rels[-1])
 
 
 def _part_bytes(p: RankPart, t, cfg) -> int:
@@ -121,7 +147,7 @@ def cmd_one(a) -> None:
     gb = gpu_gb()
     r = run(eng.session(ctx=1024), prompt(eng.config.n_vocab))
     save(out, f"one-{a.numerics}", r, dict(gpu_gb=gb))
-    print(json.dumps({k: v for k, v in r.items() if k not in ("first", "last")} | {"gpu_gb": gb}))
+    print(json.dumps({k: v for k, v in r.items() if k not in ("first", "last", "steps")} | {"gpu_gb": gb}))
 
 
 def cmd_worker(a) -> None:
@@ -136,7 +162,7 @@ def cmd_worker(a) -> None:
     w.serve()
 
 
-def _pair(out: Path, gguf: str, backends: tuple[str, str], numerics: str, synthetic: bool, name: str):
+def _pair(out: Path, gguf: str, backends: tuple[str, str], numerics: str, synthetic: bool, force: list[int]):
     from ds4.tp import Options, TPEngine
 
     opts = dict(synthetic=True) if synthetic else {}
@@ -151,7 +177,7 @@ def _pair(out: Path, gguf: str, backends: tuple[str, str], numerics: str, synthe
     worker = subprocess.Popen(cmd, stdout=subprocess.PIPE, text=True)
     lead.ensure_worker()
     worker_gb = json.loads(worker.stdout.readline())["worker_gpu_gb"]
-    r = run(lead.session(ctx=1024), prompt(lead.config.n_vocab))
+    r = run(lead.session(ctx=1024), prompt(lead.config.n_vocab), force=force)
     lead.close()
     worker.wait(timeout=600)
     return r, dict(leader_gpu_gb=gb, worker_gpu_gb=worker_gb, backends="+".join(backends))
@@ -159,10 +185,11 @@ def _pair(out: Path, gguf: str, backends: tuple[str, str], numerics: str, synthe
 
 def cmd_pair(a) -> None:
     out = Path(a.out)
-    r, extra = _pair(out, flash_gguf(), ("triton", "triton"), a.numerics, True, "pair")
-    extra |= compare(out, f"one-{a.numerics}", "pair", r)
+    one = f"one-{a.numerics}"
+    r, extra = _pair(out, flash_gguf(), ("triton", "triton"), a.numerics, True, one_tokens(out, one))
+    extra |= compare(out, one, r)
     save(out, f"pair-{a.numerics}", r, extra)
-    print(json.dumps({k: v for k, v in r.items() if k not in ("first", "last")} | extra))
+    print(json.dumps({k: v for k, v in r.items() if k not in ("first", "last", "steps")} | extra))
 
 
 def cmd_small(a) -> None:
@@ -173,11 +200,12 @@ def cmd_small(a) -> None:
     gguf = str(out / "small.gguf")
     make_tiny(gguf, preset=SMALL_PRESET, seed=SEED)
     one = ds4.Engine.open(gguf, backend="reference", numerics=a.numerics)
-    save(out, f"small-one-{a.numerics}", run(one.session(ctx=1024), prompt(one.config.n_vocab)), {})
-    r, extra = _pair(out, gguf, tuple(a.backends.split(",")), a.numerics, False, "small")
-    extra |= compare(out, f"small-one-{a.numerics}", "small", r)
+    name = f"small-one-{a.numerics}"
+    save(out, name, run(one.session(ctx=1024), prompt(one.config.n_vocab)), {})
+    r, extra = _pair(out, gguf, tuple(a.backends.split(",")), a.numerics, False, one_tokens(out, name))
+    extra |= compare(out, name, r)
     save(out, f"small-pair-{a.numerics}", r, extra)
-    print(json.dumps({k: v for k, v in r.items() if k not in ("first", "last")} | extra))
+    print(json.dumps({k: v for k, v in r.items() if k not in ("first", "last", "steps")} | extra))
 
 
 def main() -> None:
