@@ -51,10 +51,6 @@ def matmul_kernel(x_ptr, sx_t, sx_g, wb, wh, wf, gridp, ksigns, out_ptr, so_t,
 
 
 # ------------------------------------------------------------------------------------------------
-# routed and shared experts
-
-
-# ------------------------------------------------------------------------------------------------
 # the "f16" precision's products on Q8C and F16 rows: one fp16 product per K-step, the scales
 # folded into the load
 
