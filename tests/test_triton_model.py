@@ -166,20 +166,20 @@ def test_session_hands_off_between_backends(engines, cases):
 
 
 def test_f16_prefill_stays_within_the_ds4_tolerance(engines, cases):
-    """The "f16" prefill precision (x, and the Q8C linears' weights, rounded once to fp16 before
-    the products: ds4's own GPU prefill numerics) on the ds4 case: the prompt's logits within
-    DS4_RTOL of the reference and the same greedy token."""
+    """The "f16" prefill precision (x, and with q8_f16w the Q8C linears' weights, rounded once to
+    fp16 before the products: ds4's own GPU prefill numerics) on the ds4 case: the prompt's
+    logits within DS4_RTOL of the reference and the same greedy token."""
     ref, tri = engines["ds4"]
     prompt = cases["ds4"][1]
     a = ref.session(ctx=64)
     a.sync(prompt)
     be = tri.backend
-    saved, be.prec, be.ledger = be.prec, "f16", []
+    saved, be.prec, be.q8_f16w, be.ledger = (be.prec, be.q8_f16w), "f16", True, []
     try:
         b = tri.session(ctx=64)
         b.sync(prompt)
     finally:
-        be.prec = saved
+        be.prec, be.q8_f16w = saved
     ran = {k for k, _ in be.ledger}
     be.ledger = None
     assert {"x16_kernel", "matmul_f16w_kernel"} <= ran, ran

@@ -63,12 +63,12 @@ class _LinearOps:
         elif self._f16w(w, src, group_stride):
             q8 = w.kt == KernelType.Q8C
             xs, xinv = self._x16(src, perm=q8)
-            BM, BN, BK, GM, warps, stages, wt = self.f16w_tile
+            BM, BN, BK, GM, warps, stages, wt, sc = self.f16w_tile
             if group_rows:
                 BN = min(BN, _largest_pow2_divisor(group_rows, BN))
             self._launch(K.matmul_f16w_kernel, (_cdiv(n, BM) * _cdiv(N, BN),), xs, xinv, xs.shape[1], w.b8, w.i16,
                          self._row_scale(w) if q8 else self._dummy_f, out, N, n, N, Kd, w.RB, gr, group_stride,
-                         TYPE=w.kt, BM=BM, BN=BN, BK=BK, GM=GM, WT=bool(wt),
+                         TYPE=w.kt, BM=BM, BN=BN, BK=BK, GM=GM, WT=bool(wt), SC=bool(sc),
                          num_warps=warps, num_stages=stages,
                          flops=2 * n * N * Kd, nbytes=w.RB * N + 2 * n * Kd + 4 * n * N)
         elif self._q8_16(w, src, group_stride):
@@ -93,7 +93,7 @@ class _LinearOps:
     def _f16w(self, w: QWeight, x, group_stride: int) -> bool:
         """Whether a prefill product takes the "f16" precision's fp16 path (matmul_f16w_kernel):
         Q8C or F16 rows, whole 256-value chunks of x and groups starting on chunk boundaries."""
-        return (self.q8_f16w and self.prec == ONE_TERM and w.kt in (KernelType.Q8C, KernelType.F16)
+        return (self.q8_f16w and self.prec == ONE_TERM and w.kt in self.f16w_types
                 and x.shape[1] % 256 == 0 and w.K % 256 == 0 and group_stride % 256 == 0 and x.stride(1) == 1)
 
     def _x16(self, x, perm: bool):

@@ -84,7 +84,7 @@ def x16_kernel(x_ptr, sx, out_ptr, inv_ptr, R, K, BR: tl.constexpr, BC: tl.const
 @triton.jit
 def matmul_f16w_kernel(x_ptr, xinv_ptr, SX, wb, wh, wt_ptr, out_ptr, so_t, M, N, K, RB, GROUP_ROWS, sx_g,
                        TYPE: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
-                       GM: tl.constexpr, WT: tl.constexpr = False):
+                       GM: tl.constexpr, WT: tl.constexpr = False, SC: tl.constexpr = True):
     """out[M, N] = x[M, K] · W[N, K]ᵀ under the "f16" precision: x from x16_kernel (rows of SX
     values, fp16, 1/s per row; in quant byte order for Q8C) and W as fp16 values, so the K loop
     is plain fp16 tensor-core products into one float32 accumulator and 1/s applies once at the
@@ -94,7 +94,9 @@ def matmul_f16w_kernel(x_ptr, xinv_ptr, SX, wb, wh, wt_ptr, out_ptr, so_t, M, N,
     g·sx_g (a multiple of 256). BK: a divisor of 256. Programs run GM row tiles of x per column
     tile of W, so that neighbours share W in L2. WT: the products as W·xᵀ ([BN, BM] tiles), so
     that the weights the program decodes in registers are the left operand (which the tensor
-    cores can take from registers; the right one comes from shared memory)."""
+    cores can take from registers; the right one comes from shared memory). SC: the block scales
+    loaded once per block and broadcast through a reshape, else loaded per value (32 neighbours
+    share an address; the tile keeps its layout)."""
     pid = tl.program_id(0)
     n_m = tl.cdiv(M, BM)
     n_n = tl.cdiv(N, BN)
@@ -119,11 +121,14 @@ def matmul_f16w_kernel(x_ptr, xinv_ptr, SX, wb, wh, wt_ptr, out_ptr, so_t, M, N,
             c = ro + (k0 // 256) * 272  # the chunk: 8 f16 scales, then 256 quant bytes
             p = k0 % 256
             q = tl.load(wb + c[:, None] + 16 + p + kk[None, :], mask=rmask[:, None], other=128).to(tl.int32)
-            # each value's block scale, loaded per value (32 neighbours share one address) so the
-            # tile keeps its layout: no reshape through shared memory
-            d = _ld_f16(wh, c[:, None] + ((p + kk[None, :]) // 32) * 2, rmask[:, None]) * t[:, None]
             qf = (q | 0x4B000000).to(tl.float32, bitcast=True) - 8388736.0  # byte − 128, exactly (see _u8f)
-            w = (qf * d).to(tl.float16)
+            if SC:
+                NU: tl.constexpr = BK // 32
+                d = _ld_f16(wh, c[:, None] + (p // 32 + tl.arange(0, NU))[None, :] * 2, rmask[:, None]) * t[:, None]
+                w = tl.reshape(tl.reshape(qf, [BN, NU, 32]) * d[:, :, None], [BN, BK]).to(tl.float16)
+            else:
+                d = _ld_f16(wh, c[:, None] + ((p + kk[None, :]) // 32) * 2, rmask[:, None]) * t[:, None]
+                w = (qf * d).to(tl.float16)
         else:
             w = tl.load(wh + ro[:, None] // 2 + k0 + kk[None, :], mask=rmask[:, None], other=0).to(tl.float16,
                                                                                                   bitcast=True)
