@@ -285,6 +285,7 @@ def tri16():
     be = TritonBackend(preset_config("test"), device=DEVICE, dot_precision="f16")
     be.moe_int16 = True
     be.q8_f16w = True  # the fp16 path for Q8C and F16 rows, whatever the tuning's default
+    be.f16w_types = (80, 1)
     return be
 
 
@@ -306,15 +307,11 @@ def test_f16_precision_needs_ds4_numerics():
         TritonBackend(preset_config("test"), numerics="exact", device=DEVICE, dot_precision="f16")
 
 
-@pytest.mark.parametrize("wt,sc", [(0, 1), (1, 0)], ids=["x_w", "w_x"])
-def test_f16_linear_rounds_x_once(tri16, rng, wt, sc):
+def test_f16_linear_rounds_x_once(tri16, rng):
     """Q8_0 prefill products under "f16": by default x and the weights in fp16, one scale per row
     each (matmul_f16w_kernel, K a multiple of 256, also grouped); the bf16 path's kernel on one
     fp16 term (blocks of 32, and the only path where K is not a multiple of 256); the fp16 integer
-    path (q8_int16, chunks of 256) without its low term. F16 rows: x in fp16 (matmul_f16w_kernel).
-    wt, sc: matmul_f16w_kernel's products as x·Wᵀ or as W·xᵀ, its scales per block or per value."""
-    tile = tri16.f16w_tile
-    tri16.f16w_tile = (*tile[:6], wt, sc)
+    path (q8_int16, chunks of 256) without its low term. F16 rows: x in fp16 (matmul_f16w_kernel)."""
     N, K, n = 40, 512, 19
     w, W = _experts(tri16, T.Q8_0, K, N, 1, rng)
     x = _activations(n, K, rng)
@@ -343,7 +340,7 @@ def test_f16_linear_rounds_x_once(tri16, rng, wt, sc):
     wh, Wh = _experts(tri16, T.F16, K, N, 1, rng)  # F16 rows: x rounded, the weights as they are
     _one_rounding(tri16.to_numpy(tri16.linear(xt, wh)), x, Wh[0], K)
     ran = [name for name, _ in tri16.ledger]
-    tri16.ledger, tri16.f16w_tile = None, tile
+    tri16.ledger = None
     assert ran == ["x16_kernel", "matmul_f16w_kernel", "matmul_kernel", "split16_kernel", "matmul_q8_16_kernel",
                    "matmul_kernel", "x16_kernel", "matmul_f16w_kernel", "x16_kernel", "matmul_f16w_kernel"], ran
 
@@ -383,7 +380,7 @@ def test_f16_experts_round_x_once(tri16, rng):
 # In a subprocess without the interpreter: the kernels of both precisions compiled for sm_90 (the
 # interpreter never runs the compiled branches of _dot16 / _dot_units / matmul_f16w_kernel); "f16"
 # must issue a third of bf16x3's tensor-core products on Q8_0 and half of the two-term path's on the
-# experts, and its Q8C kernel must run on wgmma.
+# experts, and its fp16 kernel (Q8C and F16 rows) must run on wgmma.
 _COMPILE = r"""
 import json, re
 import triton
@@ -407,8 +404,8 @@ for name, (fn, cx, flag, values) in cases.items():
         k = triton.compile(ASTSource(fn=fn, signature=sig, constexprs=c), target=GPUTarget("cuda", 90, 32),
                            options=dict(num_warps=4, num_stages=1))
         out.setdefault(name, []).append(len(re.findall(r"wgmma\.mma_async", k.asm["ptx"])))
-for ttype, wt, sc in ((80, False, True), (1, False, True), (80, True, False)):  # Q8C, F16; W·xᵀ, scales per value
-    fn, c = K.matmul_f16w_kernel, dict(TYPE=ttype, BM=128, BN=128, BK=64, GM=8, WT=wt, SC=sc)
+for ttype in (80, 1):  # Q8C, F16
+    fn, c = K.matmul_f16w_kernel, dict(TYPE=ttype, BM=128, BN=128, BK=64, GM=8)
     sig = {a: "constexpr" if a in c else {"x_ptr": "*fp16", **PTR}.get(a, "*fp32" if a.endswith("_ptr") else "i32")
            for a in fn.arg_names}
     k = triton.compile(ASTSource(fn=fn, signature=sig, constexprs=c), target=GPUTarget("cuda", 90, 32),

@@ -63,12 +63,12 @@ class _LinearOps:
         elif self._f16w(w, src, group_stride):
             q8 = w.kt == KernelType.Q8C
             xs, xinv = self._x16(src, perm=q8)
-            BM, BN, BK, GM, warps, stages, wt, sc = self.f16w_tile
+            BM, BN, BK, GM, warps, stages = self.f16w_tile
             if group_rows:
                 BN = min(BN, _largest_pow2_divisor(group_rows, BN))
             self._launch(K.matmul_f16w_kernel, (_cdiv(n, BM) * _cdiv(N, BN),), xs, xinv, xs.shape[1], w.b8, w.i16,
                          self._row_scale(w) if q8 else self._dummy_f, out, N, n, N, Kd, w.RB, gr, group_stride,
-                         TYPE=w.kt, BM=BM, BN=BN, BK=BK, GM=GM, WT=bool(wt), SC=bool(sc),
+                         TYPE=w.kt, BM=BM, BN=BN, BK=BK, GM=GM,
                          num_warps=warps, num_stages=stages,
                          flops=2 * n * N * Kd, nbytes=w.RB * N + 2 * n * Kd + 4 * n * N)
         elif self._q8_16(w, src, group_stride):

@@ -80,12 +80,10 @@ class TritonTuning:
     q8_16_tile: Mapping = field(default_factory=lambda: {"linear": (64, 64, 4, 1), "gateup": (64, 64, 8, 1)})
     # "f16" precision, Q8C and F16 linears: x in fp16 once per product (x16_kernel) and the Q8C
     # weights folded to fp16 as they load (matmul_f16w_kernel), one float32 accumulator over K.
-    # Rows of x, rows of W, K-step (a divisor of 256), row tiles of x per W tile, warps, stages,
-    # 1 for the products as W·xᵀ (the decoded weights the left operand), 1 for the block scales
-    # broadcast through a reshape (0: loaded per value); the layouts (kernel type ids) it takes.
-    # Off: on the H200 the one-term integer paths were faster (bench/triton/README.md)
-    q8_f16w: bool = False
-    f16w_tile: tuple = (128, 128, 64, 8, 8, 3, 0, 1)
+    # Rows of x, rows of W, K-step (a divisor of 256), row tiles of x per W tile, warps, stages;
+    # the layouts (kernel type ids) it takes
+    q8_f16w: bool = True
+    f16w_tile: tuple = (128, 128, 64, 8, 8, 3)
     f16w_types: tuple = (int(KernelType.Q8C), int(KernelType.F16))
     topk_reg_max: int = 16384  # indexer rows that top-k keeps in registers
     # one-query top-k (decode) from the key counts and buckets the scores kernel makes
@@ -194,7 +192,7 @@ def load_tuning(interpret: bool, max_shared: int | None = None, dot_precision: s
         raise ValueError(f"DS4_TRITON_MV_SHAPES: expected a JSON file or \"\", got {table!r} (no such file)")
     if interpret:  # few, large programs; the interpreter's tests use small shapes of their own
         t.update(moe_tile={"gateup": (64, 4), "down": (64, 4), "shared": (64, 4)}, topk_bucket=32, topk_rows=64,
-                 hc_mix_bt=(2, 16), combine_pairs=16, rope_rows_decode=64, f16w_tile=(16, 32, 64, 2, 4, 1, 0, 1))
+                 hc_mix_bt=(2, 16), combine_pairs=16, rope_rows_decode=64, f16w_tile=(16, 32, 64, 2, 4, 1))
     elif table:
         t["mv_shapes"] = load_mv_shapes(table)
     return dataclasses.replace(defaults, **t)

@@ -84,7 +84,7 @@ def x16_kernel(x_ptr, sx, out_ptr, inv_ptr, R, K, BR: tl.constexpr, BC: tl.const
 @triton.jit
 def matmul_f16w_kernel(x_ptr, xinv_ptr, SX, wb, wh, wt_ptr, out_ptr, so_t, M, N, K, RB, GROUP_ROWS, sx_g,
                        TYPE: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
-                       GM: tl.constexpr, WT: tl.constexpr = False, SC: tl.constexpr = True):
+                       GM: tl.constexpr):
     """out[M, N] = x[M, K] · W[N, K]ᵀ under the "f16" precision: x from x16_kernel (rows of SX
     values, fp16, 1/s per row; in quant byte order for Q8C) and W as fp16 values, so the K loop
     is plain fp16 tensor-core products into one float32 accumulator and 1/s applies once at the
@@ -92,11 +92,8 @@ def matmul_f16w_kernel(x_ptr, xinv_ptr, SX, wb, wh, wt_ptr, out_ptr, so_t, M, N,
     power of two per row with the row's max |q·d|·t in [2^14, 2^15); 1/t applies at the end);
     TYPE F16: the weights as they are. Rows of group g = r // GROUP_ROWS read x at column offset
     g·sx_g (a multiple of 256). BK: a divisor of 256. Programs run GM row tiles of x per column
-    tile of W, so that neighbours share W in L2. WT: the products as W·xᵀ ([BN, BM] tiles), so
-    that the weights the program decodes in registers are the left operand (which the tensor
-    cores can take from registers; the right one comes from shared memory). SC: the block scales
-    loaded once per block and broadcast through a reshape, else loaded per value (32 neighbours
-    share an address; the tile keeps its layout)."""
+    tile of W, so that neighbours share W in L2. The block scales load once per block and are
+    broadcast through a reshape (loaded per value, the kernel ran at a third of the speed)."""
     pid = tl.program_id(0)
     n_m = tl.cdiv(M, BM)
     n_n = tl.cdiv(N, BN)
@@ -114,7 +111,7 @@ def matmul_f16w_kernel(x_ptr, xinv_ptr, SX, wb, wh, wt_ptr, out_ptr, so_t, M, N,
         t = tl.load(wt_ptr + rows, mask=rmask, other=1.0)
     kk = tl.arange(0, BK)
     xrow = x_ptr + tm[:, None].to(tl.int64) * SX + ((pn * BN) // GROUP_ROWS) * sx_g
-    acc = tl.zeros([BN, BM] if WT else [BM, BN], tl.float32)
+    acc = tl.zeros([BM, BN], tl.float32)
     for k0 in range(0, K, BK):
         xt = tl.load(xrow + k0 + kk[None, :], mask=mm[:, None], other=0.0)
         if TYPE == T_Q8C:
@@ -122,28 +119,16 @@ def matmul_f16w_kernel(x_ptr, xinv_ptr, SX, wb, wh, wt_ptr, out_ptr, so_t, M, N,
             p = k0 % 256
             q = tl.load(wb + c[:, None] + 16 + p + kk[None, :], mask=rmask[:, None], other=128).to(tl.int32)
             qf = (q | 0x4B000000).to(tl.float32, bitcast=True) - 8388736.0  # byte − 128, exactly (see _u8f)
-            if SC:
-                NU: tl.constexpr = BK // 32
-                d = _ld_f16(wh, c[:, None] + (p // 32 + tl.arange(0, NU))[None, :] * 2, rmask[:, None]) * t[:, None]
-                w = tl.reshape(tl.reshape(qf, [BN, NU, 32]) * d[:, :, None], [BN, BK]).to(tl.float16)
-            else:
-                d = _ld_f16(wh, c[:, None] + ((p + kk[None, :]) // 32) * 2, rmask[:, None]) * t[:, None]
-                w = (qf * d).to(tl.float16)
+            NU: tl.constexpr = BK // 32
+            d = _ld_f16(wh, c[:, None] + (p // 32 + tl.arange(0, NU))[None, :] * 2, rmask[:, None]) * t[:, None]
+            w = tl.reshape(tl.reshape(qf, [BN, NU, 32]) * d[:, :, None], [BN, BK]).to(tl.float16)
         else:
             w = tl.load(wh + ro[:, None] // 2 + k0 + kk[None, :], mask=rmask[:, None], other=0).to(tl.float16,
                                                                                                   bitcast=True)
         if _INTERP:  # the interpreter's fp16 products are not trustworthy: the same values in float32
-            xt, w = xt.to(tl.float32), w.to(tl.float32)
-            if WT:
-                acc = tl.dot(w, tl.trans(xt), acc, input_precision="ieee")
-            else:
-                acc = tl.dot(xt, tl.trans(w), acc, input_precision="ieee")
-        elif WT:
-            acc = tl.dot(w, tl.trans(xt), acc)
+            acc = tl.dot(xt.to(tl.float32), tl.trans(w.to(tl.float32)), acc, input_precision="ieee")
         else:
             acc = tl.dot(xt, tl.trans(w), acc)
-    if WT:
-        acc = tl.trans(acc)
     out = acc * tl.load(xinv_ptr + tm, mask=mm, other=0.0)[:, None]
     if TYPE == T_Q8C:
         out = out * (1.0 / t)[None, :]
