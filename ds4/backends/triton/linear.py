@@ -1,6 +1,6 @@
 """Linear layers of the Triton backend: decode products (matrix-vector, or the Q8C_XQ8 path on
 x in XQ8 form) and prefill products (matrix-matrix, the integer fp16 Q8_0 path, or under the
-"f16" precision the fp16 Q8C path)."""
+"f16" precision the fp16 path for Q8C and F16 rows)."""
 
 from __future__ import annotations
 

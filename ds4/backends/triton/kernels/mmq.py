@@ -93,7 +93,8 @@ def matmul_f16w_kernel(x_ptr, xinv_ptr, SX, wb, wh, wt_ptr, out_ptr, so_t, M, N,
     TYPE F16: the weights as they are. Rows of group g = r // GROUP_ROWS read x at column offset
     g·sx_g (a multiple of 256). BK: a divisor of 256. Programs run GM row tiles of x per column
     tile of W, so that neighbours share W in L2. The block scales load once per block and are
-    broadcast through a reshape (loaded per value, the kernel ran at a third of the speed)."""
+    broadcast through a reshape: loading them per value, which keeps the tile's layout, made the
+    kernel far slower (bench/triton/README.md)."""
     pid = tl.program_id(0)
     n_m = tl.cdiv(M, BM)
     n_n = tl.cdiv(N, BN)
