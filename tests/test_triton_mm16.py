@@ -317,9 +317,11 @@ def test_f16_linear_rounds_x_once(tri16, rng):
     x = _activations(n, K, rng)
     x[0] = rng.standard_normal(K)  # (the all-zero row of _activations shows nothing here)
     xt = torch.from_numpy(x).to(tri16.dev)
-    tri16.ledger = []
+    tri16.ledger, tri16.flop_ledger = [], []
     _one_rounding(tri16.to_numpy(tri16.linear(xt, w)), x, W[0], K, w_rounded=True)
     assert w.f16_row_scale is not None
+    assert tri16.flop_ledger == [("matmul_f16w_kernel", 2 * n * N * K)]  # what the benchmark's TFLOP/s divide
+    tri16.flop_ledger = None
     tri16.q8_f16w = False
     _one_rounding(tri16.to_numpy(tri16.linear(xt, w)), x, W[0], 32)
     tri16.q8_int16 = True
