@@ -4,10 +4,8 @@ they run under TRITON_INTERPRET=1 (conftest.py) on small shapes; with one, compi
 
 from __future__ import annotations
 
-import json
 import os
-import subprocess
-import sys
+import re
 
 import numpy as np
 import pytest
@@ -26,6 +24,7 @@ from ds4.core.quants import GGMLType as T  # noqa: E402
 from ds4.core.quants import random_blocks  # noqa: E402
 from ds4.core.tiny import preset_config  # noqa: E402
 from seeds import rng_for_test  # noqa: E402
+from sm90 import ptx_sm90  # noqa: E402
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 # Errors are measured against the first-order error scale of each output (for a product,
@@ -192,24 +191,25 @@ def test_down_q2k(tri, rng):
     assert _rel_rows(out.cpu().numpy(), want, np.einsum("aek,ak->ae", Dm[e], np.abs(hs.astype(np.float64)))) < TOL
 
 
-def test_moe_prefill_end_to_end(tri, rng):
-    """backend.moe on the prefill branch (both new kernels, the slot-order reduction) against a
-    float64 evaluation of the layer, with the model's SwiGLU clamp."""
-    NE, F, E, n, k, il = 5, 256, 512, 20, 2, 4
-    gate, G = _experts(tri, T.IQ2_XXS, E, F, NE, rng)
-    up, U = _experts(tri, T.IQ2_XXS, E, F, NE, rng)
-    down, D, Dm = _experts(tri, T.Q2_K, F, E, NE, rng, terms=True)
+def _moe_layer(be, rng, NE, n):
+    """backend.moe on the prefill branch for n tokens over NE IQ2_XXS / Q2_K experts (2 a token,
+    layer 4's SwiGLU clamp): (its output, the float64 layer, the output's first-order error scale,
+    the kernels it ran)."""
+    F, E, k, il = 256, 512, 2, 4
+    gate, G = _experts(be, T.IQ2_XXS, E, F, NE, rng)
+    up, U = _experts(be, T.IQ2_XXS, E, F, NE, rng)
+    down, D, Dm = _experts(be, T.Q2_K, F, E, NE, rng, terms=True)
     x = _below_clamp(_activations(n, E, rng), rng)
     ids = np.stack([rng.choice(NE, k, replace=False) for _ in range(n)])
     wts = rng.uniform(0.1, 1.0, (n, k)).astype(np.float32)
-    tri.ledger = []
-    got = tri.to_numpy(tri.moe(torch.from_numpy(x).to(tri.dev), torch.from_numpy(ids.astype(np.int32)).to(tri.dev),
-                               torch.from_numpy(wts).to(tri.dev), gate, up, down, il))
-    clamp = float(tri.cfg.swiglu_clamp[il])
+    be.ledger = []
+    got = be.to_numpy(be.moe(torch.from_numpy(x).to(be.dev), torch.from_numpy(ids.astype(np.int32)).to(be.dev),
+                             torch.from_numpy(wts).to(be.dev), gate, up, down, il))
+    ran, be.ledger = [name for name, _ in be.ledger], None
+    clamp = float(be.cfg.swiglu_clamp[il])
     x64 = x.astype(np.float64)
-    want = np.zeros((n, E))
-    scale = np.zeros((n, E))
     ax = np.abs(x64)
+    want, scale = np.zeros((n, E)), np.zeros((n, E))
     for j in range(k):
         e = ids[:, j]
         g, u = np.einsum("tfk,tk->tf", G[e], x64), np.einsum("tfk,tk->tf", U[e], x64)
@@ -217,9 +217,14 @@ def test_moe_prefill_end_to_end(tri, rng):
         sh = _swiglu_scale(g, u, np.einsum("tfk,tk->tf", np.abs(G[e]), ax), np.einsum("tfk,tk->tf", np.abs(U[e]), ax), clamp)
         want += wts[:, j, None].astype(np.float64) * np.einsum("tef,tf->te", D[e], hv)
         scale += wts[:, j, None].astype(np.float64) * np.einsum("tef,tf->te", Dm[e], np.abs(hv) + sh)
+    return got, want, scale, ran
+
+
+def test_moe_prefill_end_to_end(tri, rng):
+    """backend.moe on the prefill branch (both new kernels, the slot-order reduction) against a
+    float64 evaluation of the layer, with the model's SwiGLU clamp."""
+    got, want, scale, ran = _moe_layer(tri, rng, NE=5, n=20)
     assert _rel_rows(got, want, scale) < TOL
-    ran = [name for name, _ in tri.ledger]
-    tri.ledger = None
     assert "moe_gateup_mm16_kernel" in ran and "moe_down_mm16_kernel" in ran, ran
 
 
@@ -351,78 +356,35 @@ def test_f16_experts_round_x_once(tri16, rng):
     """The routed experts' prefill kernels under "f16" (backend.moe: IQ2_XXS gate/up, Q2_K down,
     each on x·s in one fp16 term): within the one-rounding bound of the float64 layer, and not
     float32-accurate (the low terms really are dropped)."""
-    NE, F, E, n, k, il = 3, 256, 512, 17, 2, 4
-    gate, G = _experts(tri16, T.IQ2_XXS, E, F, NE, rng)
-    up, U = _experts(tri16, T.IQ2_XXS, E, F, NE, rng)
-    down, D, Dm = _experts(tri16, T.Q2_K, F, E, NE, rng, terms=True)
-    x = _below_clamp(_activations(n, E, rng), rng)
-    ids = np.stack([rng.choice(NE, k, replace=False) for _ in range(n)])
-    wts = rng.uniform(0.1, 1.0, (n, k)).astype(np.float32)
-    tri16.ledger = []
-    got = tri16.to_numpy(tri16.moe(torch.from_numpy(x).to(tri16.dev), torch.from_numpy(ids.astype(np.int32)).to(tri16.dev),
-                                   torch.from_numpy(wts).to(tri16.dev), gate, up, down, il))
-    ran = [name for name, _ in tri16.ledger]
-    tri16.ledger = None
+    got, want, scale, ran = _moe_layer(tri16, rng, NE=3, n=17)
     assert "moe_gateup_mm16_kernel" in ran and "moe_down_mm16_kernel" in ran, ran
-    clamp = float(tri16.cfg.swiglu_clamp[il])
-    x64, ax = x.astype(np.float64), np.abs(x.astype(np.float64))
-    want, scale = np.zeros((n, E)), np.zeros((n, E))
-    for j in range(k):
-        e = ids[:, j]
-        g, u = np.einsum("tfk,tk->tf", G[e], x64), np.einsum("tfk,tk->tf", U[e], x64)
-        hv = _swiglu64(g, u, clamp)
-        sh = _swiglu_scale(g, u, np.einsum("tfk,tk->tf", np.abs(G[e]), ax), np.einsum("tfk,tk->tf", np.abs(U[e]), ax), clamp)
-        want += wts[:, j, None].astype(np.float64) * np.einsum("tef,tf->te", D[e], hv)
-        scale += wts[:, j, None].astype(np.float64) * np.einsum("tef,tf->te", Dm[e], np.abs(hv) + sh)
     # two roundings of 2^-12 each (x, then h), against the first-order error scale
     err = _rel_rows(got, want, scale)
     assert 4 * TOL < err < 2.0 ** -10, err
 
 
-# In a subprocess without the interpreter: the kernels of both precisions compiled for sm_90 (the
-# interpreter never runs the compiled branches of _dot16 / _dot_units / matmul_f16w_kernel); "f16"
-# must issue a third of bf16x3's tensor-core products on Q8_0 and half of the two-term path's on the
-# experts, and its fp16 kernel (Q8C and F16 rows) must run on wgmma.
-_COMPILE = r"""
-import json, re
-import triton
-from triton.backends.compiler import GPUTarget
-from triton.compiler import ASTSource
-from ds4.backends.triton import kernels as K, kernels_mm16 as K16
-
-PTR = {"wb": "*u8", "wh": "*i16", "wf": "*i32", "gridp": "*i32", "ksigns": "*i32", "gb": "*u8", "gh": "*i16",
-       "gf": "*i32", "ub": "*u8", "uh": "*i16", "uf": "*i32", "lv8": "*i64", "sg8": "*i64", "tok_ptr": "*i32",
-       "tile_e_ptr": "*i32", "tile_r0_ptr": "*i32", "tile_end_ptr": "*i32", "ww": "*i32", "ws": "*i32",
-       "xh_ptr": "*fp16", "xl_ptr": "*fp16", "gh_ptr": "*fp16", "gl_ptr": "*fp16", "clamp": "fp32"}
-cases = {"matmul": (K.matmul_kernel, dict(TYPE=80, BM=64, BN=128, NB=1, VB=32, PREC="tf32x3", U=32), "TERMS", (3, 1)),
-         "gateup": (K16.moe_gateup_mm16_kernel, dict(BM=64, BN=64, KS=128, ROUTED=True), "LO", (True, False)),
-         "down": (K16.moe_down_mm16_kernel, dict(BM=64, BN=64, KS=128), "LO", (True, False)),
-         "q8_16": (K16.matmul_q8_16_kernel, dict(BM=64, BN=64), "LO", (True, False))}
-out = {}
-for name, (fn, cx, flag, values) in cases.items():
-    for v in values:
-        c = {**cx, flag: v}
-        sig = {a: "constexpr" if a in c else PTR.get(a, "*fp32" if a.endswith("_ptr") else "i32") for a in fn.arg_names}
-        k = triton.compile(ASTSource(fn=fn, signature=sig, constexprs=c), target=GPUTarget("cuda", 90, 32),
-                           options=dict(num_warps=4, num_stages=1))
-        out.setdefault(name, []).append(len(re.findall(r"wgmma\.mma_async", k.asm["ptx"])))
-for ttype in (80, 1):  # Q8C, F16
-    fn, c = K.matmul_f16w_kernel, dict(TYPE=ttype, BM=128, BN=128, BK=64, GM=8)
-    sig = {a: "constexpr" if a in c else {"x_ptr": "*fp16", **PTR}.get(a, "*fp32" if a.endswith("_ptr") else "i32")
-           for a in fn.arg_names}
-    k = triton.compile(ASTSource(fn=fn, signature=sig, constexprs=c), target=GPUTarget("cuda", 90, 32),
-                       options=dict(num_warps=8, num_stages=3))
-    out.setdefault("f16w", []).append(len(re.findall(r"wgmma\.mma_async", k.asm["ptx"])))
-print(json.dumps(out))
-"""
+# The kernels of both precisions compiled for sm_90: "f16" must issue a third of bf16x3's
+# tensor-core products on Q8_0 and half of the two-term path's on the experts, and its fp16 kernel
+# (Q8C and F16 rows) must run on wgmma.
+_PTR = {"wb": "*u8", "wh": "*i16", "wf": "*i32", "gridp": "*i32", "ksigns": "*i32", "gb": "*u8", "gh": "*i16",
+        "gf": "*i32", "ub": "*u8", "uh": "*i16", "uf": "*i32", "lv8": "*i64", "sg8": "*i64", "tok_ptr": "*i32",
+        "tile_e_ptr": "*i32", "tile_r0_ptr": "*i32", "tile_end_ptr": "*i32", "ww": "*i32", "ws": "*i32",
+        "xh_ptr": "*fp16", "xl_ptr": "*fp16", "gh_ptr": "*fp16", "gl_ptr": "*fp16", "clamp": "fp32"}
+_PAIRS = {"matmul": ("kernels", "matmul_kernel", dict(TYPE=80, BM=64, BN=128, NB=1, VB=32, PREC="tf32x3", U=32),
+                     "TERMS", (3, 1)),
+          "gateup": ("kernels_mm16", "moe_gateup_mm16_kernel", dict(BM=64, BN=64, KS=128, ROUTED=True), "LO",
+                     (True, False)),
+          "down": ("kernels_mm16", "moe_down_mm16_kernel", dict(BM=64, BN=64, KS=128), "LO", (True, False)),
+          "q8_16": ("kernels_mm16", "matmul_q8_16_kernel", dict(BM=64, BN=64), "LO", (True, False))}
 
 
 def test_f16_kernels_compile_for_sm90_with_fewer_products():
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    run = subprocess.run([sys.executable, "-c", _COMPILE], capture_output=True, text=True, env=env, timeout=600)
-    assert run.returncode == 0, run.stderr[-2000:]
-    n = json.loads(run.stdout.splitlines()[-1])
-    assert n["matmul"][0] == 3 * n["matmul"][1] > 0, n
-    for name in ("gateup", "down", "q8_16"):
-        assert n[name][0] == 2 * n[name][1] > 0, n
-    assert min(n["f16w"]) > 0, n  # the fp16 path, Q8C and F16 rows: its products on wgmma
+    cases = [(mod, name, {**cx, flag: v}, _PTR, dict(num_warps=4, num_stages=1))
+             for mod, name, cx, flag, values in _PAIRS.values() for v in values]
+    cases += [("kernels", "matmul_f16w_kernel", dict(TYPE=t, BM=128, BN=128, BK=64, GM=8), {**_PTR, "x_ptr": "*fp16"},
+               dict(num_warps=8, num_stages=3)) for t in (80, 1)]  # Q8C, F16
+    n = [len(re.findall(r"wgmma\.mma_async", p)) for p in ptx_sm90(cases)]
+    for i, name in enumerate(_PAIRS):
+        full, one = n[2 * i], n[2 * i + 1]
+        assert full == (3 if name == "matmul" else 2) * one > 0, (name, n)
+    assert min(n[-2:]) > 0, n  # the fp16 path: its products on wgmma

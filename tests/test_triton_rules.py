@@ -4,10 +4,8 @@ interpreter, and the kernels that call them compile for the H200 (sm_90) on this
 
 from __future__ import annotations
 
-import json
 import os
-import subprocess
-import sys
+import re
 
 import numpy as np
 import pytest
@@ -21,6 +19,7 @@ import triton.language as tl  # noqa: E402
 from ds4.backends.triton.kernels.rules import rules  # noqa: E402
 from ds4.core import rules as core  # noqa: E402
 from seeds import rng_for_test  # noqa: E402
+from sm90 import ptx_sm90  # noqa: E402
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 N = 16  # elements of the element-wise rules' inputs
@@ -81,40 +80,22 @@ def test_compiled_rules_give_numpys_numbers(request):
     np.testing.assert_allclose(comb.cpu().numpy().reshape(4, 4, 4), core.sinkhorn(c, ITERS, eps), rtol=2e-6)
 
 
-# In a subprocess without the interpreter: the kernels that call the rules, compiled for sm_90.
-# The one-token mHC collapse's Sinkhorn loop must be warp shuffles, no block barrier (the reason
-# the kernel once held the 4 × 4 comb as 16 scalars per thread).
-_COMPILE = r"""
-import json, re
-import triton
-from triton.backends.compiler import GPUTarget
-from triton.compiler import ASTSource
-from ds4.backends.triton import kernels as K
-
-INT = {"pos_ptr", "tid_ptr", "tok_ptr", "ids_ptr"}
-FLOAT = {"eps", "hc_eps", "scale"}
-cases = [("hc_finalize_kernel", dict(SPLIT=4, HC=4, NM=24, BE=512, BT=1, HEAD=False, PART=2)),
-         ("hc_finalize_kernel", dict(SPLIT=4, HC=4, NM=24, BE=512, BT=1, HEAD=False, PART=0)),
-         ("comp_pool_kernel", dict(M=4, D=512, C=1024, NROT=64, CSA=True, NCAND=8, RB=8, MODE=1,
-                                   QS=0.04, LOGD=9, HDP=256)),
-         ("router_kernel", dict(KSEL=6, KP=8, BE=256, HAS_BIAS=True, HASH=False))]
-loops = []
-for name, cx in cases:
-    fn = getattr(K, name)
-    sig = {a: "constexpr" if a in cx else "*i32" if a in INT else "*fp32" if a.endswith("_ptr")
-           else "fp32" if a in FLOAT else "i32" for a in fn.arg_names}
-    ptx = triton.compile(ASTSource(fn=fn, signature=sig, constexprs=cx), target=GPUTarget("cuda", 90, 32)).asm["ptx"]
-    body = re.findall(r"// %\.lr\.ph\n(.*?)\n\s*@%p\d+ bra", ptx, re.S)
-    loops.append(body[0] if name == "hc_finalize_kernel" else "")
-print(json.dumps(loops))
-"""
+# The kernels that call the rules, compiled for sm_90. The one-token mHC collapse's Sinkhorn loop
+# must be warp shuffles, no block barrier (the reason the kernel once held the 4 × 4 comb as 16
+# scalars per thread).
+_INT = {"pos_ptr", "tid_ptr", "tok_ptr", "ids_ptr"}
+_FLOAT = {"eps", "hc_eps", "scale"}
+_CASES = [("hc_finalize_kernel", dict(SPLIT=4, HC=4, NM=24, BE=512, BT=1, HEAD=False, PART=2)),
+          ("hc_finalize_kernel", dict(SPLIT=4, HC=4, NM=24, BE=512, BT=1, HEAD=False, PART=0)),
+          ("comp_pool_kernel", dict(M=4, D=512, C=1024, NROT=64, CSA=True, NCAND=8, RB=8, MODE=1,
+                                    QS=0.04, LOGD=9, HDP=256)),
+          ("router_kernel", dict(KSEL=6, KP=8, BE=256, HAS_BIAS=True, HASH=False))]
 
 
 def test_rule_kernels_compile_for_sm90_with_a_barrier_free_sinkhorn():
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    run = subprocess.run([sys.executable, "-c", _COMPILE], capture_output=True, text=True, env=env, timeout=600)
-    assert run.returncode == 0, run.stderr[-2000:]
-    loops = json.loads(run.stdout.splitlines()[-1])
-    for loop in loops[:2]:  # decode's PART 2 and the whole collapse
+    types = {**{a: "*i32" for a in _INT}, **{a: "fp32" for a in _FLOAT}}
+    ptx = ptx_sm90([("kernels", name, cx, types, {}) for name, cx in _CASES])
+    for p in ptx[:2]:  # decode's PART 2 and the whole collapse
+        loop = re.findall(r"// %\.lr\.ph\n(.*?)\n\s*@%p\d+ bra", p, re.S)[0]
         assert loop.count("shfl.sync") == 4 and loop.count("div.") == 2, loop
         assert "bar.sync" not in loop and "shared" not in loop, loop
