@@ -20,7 +20,7 @@ from rich.text import Text
 from ds4.core.atomic import atomic_file, signals_unwind
 
 from .tp import (DEFAULT_GATE_TIMEOUT_MS, DEFAULT_TP_WAIT_S, DebugHashOption, GateTimeoutOption,
-                 TpListenOption, TpTransportOption, TpWaitOption, open_tp_engine)
+                 TpLeader, TpListenOption, TpTransportOption, TpWaitOption)
 from .wire_options import AuthTokenFileOption
 from .common import (CLIError, err, fail, human_bytes, library_errors, open_engine, out,
                      progress_callback, resolve_model)
@@ -155,12 +155,9 @@ def bench(
         if not append:
             lib.write_csv_header(sink)
         sink.flush()
-        tp = None
-        if tp_listen:
-            tp = dict(listen=tp_listen, transport=tp_transport, gate_timeout_ms=gate_timeout_ms,
-                      debug_hash=debug_hash, wait_s=tp_wait, auth_token_file=auth_token_file)
+        tp = TpLeader.of(tp_listen, tp_transport, gate_timeout_ms, debug_hash, tp_wait)
         runs = _run_all(names, model, numerics, ctx_max, gen_tokens, points, prefill_cap, warmup,
-                        repeat, sink, table_console, tp)
+                        repeat, sink, table_console, tp, auth_token_file)
 
     if len(runs) > 1:
         _print_ratios(table_console, names, runs)
@@ -173,16 +170,15 @@ def bench(
 
 
 def _run_all(names, model, numerics, ctx_max, gen_tokens, points, prefill_cap, warmup, repeat,
-             sink, table_console, tp: dict | None = None) -> list[list]:
+             sink, table_console, tp: TpLeader | None = None, auth_token_file=None) -> list[list]:
     """Each backend in turn, a CSV row written as soon as it is measured. `tp`: run the one
-    backend as rank 0 of a tensor-parallel pair (open_tp_engine's options)."""
+    backend as rank 0 of a tensor-parallel pair."""
     from ds4 import bench as lib
 
     runs: list[list] = []
     for name in names:
         if tp is not None:
-            listen = tp.pop("listen")
-            eng = open_tp_engine(model, name, numerics, listen, ctx=ctx_max + gen_tokens, **tp)
+            eng = tp.open(model, name, numerics, ctx=ctx_max + gen_tokens, auth_token_file=auth_token_file)
         else:
             eng = open_engine(model, name, numerics)
         with library_errors():

@@ -20,7 +20,7 @@ from rich.text import Text
 from ds4.core.chat import DEFAULT_SYSTEM
 
 from .tp import (DEFAULT_GATE_TIMEOUT_MS, DEFAULT_TP_WAIT_S, DebugHashOption, GateTimeoutOption,
-                 TpListenOption, TpTransportOption, TpWaitOption, open_tp_engine)
+                 TpLeader, TpListenOption, TpTransportOption, TpWaitOption)
 from .common import (CLIError, err, human_bytes, library_errors, open_engine, out, rate,
                      resolve_model, stream_reply)
 from .wire_options import (AuthTokenFileOption, AuthTokenOption, IoTimeoutOption, TlsCaOption,
@@ -142,13 +142,9 @@ def prefill(
             prompt = prompt_file.read_text(encoding="utf-8")
         elif prompt == "-":
             prompt = sys.stdin.read()
-    if tp_listen:
-        eng = open_tp_engine(model, backend, numerics, tp_listen, ctx=ctx, transport=tp_transport,
-                             gate_timeout_ms=gate_timeout_ms, debug_hash=debug_hash, wait_s=tp_wait,
-                             auth_token=auth_token, auth_token_file=auth_token_file,
-                             io_timeout=io_timeout)
-    else:
-        eng = open_engine(model, backend, numerics)
+    tp = TpLeader.of(tp_listen, tp_transport, gate_timeout_ms, debug_hash, tp_wait)
+    eng = (tp.open(model, backend, numerics, ctx=ctx, auth_token=auth_token, auth_token_file=auth_token_file,
+                   io_timeout=io_timeout) if tp else open_engine(model, backend, numerics))
     with library_errors():
         if ctx > eng.config.context_length:
             raise CLIError(f"--ctx {ctx} is more than the model's context_length "
@@ -246,13 +242,9 @@ def decode(
     with library_errors():
         token = wire_token(auth_token, auth_token_file) if recv_kv is not None else None
         tls = server_tls(tls_cert, tls_key, tls_ca) if recv_kv is not None else None
-    if tp_listen:
-        eng = open_tp_engine(model, backend, numerics, tp_listen, ctx=ctx, transport=tp_transport,
-                             gate_timeout_ms=gate_timeout_ms, debug_hash=debug_hash, wait_s=tp_wait,
-                             auth_token=auth_token, auth_token_file=auth_token_file,
-                             io_timeout=io_timeout)
-    else:
-        eng = open_engine(model, backend, numerics)
+    tp = TpLeader.of(tp_listen, tp_transport, gate_timeout_ms, debug_hash, tp_wait)
+    eng = (tp.open(model, backend, numerics, ctx=ctx, auth_token=auth_token, auth_token_file=auth_token_file,
+                   io_timeout=io_timeout) if tp else open_engine(model, backend, numerics))
     tok = eng.tokenizer
     from ds4.core.atomic import temp_dir
 

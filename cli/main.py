@@ -28,7 +28,7 @@ from ds4.core.tiny import EXPERT_MIXES, PRESETS
 from . import bench, chat, kv, pipe, serve, tp
 from .pipe import LayersOption, SplitNextOption, open_split_engine
 from .tp import (DEFAULT_GATE_TIMEOUT_MS, DEFAULT_TP_WAIT_S, DebugHashOption, GateTimeoutOption,
-                 TpListenOption, TpTransportOption, TpWaitOption, open_tp_engine)
+                 TpLeader, TpListenOption, TpTransportOption, TpWaitOption)
 from .wire_options import (AuthTokenFileOption, AuthTokenOption, IoTimeoutOption, TlsCaOption,
                            TlsCertOption, TlsKeyOption)
 from .common import (CLIError, rate, stream_reply, err, human_bytes, library_errors, open_engine, out, print_error,
@@ -283,7 +283,8 @@ def generate(
     params = SamplingParams(temperature=temp, top_k=top_k, top_p=top_p, min_p=min_p)
     rng = Rng(seed)
 
-    if split_next and tp_listen:
+    tp = TpLeader.of(tp_listen, tp_transport, gate_timeout_ms, debug_hash, tp_wait)
+    if split_next and tp:
         with library_errors():
             raise CLIError("--split-next and --tp-listen do not combine: choose one split")
     if split_next:
@@ -291,12 +292,9 @@ def generate(
                                 sampling=params, auth_token=auth_token,
                                 auth_token_file=auth_token_file, io_timeout=io_timeout,
                                 tls_files=(tls_cert, tls_key, tls_ca), announce=False)
-    elif tp_listen:
-        eng = open_tp_engine(model, backend, numerics, tp_listen, ctx=ctx, transport=tp_transport,
-                             gate_timeout_ms=gate_timeout_ms, debug_hash=debug_hash, wait_s=tp_wait,
-                             auth_token=auth_token, auth_token_file=auth_token_file,
-                             io_timeout=io_timeout, tls_files=(tls_cert, tls_key, tls_ca),
-                             announce=False)
+    elif tp:
+        eng = tp.open(model, backend, numerics, ctx=ctx, auth_token=auth_token, auth_token_file=auth_token_file,
+                      io_timeout=io_timeout, tls_files=(tls_cert, tls_key, tls_ca), announce=False)
     elif layers:
         with library_errors():
             raise CLIError("--layers is only used with --split-next")

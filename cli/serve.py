@@ -26,7 +26,7 @@ from .common import CLIError, err, library_errors, open_engine
 from .options import BackendOption, CtxOption, ModelOption, NumericsOption, check_range
 from .pipe import LayersOption, SplitNextOption, open_split_engine
 from .tp import (DEFAULT_GATE_TIMEOUT_MS, DEFAULT_TP_WAIT_S, DebugHashOption, GateTimeoutOption,
-                 TpListenOption, TpTransportOption, TpWaitOption, open_tp_engine)
+                 TpLeader, TpListenOption, TpTransportOption, TpWaitOption)
 from .wire_options import AuthTokenFileOption, AuthTokenOption
 
 API_KEY_ENV = "DS4_API_KEY"
@@ -146,18 +146,16 @@ def serve(
         if warning:
             err.print(Text(f"warning: {warning}", style="yellow"), soft_wrap=True)
         sock = bind(host, port)
-        if split_next and tp_listen:
+        tp = TpLeader.of(tp_listen, tp_transport, gate_timeout_ms, debug_hash, tp_wait)
+        if split_next and tp:
             raise CLIError("--split-next and --tp-listen do not combine: choose one split")
         if split_next:
             eng = open_split_engine(model, backend, numerics, split_next, layers, ctx=ctx,
                                     auth_token=auth_token, auth_token_file=auth_token_file)
-        elif tp_listen:
+        elif tp:
             # (a worker that dies is an error on the request under way and 503 on /health until
             # a `ds4 tp-worker --rejoin` is back; the next request waits up to --tp-wait for it)
-            eng = open_tp_engine(model, backend, numerics, tp_listen, ctx=ctx, transport=tp_transport,
-                                 gate_timeout_ms=gate_timeout_ms, debug_hash=debug_hash,
-                                 wait_s=tp_wait, auth_token=auth_token,
-                                 auth_token_file=auth_token_file)
+            eng = tp.open(model, backend, numerics, ctx=ctx, auth_token=auth_token, auth_token_file=auth_token_file)
         elif layers:
             raise CLIError("--layers is only used with --split-next")
         else:

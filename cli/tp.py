@@ -5,12 +5,13 @@
 
 The leader holds experts [0, E/2), the first half of the heads and of the vocabulary and the
 shared expert; the worker the other halves (ds4/core/tp_split.py). generate, prefill, decode,
-bench and serve take `--tp-listen` and open their engine with `open_tp_engine`; the session
+bench and serve take `--tp-listen` and open their pair with `TpLeader.open`; the session
 they get behaves like a one-rank session.
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Annotated, Optional
 
@@ -62,6 +63,29 @@ def parse_hostport(value: str, option: str) -> tuple[str, int]:
     if not sep or not host or not port.isdigit() or not 0 <= int(port) <= 65535:
         raise CLIError(f"{option}: expected HOST:PORT, got {value!r}")
     return host.strip("[]"), int(port)
+
+
+@dataclass(frozen=True)
+class TpLeader:
+    """What a leader command's --tp-* options ask for (`of` gives None without --tp-listen), so
+    that generate, prefill, decode, bench and serve open their pair one way."""
+
+    listen: str
+    transport: str = "tcp"
+    gate_timeout_ms: int = DEFAULT_GATE_TIMEOUT_MS
+    debug_hash: bool = False
+    wait_s: float = DEFAULT_TP_WAIT_S
+
+    @classmethod
+    def of(cls, listen: str | None, transport: str, gate_timeout_ms: int, debug_hash: bool,
+           wait_s: float) -> "TpLeader | None":
+        return cls(listen, transport, gate_timeout_ms, debug_hash, wait_s) if listen else None
+
+    def open(self, model: Path | None, backend: str, numerics: str, *, ctx: int, **wire):
+        """open_tp_engine with these options; wire: the auth, TLS, io_timeout and announce ones."""
+        return open_tp_engine(model, backend, numerics, self.listen, ctx=ctx, transport=self.transport,
+                              gate_timeout_ms=self.gate_timeout_ms, debug_hash=self.debug_hash,
+                              wait_s=self.wait_s, **wire)
 
 
 def open_tp_engine(model: Path | None, backend: str, numerics: str, listen: str, *, ctx: int,
