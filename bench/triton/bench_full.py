@@ -391,21 +391,15 @@ def main() -> None:
             try:
                 bench_prefill(eng, n, seed=98)  # compile the variant's kernels
                 rv = bench_prefill(eng, n, seed=n)
+                if a.variant_tables:  # per kernel, still under the variant's settings
+                    rv["kernels"] = prefill_table(eng, n, res["copy_bw_GBps"] * 1e9)
+                    _write_csv(os.path.join(a.out, f"prefill_kernels_{name}.csv"), rv["kernels"])
             except Exception as e:  # noqa: BLE001  (a tile that does not fit is a result too)
                 log(f"  variant {name}: failed: {type(e).__name__}: {str(e)[:200]}")
                 continue
             finally:
                 for k, v in saved.items():
                     setattr(be, k, v)
-            if a.variant_tables:  # its kernels per kernel, the variant's settings on again
-                for k, v in attrs.items():
-                    setattr(be, k, v)
-                try:
-                    rv["kernels"] = prefill_table(eng, n, res["copy_bw_GBps"] * 1e9)
-                    _write_csv(os.path.join(a.out, f"prefill_kernels_{name}.csv"), rv["kernels"])
-                finally:
-                    for k, v in saved.items():
-                        setattr(be, k, v)
             res.setdefault("prefill_variants", []).append(dict(variant=name, **attrs, **rv))
             log(f"  variant {name}: {rv['tokens_per_s']:.0f} tok/s ({rv['seconds']:.2f}s)")
         json.dump(res, open(os.path.join(a.out, "results.json"), "w"), indent=1)

@@ -227,12 +227,15 @@ class _MoeOps:
 
     def _split16(self, x: torch.Tensor, sums: bool):
         """x [R, K] float32 -> (hi, lo [R, K] fp16, 1/s [R, K/256], and with sums the 16-value
-        sums / 16 as hi, lo [R, K/16] fp16): x·s = hi + lo per 256-value chunk (split16_kernel)."""
+        sums / 16 as hi, lo [R, K/16] fp16): x·s = hi + lo per 256-value chunk (split16_kernel).
+        Under "f16" (no low terms) lo is hi itself, a placeholder that nothing writes or reads."""
         R, Kd = x.shape
         f16 = dict(dtype=torch.float16, device=self.dev)
-        xh, xl = torch.empty((R, Kd), **f16), torch.empty((R, Kd), **f16)
+        xh = torch.empty((R, Kd), **f16)
+        xl = torch.empty((R, Kd), **f16) if self._x_lo else xh
         xi = torch.empty((R, Kd // 256), dtype=torch.float32, device=self.dev)
-        gh, gl = (torch.empty((R, Kd // 16), **f16), torch.empty((R, Kd // 16), **f16)) if sums else (xh, xl)
+        gh = torch.empty((R, Kd // 16), **f16) if sums else xh
+        gl = torch.empty((R, Kd // 16), **f16) if sums and self._x_lo else gh
         BR = 64 if self.interpret else 8
         self._launch(K16.split16_kernel, (_cdiv(R, BR), Kd // 256), x, x.stride(0), xh, xl, xi, gh, gl, R, Kd,
                      BR=BR, SUMS=sums, LO=self._x_lo, num_warps=4, nbytes=(8 if self._x_lo else 6) * R * Kd)
