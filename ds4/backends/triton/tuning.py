@@ -83,7 +83,7 @@ class TritonTuning:
     # Rows of x, rows of W, K-step (a divisor of 256), row tiles of x per W tile, warps, stages;
     # the layouts (kernel type ids) it takes
     q8_f16w: bool = True
-    f16w_tile: tuple = (128, 128, 64, 8, 8, 3)
+    f16w_tile: tuple = (128, 128, 64, 8, 4, 3)
     f16w_types: tuple = (int(KernelType.Q8C), int(KernelType.F16))
     topk_reg_max: int = 16384  # indexer rows that top-k keeps in registers
     # one-query top-k (decode) from the key counts and buckets the scores kernel makes
