@@ -82,11 +82,12 @@ def test_compiled_rules_give_numpys_numbers(request):
 
 # The kernels that call the rules, compiled for sm_90. The one-token mHC collapse's Sinkhorn loop
 # must be warp shuffles, no block barrier (the reason the kernel once held the 4 × 4 comb as 16
-# scalars per thread).
+# scalars per thread), and at a decode step's split (128 partial sums) no more shuffles than the
+# 4 × 4 tile's own layout needs (RELOAD; without it the loop takes 8).
 _INT = {"pos_ptr", "tid_ptr", "tok_ptr", "ids_ptr"}
 _FLOAT = {"eps", "hc_eps", "scale"}
-_CASES = [("hc_finalize_kernel", dict(SPLIT=4, HC=4, NM=24, BE=512, BT=1, HEAD=False, PART=2)),
-          ("hc_finalize_kernel", dict(SPLIT=4, HC=4, NM=24, BE=512, BT=1, HEAD=False, PART=0)),
+_CASES = [("hc_finalize_kernel", dict(SPLIT=128, HC=4, NM=24, BE=256, BT=1, HEAD=False, PART=2, RELOAD=True)),
+          ("hc_finalize_kernel", dict(SPLIT=4, HC=4, NM=24, BE=512, BT=1, HEAD=False, PART=0, RELOAD=True)),
           ("comp_pool_kernel", dict(M=4, D=512, C=1024, NROT=64, CSA=True, NCAND=8, RB=8, MODE=1,
                                     QS=0.04, LOGD=9, HDP=256)),
           ("router_kernel", dict(KSEL=6, KP=8, BE=256, HAS_BIAS=True, HASH=False))]

@@ -60,7 +60,7 @@ class _HcOps:
         BT = min(_pow2(n), 32) if self.interpret else 1
         BE = min(1024 // BT if self.interpret else self.hc_fin_be, _pow2(E))
         consts = (n, E, cfg.rms_eps, cfg.hc_eps, cfg.hc_sinkhorn_iter)
-        kw = dict(SPLIT=split, HC=HC, NM=NM, BE=BE, BT=BT, HEAD=head, num_warps=4)
+        kw = dict(SPLIT=split, HC=HC, NM=NM, BE=BE, BT=BT, HEAD=head, RELOAD=self.hc_comb_reload, num_warps=4)
         d = self._dummy_f
         if not head and self.hc_comb_beside and n == 1:
             # x_in first, post and comb (the Sinkhorn) beside the sublayer, which needs only x_in

@@ -111,6 +111,9 @@ class TritonTuning:
     hc_mix_split: int = 128
     hc_fin_be: int = 256
     hc_comb_beside: bool = True
+    # one-token finalize: the comb tile stored and loaded again before the Sinkhorn iterations
+    # (hc_finalize_kernel RELOAD), which halves the warp shuffles of each iteration
+    hc_comb_reload: bool = True
     # decode steps in a layer with an indexer: the query's product waits for the indexer's scores
     # ("score") or its query RoPE ("rope"), or for neither ("none"): it fills every SM, and the
     # indexer's small kernels behind it (RoPE, scores, top-k) are the layer's critical chain

@@ -131,13 +131,16 @@ def hc_mix_kernel(x_ptr, wb, wh, wf, gridp, ksigns, part_ptr, ss_ptr, n, NR, K, 
 def hc_finalize_kernel(x_ptr, part_ptr, ss_ptr, scale_ptr, base_ptr, xin_ptr, post_ptr, comb_ptr,
                        n, E, eps, hc_eps, ITERS,
                        SPLIT: tl.constexpr, HC: tl.constexpr, NM: tl.constexpr, BE: tl.constexpr,
-                       BT: tl.constexpr, HEAD: tl.constexpr, PART: tl.constexpr = 0):
+                       BT: tl.constexpr, HEAD: tl.constexpr, PART: tl.constexpr = 0, RELOAD: tl.constexpr = 0):
     """mHC collapse (§3.2) of tokens [tb·BT, +BT): pre/post/comb from the mixing projections
     (Sinkhorn on comb), and x_in[e-block] = Σ_i pre[i]·X[i]. HEAD: the output head (pre only).
     PART 1: pre and x_in only; PART 2: post and comb only (one program per token block). The
     sublayer needs x_in at once and post/comb only at its expand, so a decode step runs the two
     parts side by side and the Sinkhorn iterations leave the critical path. Comb is the core's
-    Sinkhorn on a [BT, HC, HC] tile: for one token its row and column sums are warp shuffles."""
+    Sinkhorn on a [BT, HC, HC] tile: for one token its row and column sums are warp shuffles.
+    RELOAD (PART 2, one token): the tile goes through comb_ptr before the iterations, so they run
+    on the tile's own layout rather than on the one its sum over SPLIT partials left, which
+    spreads the 16 values over more lanes (8 shuffles an iteration instead of 4 at SPLIT 128)."""
     tb = tl.program_id(0)
     eb = tl.program_id(1)
     t = tb * BT + tl.arange(0, BT)
@@ -160,6 +163,12 @@ def hc_finalize_kernel(x_ptr, part_ptr, ss_ptr, scale_ptr, base_ptr, xin_ptr, po
             cp = part_ptr + (tc[:, None, None, None] * SPLIT + sp[None, :, None, None]) * NM
             c = tl.sum(tl.load(cp + cidx[None, None, :, :]), axis=1) / rs[:, None, None]
             c = c * tl.load(scale_ptr + 2) + tl.load(base_ptr + cidx)[None, :, :]
+            if BT == 1 and PART == 2 and RELOAD:
+                cq = comb_ptr + tc[:, None, None] * HC * HC + (cidx - 2 * HC)[None, :, :]
+                tl.store(cq, c)
+                tl.debug_barrier()  # (other threads load what one stored)
+                c = tl.load(cq)
+                tl.debug_barrier()  # every thread has loaded before the result is stored over it
             c = rules.sinkhorn(c, ITERS, hc_eps)
             tl.store(comb_ptr + tc[:, None, None] * HC * HC + (cidx - 2 * HC)[None, :, :], c,
                      mask=tm[:, None, None])
