@@ -12,7 +12,9 @@ in separate processes (one after the other) so the GPU holds one model at a time
 `pair` share the one GPU, gates over loopback TCP, with --debug-hash on. Each writes JSON into
 --out; `pair` and `small` feed the one-rank run's greedy tokens and compare, step by step, the
 logits and their argmax with the one-rank run's (a differing argmax is reported with the one-rank
-top-2 gap, so that a near-tie, which a different order of addition can flip, shows as one).
+top-2 gap, so that a near-tie, which a different order of addition can flip, shows as one), and
+the router's and the indexer's choices call by call (`choice_flips`: where they differ, which step
+and layer).
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import pickle
 import subprocess
 import sys
 import time
@@ -55,7 +58,47 @@ def rel(a: np.ndarray, b: np.ndarray) -> float:
     return float(np.max(np.abs(a - b)) / np.max(np.abs(a)))
 
 
-def run(session, ids: list[int], force: list[int] | None = None, n: int | None = None) -> dict:
+class Choices:
+    """Records the router's expert ids and the indexer's selected rows of a backend, call by call
+    with the step each call belongs to (-1: the prompt). Where two runs see the same history, a
+    choice that differs is a near-tie the order of addition flipped, and the logits after it may
+    differ by far more than the order of addition alone moves them."""
+
+    def __init__(self, backend, ratio):
+        self.step, self.calls = -1, []
+        router, select = backend.router, backend.indexer_select
+
+        def host(x):
+            return x if isinstance(x, np.ndarray) else backend.to_numpy(x)
+
+        def rec_router(f, gate_inp, bias, tid2eid, tokens, il):
+            ids, w = router(f, gate_inp, bias, tid2eid, tokens, il)
+            self.calls.append((self.step, "router", il, np.sort(host(ids), axis=1)))
+            return ids, w
+
+        def rec_select(st, qr, a, w, p0, il):
+            sel = select(st, qr, a, w, p0, il)
+            if sel is not None:
+                rows = int((p0 + qr.shape[0]) // ratio(il))
+                self.calls.append((self.step, "index", il, sel if isinstance(sel, np.ndarray) else sel.mask(rows)))
+            return sel
+
+        backend.router, backend.indexer_select = rec_router, rec_select
+
+    @staticmethod
+    def flips(want: list, got: list, limit: int = 20) -> dict:
+        """Where the two runs' choices differ: the count and the first `limit` (step, kind, layer,
+        rows that differ)."""
+        out = []
+        for (step, kind, il, a), (_, _, _, b) in zip(want, got):
+            if a.shape != b.shape or not np.array_equal(a, b):
+                rows = int(np.any(a != b, axis=1).sum()) if a.shape == b.shape else -1
+                out.append(dict(step=step, kind=kind, layer=il, rows=rows))
+        return dict(choice_calls=len(want), choice_flips=len(out), first_choice_flips=out[:limit])
+
+
+def run(session, ids: list[int], force: list[int] | None = None, n: int | None = None,
+        choices: Choices | None = None) -> dict:
     """The prompt, then n greedy steps through Session.eval (the logits of every step kept).
     force: feed these tokens instead of the session's own choices (a second run then sees the
     first run's history at every step, so its logits stay comparable past a near-tie);
@@ -69,6 +112,8 @@ def run(session, ids: list[int], force: list[int] | None = None, n: int | None =
     t0 = time.perf_counter()
     for i in range(n):
         toks.append(int(np.argmax(session.logits)))
+        if choices is not None:
+            choices.step = i
         session.eval(toks[-1] if force is None else int(force[i]))
         steps.append(np.array(session.logits, copy=True))
     t_gen = time.perf_counter() - t0
@@ -83,10 +128,17 @@ def gpu_gb() -> float:
     return torch.cuda.memory_allocated() / 1e9
 
 
+ARRAYS = ("first", "last", "steps", "choices")  # what a run keeps beside its JSON, not in it
+
+
 def save(out: Path, name: str, r: dict, extra: dict) -> None:
     np.savez(out / f"{name}.npz", tokens=r["tokens"], first=r["first"], last=r["last"], steps=r["steps"])
-    meta = {k: v for k, v in r.items() if k not in ("first", "last", "steps")} | extra
-    (out / f"{name}.json").write_text(json.dumps(meta, indent=1))
+    (out / f"{name}.choices").write_bytes(pickle.dumps(r.get("choices", [])))
+    (out / f"{name}.json").write_text(json.dumps(brief(r) | extra, indent=1))
+
+
+def brief(r: dict) -> dict:
+    return {k: v for k, v in r.items() if k not in ARRAYS}
 
 
 def one_tokens(out: Path, one: str) -> list[int]:
@@ -108,8 +160,10 @@ def compare(out: Path, one: str, r: dict) -> dict:
             gap, diff = float(top2[1] - top2[0]), float(np.abs(a - b).max())
             flips.append(dict(step=i, one_top2_gap=gap, max_logit_diff=diff, near_tie=gap <= 2 * diff))
     rels = [rel(a, b) for a, b in zip(want, got)]
+    choices = Choices.flips(pickle.loads((out / f"{one}.choices").read_bytes()), r.get("choices", []))
     return dict(tokens_equal=not flips, steps=len(want), flips=flips,
-                prompt_logits_rel=rels[0], max_step_logits_rel=max(rels), final_logits_rel=rels[-1])
+                prompt_logits_rel=rels[0], max_step_logits_rel=max(rels), final_logits_rel=rels[-1],
+                step_logits_rel=rels) | choices
 
 
 def _part_bytes(p: RankPart, t, cfg) -> int:
@@ -145,9 +199,10 @@ def cmd_one(a) -> None:
     eng = ds4.Engine.open(flash_gguf(), backend="triton", numerics=a.numerics, synthetic=True,
                           cuda_graphs=False)
     gb = gpu_gb()
-    r = run(eng.session(ctx=1024), prompt(eng.config.n_vocab))
+    choices = Choices(eng.backend, eng.config.ratio)
+    r = run(eng.session(ctx=1024), prompt(eng.config.n_vocab), choices=choices) | dict(choices=choices.calls)
     save(out, f"one-{a.numerics}", r, dict(gpu_gb=gb))
-    print(json.dumps({k: v for k, v in r.items() if k not in ("first", "last", "steps")} | {"gpu_gb": gb}))
+    print(json.dumps(brief(r) | {"gpu_gb": gb}))
 
 
 def cmd_worker(a) -> None:
@@ -177,7 +232,9 @@ def _pair(out: Path, gguf: str, backends: tuple[str, str], numerics: str, synthe
     worker = subprocess.Popen(cmd, stdout=subprocess.PIPE, text=True)
     lead.ensure_worker()
     worker_gb = json.loads(worker.stdout.readline())["worker_gpu_gb"]
-    r = run(lead.session(ctx=1024), prompt(lead.config.n_vocab), force=force)
+    choices = Choices(lead.backend, lead.config.ratio)
+    r = run(lead.session(ctx=1024), prompt(lead.config.n_vocab), force=force, choices=choices)
+    r["choices"] = choices.calls
     lead.close()
     worker.wait(timeout=600)
     return r, dict(leader_gpu_gb=gb, worker_gpu_gb=worker_gb, backends="+".join(backends))
@@ -189,7 +246,7 @@ def cmd_pair(a) -> None:
     r, extra = _pair(out, flash_gguf(), ("triton", "triton"), a.numerics, True, one_tokens(out, one))
     extra |= compare(out, one, r)
     save(out, f"pair-{a.numerics}", r, extra)
-    print(json.dumps({k: v for k, v in r.items() if k not in ("first", "last", "steps")} | extra))
+    print(json.dumps(brief(r) | extra))
 
 
 def cmd_small(a) -> None:
@@ -201,11 +258,13 @@ def cmd_small(a) -> None:
     make_tiny(gguf, preset=SMALL_PRESET, seed=SEED)
     one = ds4.Engine.open(gguf, backend="reference", numerics=a.numerics)
     name = f"small-one-{a.numerics}"
-    save(out, name, run(one.session(ctx=1024), prompt(one.config.n_vocab)), {})
+    choices = Choices(one.backend, one.config.ratio)
+    r = run(one.session(ctx=1024), prompt(one.config.n_vocab), choices=choices) | dict(choices=choices.calls)
+    save(out, name, r, {})
     r, extra = _pair(out, gguf, tuple(a.backends.split(",")), a.numerics, False, one_tokens(out, name))
     extra |= compare(out, name, r)
     save(out, f"small-pair-{a.numerics}", r, extra)
-    print(json.dumps({k: v for k, v in r.items() if k not in ("first", "last", "steps")} | extra))
+    print(json.dumps(brief(r) | extra))
 
 
 def main() -> None:
