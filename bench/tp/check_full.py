@@ -97,9 +97,9 @@ class Choices:
         return dict(choice_calls=len(want), choice_flips=len(out), first_choice_flips=out[:limit])
 
 
-def run(session, ids: list[int], force: list[int] | None = None, n: int | None = None,
-        choices: Choices | None = None) -> dict:
-    """The prompt, then n greedy steps through Session.eval (the logits of every step kept).
+def run(session, ids: list[int], choices: Choices, force: list[int] | None = None, n: int | None = None) -> dict:
+    """The prompt, then n greedy steps through Session.eval (the logits of every step kept, and
+    the router's and the indexer's choices that `choices` records of the session's backend).
     force: feed these tokens instead of the session's own choices (a second run then sees the
     first run's history at every step, so its logits stay comparable past a near-tie);
     `tokens` are always the session's own argmax choices."""
@@ -112,13 +112,12 @@ def run(session, ids: list[int], force: list[int] | None = None, n: int | None =
     t0 = time.perf_counter()
     for i in range(n):
         toks.append(int(np.argmax(session.logits)))
-        if choices is not None:
-            choices.step = i
+        choices.step = i
         session.eval(toks[-1] if force is None else int(force[i]))
         steps.append(np.array(session.logits, copy=True))
     t_gen = time.perf_counter() - t0
     return dict(tokens=toks, first=first, last=steps[-1], steps=np.stack(steps),
-                prefill_s=t_prefill, decode_tok_s=n / t_gen)
+                prefill_s=t_prefill, decode_tok_s=n / t_gen, choices=choices.calls)
 
 
 def gpu_gb() -> float:
@@ -133,7 +132,7 @@ ARRAYS = ("first", "last", "steps", "choices")  # what a run keeps beside its JS
 
 def save(out: Path, name: str, r: dict, extra: dict) -> None:
     np.savez(out / f"{name}.npz", tokens=r["tokens"], first=r["first"], last=r["last"], steps=r["steps"])
-    (out / f"{name}.choices").write_bytes(pickle.dumps(r.get("choices", [])))
+    (out / f"{name}.choices").write_bytes(pickle.dumps(r["choices"]))
     (out / f"{name}.json").write_text(json.dumps(brief(r) | extra, indent=1))
 
 
@@ -160,7 +159,7 @@ def compare(out: Path, one: str, r: dict) -> dict:
             gap, diff = float(top2[1] - top2[0]), float(np.abs(a - b).max())
             flips.append(dict(step=i, one_top2_gap=gap, max_logit_diff=diff, near_tie=gap <= 2 * diff))
     rels = [rel(a, b) for a, b in zip(want, got)]
-    choices = Choices.flips(pickle.loads((out / f"{one}.choices").read_bytes()), r.get("choices", []))
+    choices = Choices.flips(pickle.loads((out / f"{one}.choices").read_bytes()), r["choices"])
     return dict(tokens_equal=not flips, steps=len(want), flips=flips,
                 prompt_logits_rel=rels[0], max_step_logits_rel=max(rels), final_logits_rel=rels[-1],
                 step_logits_rel=rels) | choices
@@ -199,8 +198,7 @@ def cmd_one(a) -> None:
     eng = ds4.Engine.open(flash_gguf(), backend="triton", numerics=a.numerics, synthetic=True,
                           cuda_graphs=False)
     gb = gpu_gb()
-    choices = Choices(eng.backend, eng.config.ratio)
-    r = run(eng.session(ctx=1024), prompt(eng.config.n_vocab), choices=choices) | dict(choices=choices.calls)
+    r = run(eng.session(ctx=1024), prompt(eng.config.n_vocab), Choices(eng.backend, eng.config.ratio))
     save(out, f"one-{a.numerics}", r, dict(gpu_gb=gb))
     print(json.dumps(brief(r) | {"gpu_gb": gb}))
 
@@ -232,9 +230,8 @@ def _pair(out: Path, gguf: str, backends: tuple[str, str], numerics: str, synthe
     worker = subprocess.Popen(cmd, stdout=subprocess.PIPE, text=True)
     lead.ensure_worker()
     worker_gb = json.loads(worker.stdout.readline())["worker_gpu_gb"]
-    choices = Choices(lead.backend, lead.config.ratio)
-    r = run(lead.session(ctx=1024), prompt(lead.config.n_vocab), force=force, choices=choices)
-    r["choices"] = choices.calls
+    r = run(lead.session(ctx=1024), prompt(lead.config.n_vocab), Choices(lead.backend, lead.config.ratio),
+            force=force)
     lead.close()
     worker.wait(timeout=600)
     return r, dict(leader_gpu_gb=gb, worker_gpu_gb=worker_gb, backends="+".join(backends))
@@ -258,9 +255,7 @@ def cmd_small(a) -> None:
     make_tiny(gguf, preset=SMALL_PRESET, seed=SEED)
     one = ds4.Engine.open(gguf, backend="reference", numerics=a.numerics)
     name = f"small-one-{a.numerics}"
-    choices = Choices(one.backend, one.config.ratio)
-    r = run(one.session(ctx=1024), prompt(one.config.n_vocab), choices=choices) | dict(choices=choices.calls)
-    save(out, name, r, {})
+    save(out, name, run(one.session(ctx=1024), prompt(one.config.n_vocab), Choices(one.backend, one.config.ratio)), {})
     r, extra = _pair(out, gguf, tuple(a.backends.split(",")), a.numerics, False, one_tokens(out, name))
     extra |= compare(out, name, r)
     save(out, f"small-pair-{a.numerics}", r, extra)
