@@ -213,7 +213,8 @@ def rope_kernel(x_ptr, out_ptr, nw_ptr, freq_ptr, pos_ptr, ROWS, eps,
     """Tail RoPE (adjacent pairs of the last NROT dims) of rows [n, ROWS, D] at positions p0 + t,
     optionally after a per-row RMSNorm (NORM 1 weighted, 2 unweighted) and followed by the
     indexer's Hadamard + FP4 simulation (QAT: D a power of two). HDP: D / 2 pairs padded to a
-    power of two (tl.arange's sizes), the pad masked."""
+    power of two (tl.arange's sizes), the pad masked. A row is loaded and stored whole, then split
+    into its even and odd dims in registers: loads of every other value took each sector twice."""
     t = tl.program_id(0)
     rb = tl.program_id(1)
     HD: tl.constexpr = D // 2
@@ -222,10 +223,10 @@ def rope_kernel(x_ptr, out_ptr, nw_ptr, freq_ptr, pos_ptr, ROWS, eps,
     base = (t * ROWS + r).to(tl.int64) * D
     i = tl.arange(0, HDP)
     im = i < HD
-    lm = rm[:, None] & im[None, :]
-    pe = base[:, None] + 2 * i[None, :]
-    xe = tl.load(x_ptr + pe, mask=lm, other=0.0)
-    xo = tl.load(x_ptr + pe + 1, mask=lm, other=0.0)
+    j = tl.arange(0, 2)
+    pr = base[:, None, None] + 2 * i[None, :, None] + j[None, None, :]  # [BR, HDP, 2]: the pairs
+    pm = (rm[:, None] & im[None, :])[:, :, None]  # (one mask a pair: its loads vectorise)
+    xe, xo = tl.split(tl.load(x_ptr + pr, mask=pm, other=0.0))
     if NORM != 0:
         rs = tl.sqrt_rn((tl.sum(xe * xe, axis=1) + tl.sum(xo * xo, axis=1)) / D + eps)[:, None]
         xe = xe / rs
@@ -248,5 +249,4 @@ def rope_kernel(x_ptr, out_ptr, nw_ptr, freq_ptr, pos_ptr, ROWS, eps,
         y = _qat_rows(tl.reshape(tl.join(ne, no), [BR, D]), QS, LOGD)
         tl.store(out_ptr + base[:, None] + tl.arange(0, D)[None, :], y, mask=rm[:, None])
     else:
-        tl.store(out_ptr + pe, ne, mask=lm)
-        tl.store(out_ptr + pe + 1, no, mask=lm)
+        tl.store(out_ptr + pr, tl.join(ne, no), mask=pm)
