@@ -163,15 +163,14 @@ def hc_finalize_kernel(x_ptr, part_ptr, ss_ptr, scale_ptr, base_ptr, xin_ptr, po
             cp = part_ptr + (tc[:, None, None, None] * SPLIT + sp[None, :, None, None]) * NM
             c = tl.sum(tl.load(cp + cidx[None, None, :, :]), axis=1) / rs[:, None, None]
             c = c * tl.load(scale_ptr + 2) + tl.load(base_ptr + cidx)[None, :, :]
+            cq = comb_ptr + tc[:, None, None] * HC * HC + (cidx - 2 * HC)[None, :, :]  # (the comb tile)
             if BT == 1 and PART == 2 and RELOAD:
-                cq = comb_ptr + tc[:, None, None] * HC * HC + (cidx - 2 * HC)[None, :, :]
                 tl.store(cq, c)
                 tl.debug_barrier()  # (other threads load what one stored)
                 c = tl.load(cq)
                 tl.debug_barrier()  # every thread has loaded before the result is stored over it
             c = rules.sinkhorn(c, ITERS, hc_eps)
-            tl.store(comb_ptr + tc[:, None, None] * HC * HC + (cidx - 2 * HC)[None, :, :], c,
-                     mask=tm[:, None, None])
+            tl.store(cq, c, mask=tm[:, None, None])
     if PART != 2:
         e = eb * BE + tl.arange(0, BE)
         em = e < E
