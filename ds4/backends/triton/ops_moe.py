@@ -13,6 +13,8 @@ from .formats import Decoder, KernelType
 from .plumbing import MM_MIN, QWeight, _Combined, _Normed, _cdiv, _op, _pow2, _x16
 from .tuning import INTEGER_PRECISIONS
 
+SWIGLU_BLOCK = 1024  # values per program of swiglu_kernel
+
 
 class _MoeOps:
     """The mixture-of-experts ops of TritonBackend (a mixin: it uses the state TritonBackend.__init__ sets up)."""
@@ -250,6 +252,14 @@ class _MoeOps:
         return (torch.where(mine, ids - first, torch.zeros_like(ids)),
                 torch.where(mine, weights, torch.zeros_like(weights)))
 
+    def _swiglu(self, g, u, clamp: float):
+        """SwiGLU of gate and up products [n, F] (swiglu_kernel)."""
+        h = torch.empty_like(g)
+        N = g.numel()
+        self._launch(K.swiglu_kernel, (_cdiv(N, SWIGLU_BLOCK),), g, u, h, N, float(clamp), BLOCK=SWIGLU_BLOCK,
+                     nbytes=12 * N)
+        return h
+
     @_op
     def shared_expert(self, f, gate, up, down, il):
         cfg = self.cfg
@@ -257,11 +267,7 @@ class _MoeOps:
             # The layout lets the shared gate and up differ in type; the fused gate/up kernels
             # decode both with one decoder, so such a pair takes two products and the SwiGLU.
             g, u = self._val(self._linear(f, gate)), self._val(self._linear(f, up))
-            h = torch.empty_like(g)
-            N = g.numel()
-            self._launch(K.swiglu_kernel, (_cdiv(N, 1024),), g, u, h, N, float(cfg.swiglu_clamp[il]),
-                         BLOCK=1024, nbytes=12 * N)
-            return self._linear(h, down)
+            return self._linear(self._swiglu(g, u, cfg.swiglu_clamp[il]), down)
         if (isinstance(f, _Normed) and f.shape[0] < MM_MIN and f.shape[1] % 32 == 0
                 and self.mv_types.get(KernelType.IQ2_XXS) == Decoder.IQ2_GROUPS_XQ):
             # the routed experts' gate/up (418) reads f in XQ form: the norm's kernel here, beside
@@ -277,6 +283,11 @@ class _MoeOps:
                              xq=gate.kt == KernelType.Q8C and up.kt == gate.kt)
             xq = self._xq(f, perm=True) if c["TYPE"] == Decoder.Q8C_XQ8 else None  # (f's norm wrote XQ: a launch)
             h = self._gateup_mv(x, gate, up, None, None, n, 1, clamp, c=c, xq=xq)
+        elif self._mm_xq(gate, x, 0):  # (gate and up share the layout here): x's planes once, two products
+            planes = self._xq_planes(x)
+            g, u = (self._matmul_xq(planes, w, torch.empty((n, F), dtype=torch.float32, device=self.dev))
+                    for w in (gate, up))
+            h = self._swiglu(g, u, clamp)
         elif self._q8_16(gate, x) and up.type == gate.type:
             BM, BN, warps, stages = self.q8_16_tile["gateup"]
             T = _cdiv(n, BM)

@@ -78,6 +78,14 @@ class TritonTuning:
     # warps, pipeline stages
     q8_int16: bool = False
     q8_16_tile: Mapping = field(default_factory=lambda: {"linear": (64, 64, 4, 1), "gateup": (64, 64, 8, 1)})
+    # Q8C prefill linears under "bf16x3" on int8 tensor cores instead: x in fixed point per
+    # 32-value block (xq_planes_kernel), one int8 product a byte of it a block (matmul_xq_kernel).
+    # xq_terms 3: 24 bits, float32's reach, as the bf16x3 products it replaces; 2: XQ's 16 bits,
+    # the form the decode's integer products read. Off until timed on the GPU. Rows of x, rows of
+    # W, row tiles of x per W tile, warps, pipeline stages
+    q8_xq: bool = False
+    xq_terms: int = 3
+    xq_tile: tuple = (128, 128, 4, 8, 2)
     # "f16" precision, Q8C and F16 linears: x in fp16 once per product (x16_kernel) and the Q8C
     # weights folded to fp16 as they load (matmul_f16w_kernel), one float32 accumulator over K.
     # Rows of x, rows of W, K-step (a divisor of 256), row tiles of x per W tile, warps, stages;
