@@ -1,7 +1,8 @@
 """The int8 prefill path for Q8C linears (kernels/mmq.py: `xq_planes_kernel`, `matmul_xq_kernel`):
-x in XQ's 16-bit fixed point per 32-value block, two int8 tensor-core products a block. Against
-XQ written out in numpy from its definition (kernels/decode.py) and float64 products of the
-weights as gguf-py decodes them. Without a GPU under TRITON_INTERPRET=1 (conftest.py)."""
+x in fixed point per 32-value block (2 terms: XQ's 16 bits, 3: 24 bits), one int8 tensor-core
+product a term a block. Against the fixed point written out in numpy from its definition and
+float64 products of the weights as gguf-py decodes them (quant_refs.py). Without a GPU under
+TRITON_INTERPRET=1 (conftest.py)."""
 
 from __future__ import annotations
 
@@ -14,14 +15,12 @@ torch = pytest.importorskip("torch")
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 pytest.importorskip("triton")
-gq = pytest.importorskip("gguf.quants")
-from gguf import GGMLQuantizationType as GQT  # noqa: E402
+pytest.importorskip("gguf.quants")
 
 from ds4.backends.triton.backend import TritonBackend  # noqa: E402
-from ds4.core.gguf_model import Tensor  # noqa: E402
 from ds4.core.quants import GGMLType as T  # noqa: E402
-from ds4.core.quants import random_blocks  # noqa: E402
 from ds4.core.tiny import preset_config  # noqa: E402
+from quant_refs import experts  # noqa: E402
 from seeds import rng_for_test  # noqa: E402
 from sm90 import ptx_sm90  # noqa: E402
 
@@ -73,12 +72,13 @@ def _planes(be, x, terms):
 
 
 def _weights(be, K, N, rng):
-    raw = random_blocks(T.Q8_0, N * K, rng, scale=0.05)
-    dense = np.asarray(gq.dequantize(raw, GQT(int(T.Q8_0))), dtype=np.float64).reshape(N, K)
-    return be.upload(Tensor("w", T.Q8_0, (K, N), raw)), dense
+    """Q8_0 rows N × K on the backend (Q8C there when K is whole chunks) and their float64 decode."""
+    w, W = experts(be, T.Q8_0, K, N, 1, rng)
+    return w, W[0]
 
 
 def _rel_rows(got, want, scale):
+    """The largest error of any output against its own error scale (Σ|w|·|x|)."""
     return float(np.max(np.abs(np.asarray(got, np.float64) - want) / np.maximum(scale, 1e-30)))
 
 

@@ -93,18 +93,24 @@ class _LinearOps:
                          num_warps=warps, num_stages=2, flops=2 * n * N * Kd, nbytes=w.RB * N + 4 * n * (Kd + N))
         return out
 
+    @staticmethod
+    def _whole_chunks(w: QWeight, x, group_stride: int) -> bool:
+        """Whether a prefill product reads x in whole 256-value chunks (the Q8C chunk, the unit of
+        the fp16 and int8 paths' K loops): K and x's width multiples of it, groups starting on its
+        boundaries, x's values contiguous."""
+        return x.shape[1] % 256 == 0 and w.K % 256 == 0 and group_stride % 256 == 0 and x.stride(1) == 1
+
     def _f16w(self, w: QWeight, x, group_stride: int) -> bool:
         """Whether a prefill product takes the "f16" precision's fp16 path (matmul_f16w_kernel):
-        Q8C or F16 rows, whole 256-value chunks of x and groups starting on chunk boundaries."""
+        Q8C or F16 rows in whole chunks."""
         return (self.q8_f16w and self.prec == ONE_TERM and w.kt in self.f16w_types
-                and x.shape[1] % 256 == 0 and w.K % 256 == 0 and group_stride % 256 == 0 and x.stride(1) == 1)
+                and self._whole_chunks(w, x, group_stride))
 
     def _mm_xq(self, w: QWeight, x, group_stride: int) -> bool:
         """Whether a prefill product takes the int8 path on x in fixed point (matmul_xq_kernel): Q8C
-        rows under an integer precision other than "f16", whole 256-value chunks of x, groups
-        starting on chunk boundaries."""
-        return (self.q8_xq and self.prec in INTEGER_PRECISIONS and self.prec != ONE_TERM and w.kt == KernelType.Q8C
-                and x.shape[1] % 256 == 0 and group_stride % 256 == 0 and x.stride(1) == 1)
+        rows in whole chunks, under an integer precision that keeps x's low-order bits."""
+        return (self.q8_xq and self.prec in INTEGER_PRECISIONS and self._x_lo and w.kt == KernelType.Q8C
+                and self._whole_chunks(w, x, group_stride))
 
     def _matmul_xq(self, planes, w: QWeight, out, group_rows: int = 0, group_stride: int = 0):
         """out [n, N] = x · Wᵀ for Q8C rows w, x given as its planes (_xq_planes): matmul_xq_kernel."""
