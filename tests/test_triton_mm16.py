@@ -1,6 +1,6 @@
-"""The exact-integer fp16 prefill kernels (kernels_mm16.py: IQ2_XXS / Q2_K routed experts, and the
-optional Q8_0 path) against float64 products of the weights as gguf-py decodes them. Without a GPU
-they run under TRITON_INTERPRET=1 (conftest.py) on small shapes; with one, compiled."""
+"""The exact-integer fp16 prefill kernels (kernels_mm16.py: IQ2_XXS / Q2_K routed experts) against
+float64 products of the weights as gguf-py decodes them. Without a GPU they run under
+TRITON_INTERPRET=1 (conftest.py) on small shapes; with one, compiled."""
 
 from __future__ import annotations
 
@@ -207,50 +207,6 @@ def test_moe_prefill_end_to_end(tri, rng):
     assert "moe_gateup_mm16_kernel" in ran and "moe_down_mm16_kernel" in ran, ran
 
 
-# ---- Q8_0 (optional path: q8_int16) -------------------------------------------------------------
-
-def test_q8_linear_and_groups(tri, rng):
-    """Dense and grouped Q8_0 prefill products with x in two fp16 terms (matmul_q8_16_kernel)."""
-    tri.q8_int16 = True
-    try:
-        N, K, n = 72, 512, 19
-        w, W = _experts(tri, T.Q8_0, K, N, 1, rng)
-        x = _activations(n, K, rng)
-        got = tri.to_numpy(tri.linear(torch.from_numpy(x).to(tri.dev), w))
-        assert _rel_rows(got, x.astype(np.float64) @ W[0].T, np.abs(x.astype(np.float64)) @ np.abs(W[0]).T) < TOL
-        # two groups of 32 rows, each reading its own 256 columns of x
-        wg, Wg = _experts(tri, T.Q8_0, 256, 64, 1, rng)
-        xg = _activations(n, 512, rng)
-        got = tri.to_numpy(tri._linear(torch.from_numpy(xg).to(tri.dev), wg, group_rows=32, group_stride=256))
-        x64 = xg.astype(np.float64)
-        want = np.concatenate([x64[:, :256] @ Wg[0, :32].T, x64[:, 256:] @ Wg[0, 32:].T], axis=1)
-        ax, aw = np.abs(x64), np.abs(Wg[0])
-        scale = np.concatenate([ax[:, :256] @ aw[:32].T, ax[:, 256:] @ aw[32:].T], axis=1)
-        assert _rel_rows(got, want, scale) < TOL
-    finally:
-        tri.q8_int16 = False
-
-
-def test_q8_shared_expert(tri, rng):
-    """The shared expert's Q8_0 gate/up (moe_gateup_q8_mm16_kernel) and down on the fp16 path."""
-    tri.q8_int16 = True
-    try:
-        F, E, n, il = 256, 512, 20, 4
-        gate, G = _experts(tri, T.Q8_0, E, F, 1, rng)
-        up, U = _experts(tri, T.Q8_0, E, F, 1, rng)
-        down, D = _experts(tri, T.Q8_0, F, E, 1, rng)
-        x = _below_clamp(_activations(n, E, rng), rng)
-        got = tri.to_numpy(tri.shared_expert(torch.from_numpy(x).to(tri.dev), gate, up, down, il))
-        x64 = x.astype(np.float64)
-        clamp = float(tri.cfg.swiglu_clamp[il])
-        g, u = x64 @ G[0].T, x64 @ U[0].T
-        hv = _swiglu64(g, u, clamp)
-        sh = _swiglu_scale(g, u, np.abs(x64) @ np.abs(G[0]).T, np.abs(x64) @ np.abs(U[0]).T, clamp)
-        assert _rel_rows(got, hv @ D[0].T, (np.abs(hv) + sh) @ np.abs(D[0]).T) < TOL
-    finally:
-        tri.q8_int16 = False
-
-
 # ---- the "f16" prefill precision: x rounded once to fp16, one product per block ------------------
 
 def _f16_rounded(x, block):
@@ -294,8 +250,8 @@ def test_f16_precision_needs_ds4_numerics():
 def test_f16_linear_rounds_x_once(tri16, rng):
     """Q8_0 prefill products under "f16": by default x and the weights in fp16, one scale per row
     each (matmul_f16w_kernel, K a multiple of 256, also grouped); the bf16 path's kernel on one
-    fp16 term (blocks of 32, and the only path where K is not a multiple of 256); the fp16 integer
-    path (q8_int16, chunks of 256) without its low term. F16 rows: x in fp16 (matmul_f16w_kernel)."""
+    fp16 term (blocks of 32, and the only path where K is not a multiple of 256). F16 rows: x in
+    fp16 (matmul_f16w_kernel)."""
     N, K, n = 40, 512, 19
     w, W = _experts(tri16, T.Q8_0, K, N, 1, rng)
     x = _activations(n, K, rng)
@@ -307,12 +263,10 @@ def test_f16_linear_rounds_x_once(tri16, rng):
     assert tri16.flop_ledger == [("matmul_f16w_kernel", 2 * n * N * K)]  # what the benchmark's TFLOP/s divide
     tri16.flop_ledger = None
     tri16.q8_f16w = False
-    _one_rounding(tri16.to_numpy(tri16.linear(xt, w)), x, W[0], 32)
-    tri16.q8_int16 = True
     try:
-        _one_rounding(tri16.to_numpy(tri16.linear(xt, w)), x, W[0], 256)
+        _one_rounding(tri16.to_numpy(tri16.linear(xt, w)), x, W[0], 32)
     finally:
-        tri16.q8_int16, tri16.q8_f16w = False, True
+        tri16.q8_f16w = True
     w2, W2 = _experts(tri16, T.Q8_0, 160, N, 1, rng)  # Q8_0 rows that are not Q8C chunks
     _one_rounding(tri16.to_numpy(tri16.linear(xt[:, :160], w2)), x[:, :160], W2[0], 32)
     # two groups of 32 rows, each reading its own 256 columns of x
@@ -327,8 +281,8 @@ def test_f16_linear_rounds_x_once(tri16, rng):
     _one_rounding(tri16.to_numpy(tri16.linear(xt, wh)), x, Wh[0], K)
     ran = [name for name, _ in tri16.ledger]
     tri16.ledger = None
-    assert ran == ["x16_kernel", "matmul_f16w_kernel", "matmul_kernel", "split16_kernel", "matmul_q8_16_kernel",
-                   "matmul_kernel", "x16_kernel", "matmul_f16w_kernel", "x16_kernel", "matmul_f16w_kernel"], ran
+    assert ran == ["x16_kernel", "matmul_f16w_kernel", "matmul_kernel", "matmul_kernel",
+                   "x16_kernel", "matmul_f16w_kernel", "x16_kernel", "matmul_f16w_kernel"], ran
 
 
 def test_f16_experts_round_x_once(tri16, rng):
@@ -353,8 +307,7 @@ _PAIRS = {"matmul": ("kernels", "matmul_kernel", dict(TYPE=80, BM=64, BN=128, NB
                      "TERMS", (3, 1)),
           "gateup": ("kernels_mm16", "moe_gateup_mm16_kernel", dict(BM=64, BN=64, KS=128, ROUTED=True), "LO",
                      (True, False)),
-          "down": ("kernels_mm16", "moe_down_mm16_kernel", dict(BM=64, BN=64, KS=128), "LO", (True, False)),
-          "q8_16": ("kernels_mm16", "matmul_q8_16_kernel", dict(BM=64, BN=64), "LO", (True, False))}
+          "down": ("kernels_mm16", "moe_down_mm16_kernel", dict(BM=64, BN=64, KS=128), "LO", (True, False))}
 
 
 def test_f16_kernels_compile_for_sm90_with_fewer_products():

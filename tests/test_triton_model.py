@@ -205,20 +205,6 @@ def test_f16_prefill_stays_within_the_ds4_tolerance(engines, cases):
     assert _same_greedy(b.logits, a.logits)
 
 
-def test_xq_prefill_matches_reference(engines, cases):
-    """The Q8C prefill linears on int8 tensor cores with x in 24-bit fixed point per block
-    (q8_xq, xq_terms 3), in exact numerics (no rounding downstream to amplify a last-bit
-    difference): the prompt's logits and three decode steps after it within LOGITS_RTOL, as the
-    default path, with the same greedy tokens."""
-    ref, tri = engines["exact"]
-    prompt = cases["exact"][1]
-    a = ref.session(ctx=64)
-    a.sync(prompt)
-    b, ran = _prefill_under(tri, prompt, q8_xq=True, xq_terms=3)
-    assert {"xq_planes_kernel", "matmul_xq_kernel"} <= ran, ran
-    _decode_alongside(a, b, LOGITS_RTOL)
-
-
 # ---- GPU only -----------------------------------------------------------------------------------
 
 @needs_gpu

@@ -13,8 +13,8 @@ through the backend's per-shape table, and --pick writes the fastest as that tab
 (ds4/backends/triton/mv_shapes_h200.json). `rows` reads matrices in the access pattern of a
 matrix-vector kernel (rows × bytes per K-step) without its arithmetic.
 Prefill (2048 tokens): dense Q8_0 and grouped-expert products: float32-decoded tiles on tf32×3,
-Q8_0 blocks as bf16 integers (x in three bf16 terms), and exact integers on fp16 tensor cores
-with x in two fp16 terms (fp16x2, kernels_mm16.py: Q8_0 blocks, IQ2_XXS / Q2_K super-blocks).
+Q8_0 blocks as bf16 integers (x in three bf16 terms), and the experts as exact integers on fp16
+tensor cores with x in two fp16 terms (fp16x2, kernels_mm16.py: IQ2_XXS / Q2_K super-blocks).
 
 `read` times kernels that only stream the same number of bytes: the floor for a product that
 reads its weights once.
@@ -37,7 +37,6 @@ import torch
 import triton
 import triton.language as tl
 
-from ds4.backends.triton import kernels as K
 from ds4.backends.triton.backend import QWeight, TritonBackend
 from ds4.backends.triton.synthetic import _quant_blocks
 from ds4.core.quants import GGMLType as T, row_bytes
@@ -356,18 +355,6 @@ def prefill_linear(be, rows, M, N, Kd, tiles, units):
             continue
         emit(rows, dict(part="prefill", op=f"q8 {N}x{Kd}", prec="bf16x3", tile=list(tile), units=u, ms=s * 1e3,
                          TFLOPS=flops / s / 1e12, err=rel(y, ref)))
-    be.q8_int16 = True  # x in two fp16 terms (kernels_mm16.py)
-    for tile in ((64, 64, 4, 1), (64, 128, 8, 1), (128, 64, 8, 1)):
-        be.q8_16_tile = {**be.q8_16_tile, "linear": tile}
-        try:
-            y = be.linear(x, w)
-            s = event_time(lambda: be.linear(x, w))
-        except Exception as e:  # noqa: BLE001
-            print(f"  mm16 {tile}: {type(e).__name__} {str(e)[:200]}")
-            continue
-        emit(rows, dict(part="prefill", op=f"q8 {N}x{Kd}", prec="fp16x2", tile=list(tile), ms=s * 1e3,
-                         TFLOPS=flops / s / 1e12, err=rel(y, ref)))
-    be.q8_int16 = False
 
 
 def prefill_moe(be, rows, M, gus, downs, units, mm16_tiles, NE=256):

@@ -1,6 +1,5 @@
 """Prefill products as exact integers on fp16 tensor cores: the routed experts (IQ2_XXS gate/up,
-Q2_K down) and, optionally (backend.q8_int16), Q8_0 linears and the shared expert's gate/up (in
-the Q8C chunk layout, kernels/).
+Q2_K down).
 
 The expert weights are block formats whose values are small integers times a few float scales.
 Regrouped so that one float scale covers a whole 256-value super-block of a row, the integers stay
@@ -11,8 +10,6 @@ exact in fp16 (11 significant bits):
 * Q2_K: W = d·sc·q − dmin·m per 16-value sub-block, so W·x = d·Σ (sc·q)·x − dmin·Σ_s m_s·X_s with
   X_s the sum of x over sub-block s: a K = 256 product of the integers sc·q <= 45 and a K = 16
   product of the integers m <= 15 with the sub-block sums (1/16 of the K = 256 work).
-* Q8_0 (Q8C): W = d·q, |q| <= 128, a scale per 32 values; the products run as W·xᵀ tiles so that d is
-  a per-row factor of the accumulator (one value per row of a thread).
 
 The activations are split once per chunk (split16_kernel): each token row is scaled per 256-value
 chunk by a power of two s with max|x·s| < 2^15, and x·s = hi + lo in two fp16 terms, which holds x
@@ -35,7 +32,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from .kernels.common import _INTERP, _dot16, _hi_lo, _ld_f16, _pow2_scale, _q8c_block, _q8c_value, _swiglu, _u8f
+from .kernels.common import _INTERP, _dot16, _hi_lo, _ld_f16, _pow2_scale, _swiglu, _u8f
 from .kernels.decode import _iq2_grid_index
 
 _MAGIC = tl.constexpr(8388608.0)  # 2^23: an integer OR-ed into its mantissa is exact (see _u8f)
@@ -237,76 +234,6 @@ def _q2k_mins(ws, blk, rmask):
     return tl.reshape(_u8f(mn), [BN, 16]).to(tl.float16)
 
 
-@triton.jit
-def _q8_tile(wh, so, qo, rmask):
-    """The Q8C blocks (kernels.py) with scales at byte offsets so and quants at qo [BN] of wh ->
-    (q [BN, 32] fp16 in byte order, d [BN]), W = d·q: the quants are exact in fp16. They come
-    as 16 halfwords, two biased quants per load."""
-    BN: tl.constexpr = qo.shape[0]
-    h = tl.load(wh + (qo[:, None] >> 1) + tl.arange(0, 16)[None, :], mask=rmask[:, None], other=-32640)
-    h = h.to(tl.int32)
-    q = tl.join(_u8f(h), _u8f(h >> 8)) - 128.0  # [BN, 16, 2]: byte 2·i + j
-    return tl.reshape(q, [BN, 32]).to(tl.float16), _ld_f16(wh, so, rmask)
-
-
-@triton.jit
-def _dot16t(w, xh, xl, acc, LO: tl.constexpr = True):
-    """acc + w·(xh + xl)ᵀ: _dot16 with W as the left operand (its rows on the accumulator's rows)."""
-    if _INTERP:
-        w = w.to(tl.float32)
-        if LO:
-            acc = tl.dot(w, tl.trans(xl.to(tl.float32)), acc, input_precision="ieee")
-        acc = tl.dot(w, tl.trans(xh.to(tl.float32)), acc, input_precision="ieee")
-    else:
-        if LO:
-            acc = tl.dot(w, tl.trans(xl), acc)
-        acc = tl.dot(w, tl.trans(xh), acc)
-    return acc
-
-
-@triton.jit
-def _q8_chunk(xh_ptr, xl_ptr, xrow, am, c0, wh, ro, rmask, BM: tl.constexpr, LO: tl.constexpr):
-    """Σ over the 8 Q8C blocks of the 256-value chunk from column c0: d_b · q_b·(xh + xl)_bᵀ,
-    [BN, BM] (W rows on the accumulator's rows, so d is one value per row of a thread). Each
-    block's exact product runs on fp16 tensor cores (K = 32) before its scale; x's columns are
-    taken in the quants' byte order (gathered: 2.1× slower prefill than the default bf16x3 path,
-    bench/triton/README.md, which permutes the quants in registers). xrow [BM, 1] are the element offsets of the x rows, ro [BN]
-    the byte offsets of the W rows."""
-    BN: tl.constexpr = ro.shape[0]
-    kk = _q8c_value(tl.arange(0, 32))[None, :]
-    pc = tl.zeros([BN, BM], tl.float32)
-    for kb in range(c0, c0 + 256, 32):
-        xh = tl.load(xh_ptr + xrow + kb + kk, mask=am[:, None], other=0.0)
-        xl = tl.load(xl_ptr + xrow + kb + kk, mask=am[:, None], other=0.0) if LO else xh
-        so, qo = _q8c_block(ro, kb // 32)
-        q, d = _q8_tile(wh, so, qo, rmask)
-        pc += _dot16t(q, xh, xl, tl.zeros([BN, BM], tl.float32), LO) * d[:, None]
-    return pc
-
-
-@triton.jit
-def matmul_q8_16_kernel(xh_ptr, xl_ptr, xi_ptr, SX, wh, out_ptr, so_t, M, N, K, RB, GROUP_ROWS, sx_g,
-                        BM: tl.constexpr, BN: tl.constexpr, LO: tl.constexpr = True):
-    """out[M, N] = x[M, K] · W[N, K]ᵀ for Q8C rows W, x given split by split16_kernel (rows of
-    SX values), as outᵀ = W·xᵀ per [BN, BM] tile; the chunks' 1/s apply once per 256 values.
-    Rows of group g = r // GROUP_ROWS read x at column offset g·sx_g (a multiple of 256)."""
-    pm = tl.program_id(0)
-    pn = tl.program_id(1)
-    tm = pm * BM + tl.arange(0, BM)
-    mm = tm < M
-    rows = pn * BN + tl.arange(0, BN)
-    rmask = rows < N
-    ro = rows.to(tl.int64) * RB
-    c0 = ((pn * BN) // GROUP_ROWS) * sx_g  # the group's first column of x
-    xrow = tm[:, None].to(tl.int64) * SX + c0
-    xi_row = tm.to(tl.int64) * (SX // 256) + c0 // 256
-    acc = tl.zeros([BN, BM], tl.float32)
-    for k0 in range(0, K, 256):
-        inv = tl.load(xi_ptr + xi_row + k0 // 256, mask=mm, other=0.0)
-        acc += _q8_chunk(xh_ptr, xl_ptr, xrow, mm, k0, wh, ro, rmask, BM, LO) * inv[None, :]
-    tl.store(out_ptr + tm[None, :].to(tl.int64) * so_t + rows[:, None], acc, mask=rmask[:, None] & mm[None, :])
-
-
 # ------------------------------------------------------------------------------------------------
 # experts
 
@@ -367,36 +294,6 @@ def moe_gateup_mm16_kernel(xh_ptr, xl_ptr, xi_ptr, tok_ptr, wts_ptr, tile_e_ptr,
         if ROUTED:
             hv = hv * tl.load(wts_ptr + a, mask=am, other=0.0)[:, None]
         tl.store(h_ptr + a[:, None].to(tl.int64) * F + rows[None, :], hv, mask=am[:, None] & rmask[None, :])
-
-
-@triton.jit
-def moe_gateup_q8_mm16_kernel(xh_ptr, xl_ptr, xi_ptr, tok_ptr, wts_ptr, tile_e_ptr, tile_r0_ptr, tile_end_ptr,
-                              gh, uh, h_ptr, F, K, RB, EXP_BYTES, clamp,
-                              BM: tl.constexpr, BN: tl.constexpr, ROUTED: tl.constexpr, LO: tl.constexpr = True):
-    """moe_gateup_mm16_kernel for Q8C weights (the shared expert): the products as
-    [BN, BM] tiles (_q8_chunk), the chunks' 1/s once per 256 values."""
-    tile = tl.program_id(0)
-    pn = tl.program_id(1)
-    e, a, am, tok = _tile_rows(tok_ptr, tile_e_ptr, tile_r0_ptr, tile_end_ptr, tile, BM, ROUTED)
-    if e >= 0:
-        rows = pn * BN + tl.arange(0, BN)
-        rmask = rows < F
-        eo = e.to(tl.int64) * (EXP_BYTES // 2)
-        ge = gh + eo
-        ue = uh + eo
-        ro = rows * RB
-        NS = K // 256
-        xrow = tok[:, None] * K
-        acc_g = tl.zeros([BN, BM], tl.float32)
-        acc_u = tl.zeros([BN, BM], tl.float32)
-        for k0 in range(0, K, 256):
-            inv = tl.load(xi_ptr + tok * NS + k0 // 256, mask=am, other=0.0)[None, :]
-            acc_g += _q8_chunk(xh_ptr, xl_ptr, xrow, am, k0, ge, ro, rmask, BM, LO) * inv
-            acc_u += _q8_chunk(xh_ptr, xl_ptr, xrow, am, k0, ue, ro, rmask, BM, LO) * inv
-        hv = _swiglu(acc_g, acc_u, clamp)
-        if ROUTED:
-            hv = hv * tl.load(wts_ptr + a, mask=am, other=0.0)[None, :]
-        tl.store(h_ptr + a[None, :].to(tl.int64) * F + rows[:, None], hv, mask=rmask[:, None] & am[None, :])
 
 
 @triton.jit

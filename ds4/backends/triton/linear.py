@@ -1,17 +1,15 @@
 """Linear layers of the Triton backend: decode products (matrix-vector, or the Q8C_XQ8 path on
-x in XQ8 form) and prefill products (matrix-matrix, the integer fp16 Q8_0 path, the int8 path
-for Q8C rows on x in fixed point (q8_xq), or under the "f16" precision the fp16 path for Q8C
-and F16 rows)."""
+x in XQ8 form) and prefill products (matrix-matrix, or under the "f16" precision the fp16 path
+for Q8C and F16 rows)."""
 
 from __future__ import annotations
 
 import torch
 
 from . import kernels as K
-from . import kernels_mm16 as K16
 from .formats import Decoder, KernelType
 from .plumbing import MM_MIN, QWeight, _Normed, _Quantized, _cdiv, _largest_pow2_divisor, _x16
-from .tuning import INTEGER_PRECISIONS, ONE_TERM
+from .tuning import ONE_TERM
 
 ROW_SCALE_ROWS = 8192  # rows per pass of _row_scale
 MAX_POW2 = 126  # the largest scale exponent whose reciprocal stays a normal float32
@@ -61,8 +59,6 @@ class _LinearOps:
                          w.b8, w.i16, w.f32, self._gridp, self._ksigns, out, N, ws, self._tickets(),
                          N, Kd, w.RB, gr, self.cfg.rms_eps, NORM=norm, **c,
                          nbytes=w.RB * N + 4 * n * (Kd + N))
-        elif self._mm_xq(w, src, group_stride):
-            self._matmul_xq(self._xq_planes(src), w, out, group_rows, group_stride)
         elif self._f16w(w, src, group_stride):
             q8 = w.kt == KernelType.Q8C
             xs, xinv = self._x16(src, perm=q8)
@@ -74,14 +70,6 @@ class _LinearOps:
                          TYPE=w.kt, BM=BM, BN=BN, BK=BK, GM=GM,
                          num_warps=warps, num_stages=stages,
                          flops=2 * n * N * Kd, nbytes=w.RB * N + 2 * n * Kd + 4 * n * N)
-        elif self._q8_16(w, src, group_stride):
-            xh, xl, xi, _, _ = self._split16(src, sums=False)
-            BM, BN, warps, stages = self.q8_16_tile["linear"]
-            if group_rows:
-                BN = min(BN, _largest_pow2_divisor(group_rows, BN))
-            self._launch(K16.matmul_q8_16_kernel, (_cdiv(n, BM), _cdiv(N, BN)), xh, xl, xi, src.shape[1],
-                         w.i16, out, N, n, N, Kd, w.RB, gr, group_stride, BM=BM, BN=BN, LO=self._x_lo,
-                         num_warps=warps, num_stages=stages, flops=2 * n * N * Kd, nbytes=w.RB * N + 4 * n * (Kd + N))
         else:
             mc = self._mm_cfg(w.kt, Kd)
             BM, BN, warps = self.mm_tile_q8 if mc["U"] and not self.interpret else self.mm_tile
@@ -93,50 +81,11 @@ class _LinearOps:
                          num_warps=warps, num_stages=2, flops=2 * n * N * Kd, nbytes=w.RB * N + 4 * n * (Kd + N))
         return out
 
-    @staticmethod
-    def _whole_chunks(w: QWeight, x, group_stride: int) -> bool:
-        """Whether a prefill product reads x in whole 256-value chunks (the Q8C chunk, the unit of
-        the fp16 and int8 paths' K loops): K and x's width multiples of it, groups starting on its
-        boundaries, x's values contiguous."""
-        return x.shape[1] % 256 == 0 and w.K % 256 == 0 and group_stride % 256 == 0 and x.stride(1) == 1
-
     def _f16w(self, w: QWeight, x, group_stride: int) -> bool:
         """Whether a prefill product takes the "f16" precision's fp16 path (matmul_f16w_kernel):
-        Q8C or F16 rows in whole chunks."""
+        Q8C or F16 rows, whole 256-value chunks of x and groups starting on chunk boundaries."""
         return (self.q8_f16w and self.prec == ONE_TERM and w.kt in self.f16w_types
-                and self._whole_chunks(w, x, group_stride))
-
-    def _mm_xq(self, w: QWeight, x, group_stride: int) -> bool:
-        """Whether a prefill product takes the int8 path on x in fixed point (matmul_xq_kernel): Q8C
-        rows in whole chunks, under an integer precision that keeps x's low-order bits."""
-        return (self.q8_xq and self.prec in INTEGER_PRECISIONS and self._x_lo and w.kt == KernelType.Q8C
-                and self._whole_chunks(w, x, group_stride))
-
-    def _matmul_xq(self, planes, w: QWeight, out, group_rows: int = 0, group_stride: int = 0):
-        """out [n, N] = x · Wᵀ for Q8C rows w, x given as its planes (_xq_planes): matmul_xq_kernel."""
-        xq, xs = planes
-        n, N = out.shape
-        BM, BN, GM, warps, stages = self.xq_tile
-        if group_rows:
-            BN = min(BN, _largest_pow2_divisor(group_rows, BN))
-        self._launch(K.matmul_xq_kernel, (_cdiv(n, BM) * _cdiv(N, BN),), xq, xs, xq.shape[2], xq.stride(0),
-                     w.b8, w.i16, out, N, n, N, w.K, w.RB, group_rows or (1 << 30), group_stride,
-                     TERMS=xq.shape[0], BM=BM, BN=BN, GM=GM, num_warps=warps, num_stages=stages,
-                     flops=2 * n * N * w.K, nbytes=w.RB * N + xq.shape[0] * n * w.K + 4 * n * N)
-        return out
-
-    def _xq_planes(self, x):
-        """x [R, K] float32 -> its fixed point per 32-value block in xq_terms int8 planes
-        ([terms, R, K], each block in Q8C byte order) and the block scales [R, K / 32] float32:
-        xq_planes_kernel."""
-        R, Kd = x.shape
-        xq = torch.empty((self.xq_terms, R, Kd), dtype=torch.int8, device=self.dev)
-        xs = torch.empty((R, Kd // 32), dtype=torch.float32, device=self.dev)
-        BR = 16 if self.interpret else 4
-        self._launch(K.xq_planes_kernel, (_cdiv(R, BR), Kd // 256), x, x.stride(0), xq, xs, R, Kd,
-                     TERMS=self.xq_terms, BR=BR, BC=256, num_warps=4,
-                     nbytes=(4 + self.xq_terms) * R * Kd + R * Kd // 8)
-        return xq, xs
+                and x.shape[1] % 256 == 0 and w.K % 256 == 0 and group_stride % 256 == 0 and x.stride(1) == 1)
 
     def _x16(self, x, perm: bool):
         """x [R, K] float32 -> (x·s in fp16 [R, K], with perm each chunk in Q8C byte order; 1/s [R]):

@@ -221,12 +221,6 @@ class _MoeOps:
         """Whether expert weight w takes the exact-integer fp16 path (kernels_mm16.py)."""
         return self.moe_int16 and self.prec in INTEGER_PRECISIONS and int(w.type) == int(ttype) and w.K % 256 == 0
 
-    def _q8_16(self, w: QWeight, x: torch.Tensor, group_stride: int = 0) -> bool:
-        """Whether a Q8_0 product with x [n, columns] takes the fp16 integer path: whole 256-value
-        chunks of x (split16_kernel) and groups starting on chunk boundaries."""
-        return (self.q8_int16 and self.prec in INTEGER_PRECISIONS and w.kt == KernelType.Q8C
-                and x.shape[1] % 256 == 0 and group_stride % 256 == 0 and x.stride(1) == 1)
-
     def _split16(self, x: torch.Tensor, sums: bool):
         """x [R, K] float32 -> (hi, lo [R, K] fp16, 1/s [R, K/256], and with sums the 16-value
         sums / 16 as hi, lo [R, K/16] fp16): x·s = hi + lo per 256-value chunk (split16_kernel).
@@ -283,23 +277,6 @@ class _MoeOps:
                              xq=gate.kt == KernelType.Q8C and up.kt == gate.kt)
             xq = self._xq(f, perm=True) if c["TYPE"] == Decoder.Q8C_XQ8 else None  # (f's norm wrote XQ: a launch)
             h = self._gateup_mv(x, gate, up, None, None, n, 1, clamp, c=c, xq=xq)
-        elif self._mm_xq(gate, x, 0):  # (gate and up share the layout here): x's planes once, two products
-            planes = self._xq_planes(x)
-            g, u = (self._matmul_xq(planes, w, torch.empty((n, F), dtype=torch.float32, device=self.dev))
-                    for w in (gate, up))
-            h = self._swiglu(g, u, clamp)
-        elif self._q8_16(gate, x) and up.type == gate.type:
-            BM, BN, warps, stages = self.q8_16_tile["gateup"]
-            T = _cdiv(n, BM)
-            tile_e = torch.zeros(T, dtype=torch.int32, device=self.dev)
-            tile_r0 = torch.arange(0, n, BM, dtype=torch.int32, device=self.dev)
-            tile_end = torch.full((T,), n, dtype=torch.int32, device=self.dev)
-            h = torch.empty((n, F), dtype=torch.float32, device=self.dev)
-            xh, xl, xi, _, _ = self._split16(x, sums=False)
-            self._launch(K16.moe_gateup_q8_mm16_kernel, (T, _cdiv(F, BN)), xh, xl, xi, self._dummy_i,
-                         self._dummy_f, tile_e, tile_r0, tile_end, gate.i16, up.i16, h, F, E, gate.RB, 0,
-                         float(clamp), BM=BM, BN=BN, ROUTED=False, LO=self._x_lo, num_warps=warps,
-                         num_stages=stages, flops=4 * n * F * E, nbytes=2 * gate.nbytes + 4 * n * (E + F))
         else:
             BM = 64
             mc = self._mm_cfg(gate.kt, E)

@@ -19,7 +19,6 @@ DS4_TRITON_MM               matrix-matrix tile "rows of x,rows of W,warps" (defa
 DS4_TRITON_MOE              JSON {"gateup"|"down"|"shared": [rows of W, warps]}: grouped-expert tiles
 DS4_TRITON_MOE16            "0": no integer fp16 prefill experts (default "1")
 DS4_TRITON_MOE16_TILE       JSON {"gateup"|"down": [rows of W, K-step, warps, stages]}
-DS4_TRITON_Q8_16            "1": Q8_0 prefill products as integers on fp16 tensor cores (default "0")
 DS4_TRITON_MV_PLAIN         "1": the generic block decoder for every decode product
 DS4_TRITON_MV_TUNE          JSON {decoder: [K-step values, rows, warps(, K parts, rows per thread)]}
 DS4_TRITON_MV_SHAPES        another per-shape decoder table (a JSON file), "" for none
@@ -73,19 +72,6 @@ class TritonTuning:
     moe_int16: bool = True
     moe16_bm: int = 64
     moe16_tile: Mapping = field(default_factory=lambda: {"gateup": (64, 128, 4, 1), "down": (64, 128, 4, 1)})
-    # Q8_0 prefill products (dense linears, shared-expert gate/up) the same way, x in two fp16
-    # terms instead of three bf16 ones (off by default until measured): rows of x, rows of W,
-    # warps, pipeline stages
-    q8_int16: bool = False
-    q8_16_tile: Mapping = field(default_factory=lambda: {"linear": (64, 64, 4, 1), "gateup": (64, 64, 8, 1)})
-    # Q8C prefill linears under "bf16x3" on int8 tensor cores instead: x in fixed point per
-    # 32-value block (xq_planes_kernel), one int8 product a byte of it a block (matmul_xq_kernel).
-    # xq_terms 3: 24 bits, float32's reach, as the bf16x3 products it replaces; 2: XQ's 16 bits,
-    # the form the decode's integer products read. Off until timed on the GPU. Rows of x, rows of
-    # W, row tiles of x per W tile, warps, pipeline stages
-    q8_xq: bool = False
-    xq_terms: int = 3
-    xq_tile: tuple = (128, 128, 4, 8, 2)
     # "f16" precision, Q8C and F16 linears: x in fp16 once per product (x16_kernel) and the Q8C
     # weights folded to fp16 as they load (matmul_f16w_kernel), one float32 accumulator over K.
     # Rows of x, rows of W, K-step (a divisor of 256), row tiles of x per W tile, warps, stages;
@@ -188,7 +174,6 @@ def load_tuning(interpret: bool, max_shared: int | None = None, dot_precision: s
     moe16_tile = dict(defaults.moe16_tile)
     moe16_tile.update({k: tuple(v) for k, v in json.loads(env.get("DS4_TRITON_MOE16_TILE", "{}")).items()})
     t["moe16_tile"] = moe16_tile
-    t["q8_int16"] = env.get("DS4_TRITON_Q8_16", "0") == "1"
     if max_shared is not None and max_shared < FP16_ATTN_SHARED:
         t["attn_tile"] = (16, 16, 8, 2)
     if env.get("DS4_TRITON_MV_PLAIN") == "1":

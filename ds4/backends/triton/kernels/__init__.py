@@ -60,9 +60,7 @@ from .mmvq import (  # noqa: F401
 from .mmq import (  # noqa: F401
     matmul_f16w_kernel,
     matmul_kernel,
-    matmul_xq_kernel,
     x16_kernel,
-    xq_planes_kernel,
 )
 from .moe import (  # noqa: F401
     moe_gateup_mv_kernel,

@@ -1,7 +1,5 @@
-"""Matrix-matrix products (prefill) of quantized weights: `matmul_kernel` (every type), Q8C rows
-on int8 tensor cores with x in fixed point as int8 planes (`xq_planes_kernel`,
-`matmul_xq_kernel`), and the "f16" precision's path for Q8C and F16 rows (`x16_kernel`,
-`matmul_f16w_kernel`)."""
+"""Matrix-matrix products (prefill) of quantized weights: `matmul_kernel` (every type) and the
+"f16" precision's path for Q8C and F16 rows (`x16_kernel`, `matmul_f16w_kernel`)."""
 
 from __future__ import annotations
 
@@ -9,7 +7,6 @@ import triton
 import triton.language as tl
 
 from .common import _INTERP, T_Q8C, _dot_units, _ld_f16, _pow2_scale, _q8c_value, _wtile
-from .decode import _xq_fixed
 
 
 @triton.jit
@@ -66,95 +63,6 @@ def _tile_of(M, N, BM: tl.constexpr, BN: tl.constexpr, GM: tl.constexpr):
     r0 = ((pid % per) // gm) * BN
     rows = r0 + tl.arange(0, BN)
     return tm, tm < M, r0, rows, rows < N
-
-
-# ------------------------------------------------------------------------------------------------
-# Q8C rows on int8 tensor cores: x in fixed point per 32-value block, its bytes as int8 planes.
-# TERMS 2: XQ, the 16-bit form the decode's integer products read (decode._xq_fixed); TERMS 3:
-# 24 bits, XQ3_MAX = 127·65793 (the largest q whose three signed bytes fit), which holds each
-# value to amax / 2^24 of its block: float32's reach.
-
-XQ3_MAX = tl.constexpr(8355711.0)
-
-
-@triton.jit
-def _signed_byte(q):
-    """The low byte of q as a signed byte (q − it is then a multiple of 256)."""
-    return ((q + 128) & 255) - 128
-
-
-@triton.jit
-def xq_planes_kernel(x_ptr, sx, out_ptr, s_ptr, R, K, TERMS: tl.constexpr, BR: tl.constexpr, BC: tl.constexpr):
-    """x [R, K] float32 (row stride sx) -> its fixed point per 32-value block: out [TERMS, R, K]
-    int8, the planes of q's signed bytes from the highest (value = s·q, q = Σ_t 256^(TERMS−1−t)·
-    plane_t), each block's values in the Q8C byte order (byte p of a block holds value
-    _q8c_value(p)) so that a Q8C row's quant bytes meet the x bytes they multiply in order; s
-    [R, K / 32] float32, the block scales. BC: a divisor of K, a multiple of 32; programs [row
-    tiles, K / BC]."""
-    r = tl.program_id(0) * BR + tl.arange(0, BR)
-    rm = r < R
-    r64 = r.to(tl.int64)
-    k0 = tl.program_id(1) * BC
-    j = tl.arange(0, BC)
-    src = (j // 32) * 32 + _q8c_value(j % 32)
-    v = tl.load(x_ptr + r64[:, None] * sx + k0 + src[None, :], mask=rm[:, None], other=0.0)
-    NBK: tl.constexpr = BC // 32
-    off = r64[:, None] * K + k0 + j[None, :]
-    PS = R.to(tl.int64) * K
-    if TERMS == 2:
-        _, hi, lo, s = _xq_fixed(tl.reshape(v, [BR * NBK, 32]))
-        tl.store(out_ptr + off, tl.reshape(hi, [BR, BC]).to(tl.int8), mask=rm[:, None])
-        tl.store(out_ptr + PS + off, tl.reshape(lo, [BR, BC]).to(tl.int8), mask=rm[:, None])
-    else:
-        vb = tl.reshape(v, [BR * NBK, 32])
-        amax = tl.max(tl.abs(vb), axis=1)
-        inv = tl.where(amax > 0, XQ3_MAX / tl.where(amax > 0, amax, 1.0), 0.0)
-        # (amax·inv itself may land half a step above XQ3_MAX in float32, where the step is 1/2)
-        q = tl.minimum(tl.maximum(tl.floor(vb * inv[:, None] + 0.5), -XQ3_MAX), XQ3_MAX).to(tl.int32)
-        lo = _signed_byte(q)
-        q = (q - lo) >> 8
-        mid = _signed_byte(q)
-        hi = (q - mid) >> 8
-        s = amax / XQ3_MAX
-        tl.store(out_ptr + off, tl.reshape(hi, [BR, BC]).to(tl.int8), mask=rm[:, None])
-        tl.store(out_ptr + PS + off, tl.reshape(mid, [BR, BC]).to(tl.int8), mask=rm[:, None])
-        tl.store(out_ptr + 2 * PS + off, tl.reshape(lo, [BR, BC]).to(tl.int8), mask=rm[:, None])
-    b = tl.arange(0, NBK)
-    tl.store(s_ptr + r64[:, None] * (K // 32) + k0 // 32 + b[None, :], tl.reshape(s, [BR, NBK]), mask=rm[:, None])
-
-
-@triton.jit
-def matmul_xq_kernel(xq_ptr, xs_ptr, SX, PS, wb, wh, out_ptr, so_t, M, N, K, RB, GROUP_ROWS, sx_g,
-                     TERMS: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, GM: tl.constexpr):
-    """out[M, N] = x[M, K] · W[N, K]ᵀ for Q8C rows, x as TERMS int8 planes (PS apart) of SX values
-    a row and block scales (xq_planes_kernel). Each 32-value block is TERMS int8 tensor-core
-    products, x's bytes against the quant bytes (q + 128 made q by flipping the top bit), exact
-    in int32 and joined as Σ 256^(TERMS−1−t)·product_t (the last term in float32 for 3); the block
-    then adds its sum times x's and W's block scales to the float32 accumulator. Rows of group
-    g = r // GROUP_ROWS read x at column offset g·sx_g (a multiple of 256). Programs run GM row
-    tiles of x per column tile of W, so that neighbours share W in L2."""
-    tm, mm, r0, rows, rmask = _tile_of(M, N, BM, BN, GM)
-    ro = rows.to(tl.int64) * RB
-    xo = (r0 // GROUP_ROWS) * sx_g
-    xrow = xq_ptr + tm[:, None].to(tl.int64) * SX + xo
-    srow = tm.to(tl.int64) * (SX // 32) + xo // 32
-    kk = tl.arange(0, 32)
-    acc = tl.zeros([BM, BN], tl.float32)
-    for kb in range(0, K, 32):
-        c = ro + (kb // 256) * 272  # the chunk: 8 f16 scales, then 256 quant bytes
-        i = (kb // 32) % 8
-        qb = tl.load(wb + c[:, None] + 16 + i * 32 + kk[None, :], mask=rmask[:, None], other=128)
-        qt = tl.trans((qb ^ 128).to(tl.int8, bitcast=True))
-        x0 = tl.load(xrow + kb + kk[None, :], mask=mm[:, None], other=0)
-        x1 = tl.load(xrow + PS + kb + kk[None, :], mask=mm[:, None], other=0)
-        p = tl.dot(x1, qt, tl.dot(x0, qt, out_dtype=tl.int32) * 256, out_dtype=tl.int32).to(tl.float32)
-        if TERMS == 3:
-            x2 = tl.load(xrow + 2 * PS + kb + kk[None, :], mask=mm[:, None], other=0)
-            p = p * 256.0 + tl.dot(x2, qt, out_dtype=tl.int32).to(tl.float32)
-        sx = tl.load(xs_ptr + srow + kb // 32, mask=mm, other=0.0)
-        d = _ld_f16(wh, c + 2 * i, rmask)
-        acc += (p * sx[:, None]) * d[None, :]
-    tl.store(out_ptr + tm[:, None].to(tl.int64) * so_t + rows[None, :], acc, mask=mm[:, None] & rmask[None, :])
 
 
 # ------------------------------------------------------------------------------------------------
