@@ -1,6 +1,6 @@
-"""The exact-integer fp16 prefill kernels (kernels_mm16.py: IQ2_XXS / Q2_K routed experts) against
-float64 products of the weights as gguf-py decodes them. Without a GPU they run under
-TRITON_INTERPRET=1 (conftest.py) on small shapes; with one, compiled."""
+"""The exact-integer fp16 prefill kernels (kernels_mm16.py: IQ2_XXS / Q2_K routed experts; the F16
+linears on two fp16 terms) against float64 products of the weights as gguf-py decodes them. Without
+a GPU they run under TRITON_INTERPRET=1 (conftest.py) on small shapes; with one, compiled."""
 
 from __future__ import annotations
 
@@ -207,6 +207,40 @@ def test_moe_prefill_end_to_end(tri, rng):
     assert "moe_gateup_mm16_kernel" in ran and "moe_down_mm16_kernel" in ran, ran
 
 
+# ---- F16 linears under bf16x3: x in two fp16 terms against the exact weights (f16_x2) ------------
+
+def test_f16_rows_take_two_fp16_terms(tri, rng):
+    """F16 prefill products under bf16x3 run on fp16 tensor cores with x as hi + lo (x16_kernel,
+    matmul_f16w_kernel with LO), dense and grouped, to float32 accuracy (TOL is far below one
+    fp16 rounding of x, 2^-12); with f16_x2 off they take tf32x3 (matmul_kernel), as do rows
+    whose K is not a multiple of 256."""
+    N, K, n = 40, 512, 19
+    w, W = _experts(tri, T.F16, K, N, 1, rng)
+    x = _activations(n, K, rng)
+    xt = torch.from_numpy(x).to(tri.dev)
+    x64 = x.astype(np.float64)
+    tri.ledger = []
+    assert _rel_rows(tri.to_numpy(tri.linear(xt, w)), x64 @ W[0].T, np.abs(x64) @ np.abs(W[0]).T) < TOL
+    wg, Wg = _experts(tri, T.F16, 256, 64, 1, rng)  # two groups of 32 rows, each on its own 256 columns
+    got = tri.to_numpy(tri._linear(xt, wg, group_rows=32, group_stride=256))
+    want = np.concatenate([x64[:, :256] @ Wg[0, :32].T, x64[:, 256:] @ Wg[0, 32:].T], axis=1)
+    ax, aw = np.abs(x64), np.abs(Wg[0])
+    scale = np.concatenate([ax[:, :256] @ aw[:32].T, ax[:, 256:] @ aw[32:].T], axis=1)
+    assert _rel_rows(got, want, scale) < TOL
+    w2, W2 = _experts(tri, T.F16, 160, N, 1, rng)
+    assert _rel_rows(tri.to_numpy(tri.linear(xt[:, :160], w2)), x64[:, :160] @ W2[0].T,
+                     np.abs(x64[:, :160]) @ np.abs(W2[0]).T) < TOL
+    tri.f16_x2 = False
+    try:
+        assert _rel_rows(tri.to_numpy(tri.linear(xt, w)), x64 @ W[0].T, np.abs(x64) @ np.abs(W[0]).T) < TOL
+    finally:
+        tri.f16_x2 = True
+    ran = [name for name, _ in tri.ledger]
+    tri.ledger = None
+    assert ran == ["x16_kernel", "matmul_f16w_kernel", "x16_kernel", "matmul_f16w_kernel", "matmul_kernel",
+                   "matmul_kernel"], ran
+
+
 # ---- the "f16" prefill precision: x rounded once to fp16, one product per block ------------------
 
 def _f16_rounded(x, block):
@@ -298,7 +332,8 @@ def test_f16_experts_round_x_once(tri16, rng):
 
 # The kernels of both precisions compiled for sm_90: "f16" must issue a third of bf16x3's
 # tensor-core products on Q8_0 and half of the two-term path's on the experts, and its fp16 kernel
-# (Q8C and F16 rows) must run on wgmma.
+# (Q8C and F16 rows) must run on wgmma; the same kernel on x's two terms (F16 rows under bf16x3)
+# issues twice its products.
 _PTR = {"wb": "*u8", "wh": "*i16", "wf": "*i32", "gridp": "*i32", "ksigns": "*i32", "gb": "*u8", "gh": "*i16",
         "gf": "*i32", "ub": "*u8", "uh": "*i16", "uf": "*i32", "lv8": "*i64", "sg8": "*i64", "tok_ptr": "*i32",
         "tile_e_ptr": "*i32", "tile_r0_ptr": "*i32", "tile_end_ptr": "*i32", "ww": "*i32", "ws": "*i32",
@@ -313,10 +348,12 @@ _PAIRS = {"matmul": ("kernels", "matmul_kernel", dict(TYPE=80, BM=64, BN=128, NB
 def test_f16_kernels_compile_for_sm90_with_fewer_products():
     cases = [(mod, name, {**cx, flag: v}, _PTR, dict(num_warps=4, num_stages=1))
              for mod, name, cx, flag, values in _PAIRS.values() for v in values]
-    cases += [("kernels", "matmul_f16w_kernel", dict(TYPE=t, BM=128, BN=128, BK=64, GM=8), {**_PTR, "x_ptr": "*fp16"},
-               dict(num_warps=8, num_stages=3)) for t in (80, 1)]  # Q8C, F16
+    cases += [("kernels", "matmul_f16w_kernel", dict(TYPE=t, BM=128, BN=128, BK=64, GM=8, LO=lo),
+               {**_PTR, "x_ptr": "*fp16"}, dict(num_warps=8, num_stages=3))
+              for t, lo in ((80, False), (1, False), (1, True))]  # Q8C, F16, F16 on two terms (bf16x3)
     n = [len(re.findall(r"wgmma\.mma_async", p)) for p in ptx_sm90(cases)]
     for i, name in enumerate(_PAIRS):
         full, one = n[2 * i], n[2 * i + 1]
         assert full == (3 if name == "matmul" else 2) * one > 0, (name, n)
-    assert min(n[-2:]) > 0, n  # the fp16 path: its products on wgmma
+    assert min(n[-3:-1]) > 0, n  # the fp16 path: its products on wgmma
+    assert n[-1] == 2 * n[-2], n  # two terms: twice the products

@@ -1,6 +1,6 @@
 """Linear layers of the Triton backend: decode products (matrix-vector, or the Q8C_XQ8 path on
-x in XQ8 form) and prefill products (matrix-matrix, or under the "f16" precision the fp16 path
-for Q8C and F16 rows)."""
+x in XQ8 form) and prefill products (matrix-matrix, or the fp16 path: Q8C and F16 rows under
+the "f16" precision, F16 rows on two fp16 terms under bf16x3)."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ import torch
 from . import kernels as K
 from .formats import Decoder, KernelType
 from .plumbing import MM_MIN, QWeight, _Normed, _Quantized, _cdiv, _largest_pow2_divisor, _x16
-from .tuning import ONE_TERM
+from .tuning import INTEGER_PRECISIONS, ONE_TERM
 
 ROW_SCALE_ROWS = 8192  # rows per pass of _row_scale
 MAX_POW2 = 126  # the largest scale exponent whose reciprocal stays a normal float32
@@ -61,15 +61,16 @@ class _LinearOps:
                          nbytes=w.RB * N + 4 * n * (Kd + N))
         elif self._f16w(w, src, group_stride):
             q8 = w.kt == KernelType.Q8C
-            xs, xinv = self._x16(src, perm=q8)
+            lo = self._x_lo  # F16 rows under bf16x3: x in two fp16 terms
+            xs, xl, xinv = self._x16(src, perm=q8, lo=lo)
             BM, BN, BK, GM, warps, stages = self.f16w_tile
             if group_rows:
                 BN = min(BN, _largest_pow2_divisor(group_rows, BN))
-            self._launch(K.matmul_f16w_kernel, (_cdiv(n, BM) * _cdiv(N, BN),), xs, xinv, xs.shape[1], w.b8, w.i16,
-                         self._row_scale(w) if q8 else self._dummy_f, out, N, n, N, Kd, w.RB, gr, group_stride,
-                         TYPE=w.kt, BM=BM, BN=BN, BK=BK, GM=GM,
+            self._launch(K.matmul_f16w_kernel, (_cdiv(n, BM) * _cdiv(N, BN),), xs, xl, xinv, xs.shape[1], w.b8,
+                         w.i16, self._row_scale(w) if q8 else self._dummy_f, out, N, n, N, Kd, w.RB, gr, group_stride,
+                         TYPE=w.kt, BM=BM, BN=BN, BK=BK, GM=GM, LO=lo,
                          num_warps=warps, num_stages=stages,
-                         flops=2 * n * N * Kd, nbytes=w.RB * N + 2 * n * Kd + 4 * n * N)
+                         flops=2 * n * N * Kd, nbytes=w.RB * N + (4 if lo else 2) * n * Kd + 4 * n * N)
         else:
             mc = self._mm_cfg(w.kt, Kd)
             BM, BN, warps = self.mm_tile_q8 if mc["U"] and not self.interpret else self.mm_tile
@@ -82,21 +83,28 @@ class _LinearOps:
         return out
 
     def _f16w(self, w: QWeight, x, group_stride: int) -> bool:
-        """Whether a prefill product takes the "f16" precision's fp16 path (matmul_f16w_kernel):
-        Q8C or F16 rows, whole 256-value chunks of x and groups starting on chunk boundaries."""
-        return (self.q8_f16w and self.prec == ONE_TERM and w.kt in self.f16w_types
-                and x.shape[1] % 256 == 0 and w.K % 256 == 0 and group_stride % 256 == 0 and x.stride(1) == 1)
+        """Whether a prefill product takes the fp16 path (matmul_f16w_kernel): under the "f16"
+        precision Q8C or F16 rows (f16w_types), under bf16x3 F16 rows (f16_x2), whose weights are
+        exact in fp16; whole 256-value chunks of x and groups starting on chunk boundaries."""
+        if self.prec == ONE_TERM:
+            takes = self.q8_f16w and w.kt in self.f16w_types
+        else:
+            takes = self.f16_x2 and self.prec in INTEGER_PRECISIONS and self._x_lo and w.kt == KernelType.F16
+        return (takes and x.shape[1] % 256 == 0 and w.K % 256 == 0 and group_stride % 256 == 0
+                and x.stride(1) == 1)
 
-    def _x16(self, x, perm: bool):
-        """x [R, K] float32 -> (x·s in fp16 [R, K], with perm each chunk in Q8C byte order; 1/s [R]):
+    def _x16(self, x, perm: bool, lo: bool = False):
+        """x [R, K] float32 -> (x·s in fp16 [R, K], with perm each chunk in Q8C byte order; with lo
+        what x·s − that rounds to in fp16, else the first again as a placeholder; 1/s [R]):
         x16_kernel."""
         R, Kd = x.shape
         xs = torch.empty((R, Kd), dtype=torch.float16, device=self.dev)
+        xl = torch.empty((R, Kd), dtype=torch.float16, device=self.dev) if lo else xs
         inv = torch.empty(R, dtype=torch.float32, device=self.dev)
         BR = 16 if self.interpret else 4
-        self._launch(K.x16_kernel, (_cdiv(R, BR),), x, x.stride(0), xs, inv, R, Kd, BR=BR, BC=256, PERM=perm,
-                     num_warps=4, nbytes=10 * R * Kd)
-        return xs, inv
+        self._launch(K.x16_kernel, (_cdiv(R, BR),), x, x.stride(0), xs, xl, inv, R, Kd, BR=BR, BC=256, PERM=perm,
+                     LO=lo, num_warps=4, nbytes=(12 if lo else 10) * R * Kd)
+        return xs, xl, inv
 
     def _row_scale(self, w: QWeight):
         """The powers of two t [N] that bring each Q8C row's largest |q·d| into [2^14, 2^15) (the

@@ -48,11 +48,12 @@ FP16_ATTN_SHARED = 135168  # shared memory (bytes) the fp16 prefill attention ti
 class TritonTuning:
     # prefill products: "bf16x3" multiplies Q8_0 quants (exact integers) on bf16 tensor cores with
     # x split exactly in three bf16 terms, and the IQ2_XXS / Q2_K experts as exact integers on fp16
-    # tensor cores (moe_int16); other weights, and every weight under "tf32x3" / "tf32" / "ieee",
-    # go through tl.dot at that precision on float32-decoded tiles. "f16": the same integer paths
-    # with x rounded once to fp16 (one product instead of three or two), and the Q8C and F16
-    # linears as fp16 products of x and the weights each rounded once (q8_f16w): what ds4 feeds
-    # its own GPU prefill, not float32-accurate (numerics "ds4" only; spec §3.10)
+    # tensor cores (moe_int16), and F16 weights on x in two fp16 terms (f16_x2); other weights,
+    # and every weight under "tf32x3" / "tf32" / "ieee", go through tl.dot at that precision on
+    # float32-decoded tiles. "f16": the same integer paths with x rounded once to fp16 (one
+    # product instead of three or two), and the Q8C and F16 linears as fp16 products of x and the
+    # weights each rounded once (q8_f16w): what ds4 feeds its own GPU prefill, not
+    # float32-accurate (numerics "ds4" only; spec §3.10)
     prec: str = "bf16x3"
     units_per_step: int = 1
     chain_block: int = 2048  # logits per program of greedy_next_kernel / sample_next_kernel
@@ -79,6 +80,9 @@ class TritonTuning:
     q8_f16w: bool = True
     f16w_tile: tuple = (128, 128, 64, 8, 4, 3)
     f16w_types: tuple = (int(KernelType.Q8C), int(KernelType.F16))
+    # "bf16x3", F16 linears: the same kernel on x in two fp16 terms (x16_kernel's hi and lo, 22
+    # bits) against the weights as they are, two exact products a K-step, instead of tf32x3
+    f16_x2: bool = True
     topk_reg_max: int = 16384  # indexer rows that top-k keeps in registers
     # one-query top-k (decode) from the key counts and buckets the scores kernel makes
     # (idx_score_kernel HIST, topk_one_kernel) instead of bisection passes in one program; the

@@ -6,7 +6,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from .common import _INTERP, T_Q8C, _dot_units, _ld_f16, _pow2_scale, _q8c_value, _wtile
+from .common import T_Q8C, _dot16, _dot_units, _hi_lo, _ld_f16, _pow2_scale, _q8c_value, _wtile
 
 
 @triton.jit
@@ -71,12 +71,14 @@ def _tile_of(M, N, BM: tl.constexpr, BN: tl.constexpr, GM: tl.constexpr):
 
 
 @triton.jit
-def x16_kernel(x_ptr, sx, out_ptr, inv_ptr, R, K, BR: tl.constexpr, BC: tl.constexpr, PERM: tl.constexpr):
+def x16_kernel(x_ptr, sx, out_ptr, lo_ptr, inv_ptr, R, K, BR: tl.constexpr, BC: tl.constexpr, PERM: tl.constexpr,
+               LO: tl.constexpr = False):
     """x [R, K] float32 (row stride sx) -> out [R, K] fp16 = x·s rounded once and inv [R] = 1/s, s a
     power of two per row with the row's max·s in [2^14, 2^15) (_pow2_scale). PERM: each 256-value
     chunk's values in Q8C quant byte order (value 32·b + _q8c_value(p) of the chunk at byte
-    32·b + p), so that a Q8C row's quant bytes meet the x values they multiply in order. BC: a
-    divisor of K, a multiple of 256."""
+    32·b + p), so that a Q8C row's quant bytes meet the x values they multiply in order. LO: also
+    lo [R, K] fp16, what x·s − out rounds to (_hi_lo: out + lo holds x·s to 2^-22). BC: a divisor
+    of K, a multiple of 256."""
     r = tl.program_id(0) * BR + tl.arange(0, BR)
     rm = r < R
     r64 = r.to(tl.int64)
@@ -92,33 +94,38 @@ def x16_kernel(x_ptr, sx, out_ptr, inv_ptr, R, K, BR: tl.constexpr, BC: tl.const
     s, inv = _pow2_scale(mx)
     for k0 in range(0, K, BC):
         x = tl.load(x_ptr + r64[:, None] * sx + k0 + src[None, :], mask=rm[:, None], other=0.0)
-        tl.store(out_ptr + r64[:, None] * K + k0 + j[None, :], (x * s[:, None]).to(tl.float16), mask=rm[:, None])
+        o = r64[:, None] * K + k0 + j[None, :]
+        hi, lo = _hi_lo(x * s[:, None])  # (the scaling is exact)
+        tl.store(out_ptr + o, hi, mask=rm[:, None])
+        if LO:
+            tl.store(lo_ptr + o, lo, mask=rm[:, None])
     tl.store(inv_ptr + r, inv, mask=rm)
 
 
 @triton.jit
-def matmul_f16w_kernel(x_ptr, xinv_ptr, SX, wb, wh, wt_ptr, out_ptr, so_t, M, N, K, RB, GROUP_ROWS, sx_g,
-                       TYPE: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
-                       GM: tl.constexpr):
-    """out[M, N] = x[M, K] · W[N, K]ᵀ under the "f16" precision: x from x16_kernel (rows of SX
-    values, fp16, 1/s per row; in quant byte order for Q8C) and W as fp16 values, so the K loop
-    is plain fp16 tensor-core products into one float32 accumulator and 1/s applies once at the
-    end. TYPE Q8C: each weight q·d·t rounded once to fp16 as its bytes load (t [N] at wt_ptr: a
-    power of two per row with the row's max |q·d|·t in [2^14, 2^15); 1/t applies at the end);
-    TYPE F16: the weights as they are. Rows of group g = r // GROUP_ROWS read x at column offset
-    g·sx_g (a multiple of 256). BK: a divisor of 256. Programs run GM row tiles of x per column
-    tile of W, so that neighbours share W in L2. The block scales load once per block and are
-    broadcast through a reshape: loading them per value, which keeps the tile's layout, made the
-    kernel far slower (bench/triton/README.md)."""
+def matmul_f16w_kernel(x_ptr, xl_ptr, xinv_ptr, SX, wb, wh, wt_ptr, out_ptr, so_t, M, N, K, RB, GROUP_ROWS,
+                       sx_g, TYPE: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
+                       GM: tl.constexpr, LO: tl.constexpr = False):
+    """out[M, N] = x[M, K] · W[N, K]ᵀ on fp16 tensor cores: x from x16_kernel (rows of SX values,
+    fp16, 1/s per row; in quant byte order for Q8C) and W as fp16 values, so the K loop is plain
+    fp16 products into one float32 accumulator and 1/s applies once at the end. TYPE Q8C: each
+    weight q·d·t rounded once to fp16 as its bytes load (t [N] at wt_ptr: a power of two per row
+    with the row's max |q·d|·t in [2^14, 2^15); 1/t applies at the end); TYPE F16: the weights
+    as they are. LO: x's low term too (xl_ptr), two exact products a K-step, so F16 rows get
+    float32-grade products; without it (the "f16" precision) x is rounded once. Rows of group
+    g = r // GROUP_ROWS read x at column offset g·sx_g (a multiple of 256). BK: a divisor of
+    256. Programs run GM row tiles of x per column tile of W, so that neighbours share W in L2.
+    The block scales load once per block and are broadcast through a reshape: loading them per
+    value, which keeps the tile's layout, made the kernel far slower (bench/triton/README.md)."""
     tm, mm, r0, rows, rmask = _tile_of(M, N, BM, BN, GM)
     ro = rows.to(tl.int64) * RB
     if TYPE == T_Q8C:
         t = tl.load(wt_ptr + rows, mask=rmask, other=1.0)
     kk = tl.arange(0, BK)
-    xrow = x_ptr + tm[:, None].to(tl.int64) * SX + (r0 // GROUP_ROWS) * sx_g
+    xo = tm[:, None].to(tl.int64) * SX + (r0 // GROUP_ROWS) * sx_g + kk[None, :]
     acc = tl.zeros([BM, BN], tl.float32)
     for k0 in range(0, K, BK):
-        xt = tl.load(xrow + k0 + kk[None, :], mask=mm[:, None], other=0.0)
+        xt = tl.load(x_ptr + xo + k0, mask=mm[:, None], other=0.0)
         if TYPE == T_Q8C:
             c = ro + (k0 // 256) * 272  # the chunk: 8 f16 scales, then 256 quant bytes
             p = k0 % 256
@@ -130,10 +137,8 @@ def matmul_f16w_kernel(x_ptr, xinv_ptr, SX, wb, wh, wt_ptr, out_ptr, so_t, M, N,
         else:
             w = tl.load(wh + ro[:, None] // 2 + k0 + kk[None, :], mask=rmask[:, None], other=0).to(tl.float16,
                                                                                                   bitcast=True)
-        if _INTERP:  # the interpreter's fp16 products are not trustworthy: the same values in float32
-            acc = tl.dot(xt.to(tl.float32), tl.trans(w.to(tl.float32)), acc, input_precision="ieee")
-        else:
-            acc = tl.dot(xt, tl.trans(w), acc)
+        xl = tl.load(xl_ptr + xo + k0, mask=mm[:, None], other=0.0) if LO else xt
+        acc = _dot16(xt, xl, w, acc, LO)
     out = acc * tl.load(xinv_ptr + tm, mask=mm, other=0.0)[:, None]
     if TYPE == T_Q8C:
         out = out * (1.0 / t)[None, :]
