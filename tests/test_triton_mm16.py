@@ -14,13 +14,15 @@ torch = pytest.importorskip("torch")
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 pytest.importorskip("triton")
-pytest.importorskip("gguf.quants")
+gq = pytest.importorskip("gguf.quants")
+from gguf import GGMLQuantizationType as GQT  # noqa: E402
 
 from ds4.backends.triton import kernels_mm16 as K16  # noqa: E402
 from ds4.backends.triton.backend import TritonBackend, _cdiv  # noqa: E402
+from ds4.core.gguf_model import Tensor  # noqa: E402
 from ds4.core.quants import GGMLType as T  # noqa: E402
+from ds4.core.quants import random_blocks  # noqa: E402
 from ds4.core.tiny import preset_config  # noqa: E402
-from quant_refs import experts as _experts  # noqa: E402
 from seeds import rng_for_test  # noqa: E402
 from sm90 import ptx_sm90  # noqa: E402
 
@@ -46,6 +48,25 @@ def tri():
     be = TritonBackend(preset_config("test"), device=DEVICE, dot_precision="bf16x3")
     be.moe_int16 = True
     return be
+
+
+def _experts(tri, ttype, K, N, NE, rng, terms=False):
+    """NE experts of N rows × K values of random valid blocks: (device weight, float64 [NE, N, K])
+    decoded by gguf-py (the independent reference). terms (Q2_K): also the magnitudes the kernel
+    adds, |d·sc·q| + |dmin·m| per value (its error scale: the two terms are products of their own
+    and w = d·sc·q − dmin·m may cancel), with dmin·m read from each 84-byte block's bytes
+    (scales[16]: m in the high nibbles | qs[64] | f16 d | f16 dmin)."""
+    raw = random_blocks(ttype, NE * N * K, rng, scale=0.05)
+    dense = np.asarray(gq.dequantize(raw, GQT(int(ttype))), dtype=np.float64).reshape(NE, N, K)
+    w = tri.upload(Tensor("w", ttype, (K, N, NE), raw))
+    if not terms:
+        return w, dense
+    assert ttype == T.Q2_K
+    b = np.asarray(raw, np.uint8).reshape(-1, 84)
+    dmin = b[:, 82:84].copy().view(np.float16).astype(np.float64)  # [blocks, 1]
+    mins = dmin * (b[:, :16] >> 4).astype(np.float64)  # [blocks, 16 sub-blocks]
+    mins = np.repeat(mins, 16, axis=1).reshape(NE, N, K)  # per value
+    return w, dense, np.abs(dense + mins) + np.abs(mins)
 
 
 def _activations(rows, K, rng):

@@ -95,19 +95,6 @@ def engines(cases):
     return out
 
 
-def _decode_alongside(a, b, rtol, steps=3):
-    """From sessions a (the reference) and b that took the same prompt: b's logits within rtol of
-    a's with the same greedy token, then after each of `steps` greedy steps fed to both (eager,
-    captured and replayed decode steps on a GPU)."""
-    for _ in range(steps):
-        assert _rel(b.logits, a.logits) <= rtol
-        assert _same_greedy(b.logits, a.logits)
-        t = int(np.argmax(a.logits))
-        a.eval(t)
-        b.eval(t)
-    assert _rel(b.logits, a.logits) <= rtol
-
-
 @pytest.mark.parametrize("numerics", ["ds4", "exact"])
 def test_logits_and_greedy_tokens_match_reference(engines, cases, numerics):
     ref, tri = engines[numerics]
@@ -117,7 +104,13 @@ def test_logits_and_greedy_tokens_match_reference(engines, cases, numerics):
     a.sync(prompt)  # 24 tokens: the matrix-matrix (prefill) kernels
     b.sync(prompt)
     tri.backend.ledger = []
-    _decode_alongside(a, b, rtol)
+    for _ in range(3):  # eager, captured and replayed decode steps on a GPU
+        assert _rel(b.logits, a.logits) <= rtol
+        assert _same_greedy(b.logits, a.logits)
+        t = int(np.argmax(a.logits))
+        a.eval(t)
+        b.eval(t)
+    assert _rel(b.logits, a.logits) <= rtol
     xq8 = [k for k, _ in tri.backend.ledger].count("matvec_xq_kernel")
     tri.backend.ledger = None
     # exact: per layer wq_a, wkv and wo_a (x from the attention's merge) on 309, then the head
@@ -172,25 +165,6 @@ def test_session_hands_off_between_backends(engines, cases):
     assert _same_greedy(s_tri2.logits, s_ref2.logits)
 
 
-def _prefill_under(tri, prompt, **settings):
-    """A session of tri that took the prompt with the backend's attributes set to settings (put
-    back after): (the session, the kernels the prompt launched)."""
-    be = tri.backend
-    saved = {k: getattr(be, k) for k in settings}
-    be.ledger = []
-    try:
-        for k, v in settings.items():
-            setattr(be, k, v)
-        s = tri.session(ctx=64)
-        s.sync(prompt)
-    finally:
-        for k, v in saved.items():
-            setattr(be, k, v)
-    ran = {k for k, _ in be.ledger}
-    be.ledger = None
-    return s, ran
-
-
 def test_f16_prefill_stays_within_the_ds4_tolerance(engines, cases):
     """The "f16" prefill precision (x, and with q8_f16w the Q8C linears' weights, rounded once to
     fp16 before the products: ds4's own GPU prefill numerics) on the ds4 case: the prompt's
@@ -199,7 +173,15 @@ def test_f16_prefill_stays_within_the_ds4_tolerance(engines, cases):
     prompt = cases["ds4"][1]
     a = ref.session(ctx=64)
     a.sync(prompt)
-    b, ran = _prefill_under(tri, prompt, prec="f16", q8_f16w=True)
+    be = tri.backend
+    saved, be.prec, be.q8_f16w, be.ledger = (be.prec, be.q8_f16w), "f16", True, []
+    try:
+        b = tri.session(ctx=64)
+        b.sync(prompt)
+    finally:
+        be.prec, be.q8_f16w = saved
+    ran = {k for k, _ in be.ledger}
+    be.ledger = None
     assert {"x16_kernel", "matmul_f16w_kernel"} <= ran, ran
     assert _rel(b.logits, a.logits) <= DS4_RTOL
     assert _same_greedy(b.logits, a.logits)

@@ -89,7 +89,7 @@ class _LinearOps:
         if self.prec == ONE_TERM:
             takes = self.q8_f16w and w.kt in self.f16w_types
         else:
-            takes = self.f16_x2 and self.prec in INTEGER_PRECISIONS and self._x_lo and w.kt == KernelType.F16
+            takes = self.f16_x2 and self.prec in INTEGER_PRECISIONS and w.kt == KernelType.F16
         return (takes and x.shape[1] % 256 == 0 and w.K % 256 == 0 and group_stride % 256 == 0
                 and x.stride(1) == 1)
 

@@ -195,17 +195,6 @@ XQ_MAX = tl.constexpr(32639.0)  # 127·257: the largest q whose hi byte (q + 128
 
 
 @triton.jit
-def _xq_fixed(v):
-    """Blocks v [NBLK, 32] float -> their XQ fixed point: (q, hi, lo) [NBLK, 32] int32 with
-    q = 256·hi + lo, hi and lo signed bytes, and the block scales s [NBLK] (v ≈ s·q)."""
-    amax = tl.max(tl.abs(v), axis=1)
-    inv = tl.where(amax > 0, XQ_MAX / tl.where(amax > 0, amax, 1.0), 0.0)
-    q = tl.floor(v * inv[:, None] + 0.5).to(tl.int32)
-    hi = (q + 128) >> 8
-    return q, hi, q - hi * 256, amax / XQ_MAX
-
-
-@triton.jit
 def _xq_words(v, PERM: tl.constexpr):
     """[NBLK, 32] signed bytes -> [NBLK, 8] words of 4: word w holds values 4w..4w+3, or with PERM
     values w, w+8, w+16, w+24 (the byte order of a Q8C block's word w)."""
@@ -223,7 +212,11 @@ def _xq_store(v, w_ptr, s_ptr, sum_ptr, blk0, bmask, PERM: tl.constexpr = False)
     """Blocks blk0 + [0, NBLK) of a vector, v [NBLK, 32] float, stored in XQ form (bmask [NBLK]:
     which blocks exist); PERM: in the Q8C byte order (XQ8, for decoder 309)."""
     NBLK: tl.constexpr = v.shape[0]
-    q, hi, lo, s = _xq_fixed(v)
+    amax = tl.max(tl.abs(v), axis=1)
+    inv = tl.where(amax > 0, XQ_MAX / tl.where(amax > 0, amax, 1.0), 0.0)
+    q = tl.floor(v * inv[:, None] + 0.5).to(tl.int32)
+    hi = (q + 128) >> 8
+    lo = q - hi * 256
     hw = _xq_words(hi, PERM)  # [NBLK, 8]
     lw = _xq_words(lo, PERM)
     b = blk0 + tl.arange(0, NBLK)
@@ -231,6 +224,7 @@ def _xq_store(v, w_ptr, s_ptr, sum_ptr, blk0, bmask, PERM: tl.constexpr = False)
     off = b[:, None] * 16 + (w // 2) * 4 + (w % 2)
     tl.store(w_ptr + off, hw, mask=bmask[:, None])
     tl.store(w_ptr + off + 2, lw, mask=bmask[:, None])
+    s = amax / XQ_MAX
     tl.store(s_ptr + b, s, mask=bmask)
     qs = tl.sum(tl.reshape(q, [NBLK, 2, 16]), axis=2).to(tl.float32) * s[:, None]
     tl.store(sum_ptr + b[:, None] * 2 + tl.arange(0, 2)[None, :], qs, mask=bmask[:, None])
