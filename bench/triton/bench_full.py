@@ -253,10 +253,10 @@ def kernel_table(eng, ctx: int, seed: int, copy_bw: float) -> list[dict]:
     return rows
 
 
-def prefill_table(eng, n: int, copy_bw: float) -> list[dict]:
-    """One n-token prefill chunk (kernels already compiled), per kernel."""
+def prefill_table(eng, n: int, copy_bw: float, cap: int | None = None) -> list[dict]:
+    """One n-token prefill (kernels already compiled; one chunk unless cap is smaller), per kernel."""
     cfg = eng.config
-    s = eng.session(ctx=n + 64)
+    s = eng.session(ctx=n + 64, prefill_cap=cap)
     toks = [int(x) for x in np.random.default_rng(5).integers(0, cfg.n_vocab, n)]
     return _profile(eng.backend, lambda: s.sync(toks), copy_bw)
 
@@ -268,10 +268,11 @@ def _write_csv(path, rows):
         wr.writerows(rows)
 
 
-def bench_prefill(eng, n: int, seed: int) -> dict:
+def bench_prefill(eng, n: int, seed: int, cap: int | None = None) -> dict:
+    """An n-token prompt in chunks of cap tokens (None: the session's default)."""
     cfg = eng.config
     rng = np.random.default_rng(seed)
-    s = eng.session(ctx=n + 64)
+    s = eng.session(ctx=n + 64, prefill_cap=cap)
     toks = [int(x) for x in rng.integers(0, cfg.n_vocab, n)]
     torch.cuda.synchronize()
     t0 = time.perf_counter()
@@ -299,7 +300,8 @@ def main() -> None:
                     help="prompt sizes profiled per kernel (prefill_kernels.csv for the first, "
                          "prefill_kernels_<n>.csv for the others)")
     ap.add_argument("--prefill-variants", default="{}",
-                    help="JSON {name: {backend attribute: value}}: the first prefill size also measured with each")
+                    help="JSON {name: {backend attribute: value}}: the first prefill size also measured with each "
+                         "(\"prefill_cap\": the session's chunk instead of a backend attribute)")
     ap.add_argument("--trace", action="store_true",
                     help="profile one graph replay per decode context: decode_timeline_<ctx>.csv (every kernel's "
                          "stream, start, duration) and its busy time in results.json")
@@ -385,14 +387,15 @@ def main() -> None:
         log(f"prefill {n}: {r['tokens_per_s']:.0f} tok/s ({r['seconds']:.2f}s)")
         for name, attrs in (json.loads(a.prefill_variants).items() if first else ()):
             be = eng.backend
-            saved = {k: getattr(be, k) for k in attrs}
-            for k, v in attrs.items():
-                setattr(be, k, v)
+            cap = attrs.get("prefill_cap")
+            saved = {k: getattr(be, k) for k in attrs if k != "prefill_cap"}
+            for k in saved:
+                setattr(be, k, attrs[k])
             try:
-                bench_prefill(eng, n, seed=98)  # compile the variant's kernels
-                rv = bench_prefill(eng, n, seed=n)
+                bench_prefill(eng, n, seed=98, cap=cap)  # compile the variant's kernels
+                rv = bench_prefill(eng, n, seed=n, cap=cap)
                 if a.variant_tables:  # per kernel, still under the variant's settings
-                    rv["kernels"] = prefill_table(eng, n, res["copy_bw_GBps"] * 1e9)
+                    rv["kernels"] = prefill_table(eng, n, res["copy_bw_GBps"] * 1e9, cap=cap)
                     _write_csv(os.path.join(a.out, f"prefill_kernels_{name}.csv"), rv["kernels"])
             except Exception as e:  # noqa: BLE001  (a tile that does not fit is a result too)
                 log(f"  variant {name}: failed: {type(e).__name__}: {str(e)[:200]}")
@@ -400,7 +403,7 @@ def main() -> None:
             finally:
                 for k, v in saved.items():
                     setattr(be, k, v)
-            res.setdefault("prefill_variants", []).append(dict(variant=name, **attrs, **rv))
+            res.setdefault("prefill_variants", []).append({"variant": name, **attrs, **rv})
             log(f"  variant {name}: {rv['tokens_per_s']:.0f} tok/s ({rv['seconds']:.2f}s)")
         json.dump(res, open(os.path.join(a.out, "results.json"), "w"), indent=1)
 

@@ -161,7 +161,11 @@ def main(argv=None) -> int:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--cache-gb", type=float, default=48.0,
                     help="the reference's cache of decoded matrices, shared by both numerics modes")
+    ap.add_argument("--set", default="{}",
+                    help='JSON {Triton backend attribute: value} set after loading (a tuning field under test, '
+                         'e.g. {"f16_x2": false})')
     args = ap.parse_args(argv)
+    settings = json.loads(args.set)
 
     ratios = tuple(int(r) for r in args.ratios.split(","))
     base = preset_config(args.preset)
@@ -191,7 +195,12 @@ def main(argv=None) -> int:
             ref.backend._cache, ref.backend._cached = cache
         tri = ds4.Engine.open(args.gguf, backend="triton", numerics=numerics, device=args.device,
                               cuda_graphs=False)
+        for k, v in settings.items():
+            if not hasattr(tri.backend, k):
+                raise SystemExit(f"--set: the Triton backend has no attribute {k!r}")
+            setattr(tri.backend, k, v)
         summary["device"] = tri.backend.device
+        summary["set"] = settings
         rr, tr = Recorder(ref, True), Recorder(tri, False)
         for n in prompts:
             prompt = [int(t) for t in rng.integers(0, cfg.n_vocab, n)]
