@@ -22,9 +22,9 @@ from ds4.core.atomic import atomic_file, signals_unwind
 from .tp import (DEFAULT_GATE_TIMEOUT_MS, DEFAULT_TP_WAIT_S, DebugHashOption, GateTimeoutOption,
                  TpLeader, TpListenOption, TpTransportOption, TpWaitOption)
 from .wire_options import AuthTokenFileOption
-from .common import (CLIError, err, fail, human_bytes, library_errors, open_engine, out,
+from .common import (CLIError, check_prefill_cap, err, fail, human_bytes, library_errors, open_engine, out,
                      progress_callback, resolve_model)
-from .options import BackendName, ModelOption, NumericsOption, check_range
+from .options import BackendName, ModelOption, NumericsOption, PrefillCapOption, check_range
 
 HELP = """Measure prefill and generation tokens/s as the context grows.
 
@@ -60,9 +60,7 @@ def bench(
     gen_tokens: Annotated[int, typer.Option(
         "--gen-tokens", "-n", metavar="N", callback=check_range(1),
         help="Decode steps of the greedy probe timed at each frontier.")] = 32,
-    prefill_cap: Annotated[Optional[int], typer.Option(
-        "--prefill-cap", metavar="TOKENS", callback=check_range(1), show_default="session default",
-        help="Largest prefill chunk (the session's prefill_cap).")] = None,
+    prefill_cap: PrefillCapOption = None,
     repeat: Annotated[int, typer.Option(
         "--repeat", "-r", metavar="N", callback=check_range(1),
         help="Time every interval and probe N times (from a restored snapshot) and keep the "
@@ -120,6 +118,7 @@ def bench(
             raise CLIError("give --step-incr or --step-mul, not both")
         if ctx_max < ctx_start:
             raise CLIError(f"--ctx-max {ctx_max} is less than --ctx-start {ctx_start}")
+        check_prefill_cap(prefill_cap, ctx_max + gen_tokens, "--ctx-max + --gen-tokens =")
         points = lib.frontiers(ctx_start, ctx_max, step_incr,
                                step_mul if step_mul is not None or step_incr is not None else 2.0)
         if compare is not None:

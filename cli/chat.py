@@ -19,10 +19,10 @@ from rich.text import Text
 
 from ds4.core.chat import DEFAULT_SYSTEM
 
-from .common import err, library_errors, open_engine, rate
+from .common import check_prefill_cap, err, library_errors, open_engine, rate
 from .options import (MAX_SEED, BackendOption, CtxOption, MinPOption, ModelOption, NoThinkOption,
-                      NumericsOption, SeedOption, SystemOption, TempOption, TopKOption, TopPOption,
-                      check_range)
+                      NumericsOption, PrefillCapOption, SeedOption, SystemOption, TempOption, TopKOption,
+                      TopPOption, check_range)
 
 HELP = ("commands: /reset (forget the conversation), /save FILE (write the session as a DSV4 "
         "payload), /think on|off, /help, /quit")
@@ -59,6 +59,7 @@ def chat(
     nothink: NoThinkOption = False,
     system: SystemOption = DEFAULT_SYSTEM,
     ctx: CtxOption = 4096,
+    prefill_cap: PrefillCapOption = None,
     backend: BackendOption = "auto",
     numerics: NumericsOption = "ds4",
 ) -> None:
@@ -69,13 +70,15 @@ def chat(
 
     with contextlib.suppress(AttributeError, ValueError):
         sys.stdout.reconfigure(errors="replace")
+    with library_errors():
+        check_prefill_cap(prefill_cap, ctx)
     eng = open_engine(model, backend, numerics)
     tok = eng.tokenizer
     with library_errors():
         if ctx > eng.config.context_length:
             raise ValueError(f"--ctx {ctx} is more than the model's context_length "
                              f"{eng.config.context_length}")
-        session = eng.session(ctx=ctx)
+        session = eng.session(ctx=ctx, prefill_cap=prefill_cap)
     params = SamplingParams(temperature=temp, top_k=top_k, top_p=top_p, min_p=min_p)
     rng = Rng(time.time_ns() & MAX_SEED if seed is None else seed)
     think = not nothink

@@ -29,6 +29,12 @@ class CLIError(Exception):
         self.code = code
 
 
+def check_prefill_cap(prefill_cap: int | None, ctx: int, ctx_name: str = "--ctx") -> None:
+    """--prefill-cap against the session's context (a chunk cannot be longer than the session)."""
+    if prefill_cap is not None and prefill_cap > ctx:
+        raise CLIError(f"--prefill-cap {prefill_cap} is more than {ctx_name} {ctx}")
+
+
 def print_error(message: str) -> None:
     """`error: message` in red on stderr."""
     # soft_wrap: a tensor name or path is never split across lines; the terminal wraps instead.

@@ -21,14 +21,14 @@ from ds4.core.chat import DEFAULT_SYSTEM
 
 from .tp import (DEFAULT_GATE_TIMEOUT_MS, DEFAULT_TP_WAIT_S, DebugHashOption, GateTimeoutOption,
                  TpLeader, TpListenOption, TpTransportOption, TpWaitOption)
-from .common import (CLIError, err, human_bytes, library_errors, open_engine, out, rate,
+from .common import (CLIError, check_prefill_cap, err, human_bytes, library_errors, open_engine, out, rate,
                      resolve_model, stream_reply)
 from .wire_options import (AuthTokenFileOption, AuthTokenOption, IoTimeoutOption, TlsCaOption,
                            TlsCertOption, TlsKeyOption, client_tls, server_tls, warn, warn_exposed,
                            wire_token)
 from .options import (MAX_SEED, BackendOption, CtxOption, MinPOption, ModelOption, NoThinkOption,
-                      NumericsOption, SeedOption, SystemOption, TempOption, TokensOption, TopKOption,
-                      TopPOption, check_range)
+                      NumericsOption, PrefillCapOption, SeedOption, SystemOption, TempOption, TokensOption,
+                      TopKOption, TopPOption, check_range)
 
 DEFAULT_IO_TIMEOUT = 120.0
 KV_TEMP_PREFIX = "ds4-kv-"  # a received or to-be-sent payload waits in such a temporary directory
@@ -99,6 +99,7 @@ def prefill(
     nothink: NoThinkOption = False,
     system: SystemOption = DEFAULT_SYSTEM,
     ctx: CtxOption = 4096,
+    prefill_cap: PrefillCapOption = None,
     backend: BackendOption = "auto",
     numerics: NumericsOption = "ds4",
     auth_token_file: AuthTokenFileOption = None,
@@ -127,6 +128,7 @@ def prefill(
                                  param_hint="'--save-kv' / '--send-kv'")
     dest = _check_hostport(send_kv) if send_kv is not None else None
     with library_errors():
+        check_prefill_cap(prefill_cap, ctx)
         token = wire_token(auth_token, auth_token_file) if send_kv is not None else None
         tls = client_tls(tls_cert, tls_key, tls_ca) if send_kv is not None else None
         # Where the payload goes is checked before the prefill, not after it: the probe runs
@@ -153,7 +155,7 @@ def prefill(
         if len(ids) >= ctx:
             raise CLIError(f"the prompt has {len(ids)} tokens, which leaves no room in "
                            f"--ctx {ctx}; raise --ctx")
-        session = eng.session(ctx=ctx)
+        session = eng.session(ctx=ctx, prefill_cap=prefill_cap)
         with err.status(f"prefilling {len(ids)} prompt tokens ..."):
             t0 = time.perf_counter()
             session.sync(ids)

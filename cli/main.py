@@ -32,9 +32,9 @@ from .tp import (DEFAULT_GATE_TIMEOUT_MS, DEFAULT_TP_WAIT_S, DebugHashOption, Ga
 from .wire_options import (AuthTokenFileOption, AuthTokenOption, IoTimeoutOption, TlsCaOption,
                            TlsCertOption, TlsKeyOption)
 from .common import (CLIError, rate, stream_reply, err, human_bytes, library_errors, open_engine, out, print_error,
-                     print_field, progress_callback, resolve_model)
+                     print_field, progress_callback, resolve_model, check_prefill_cap)
 from .options import (MAX_SEED, BackendOption, CtxOption, MinPOption, ModelArgument, ModelOption,
-                      NoThinkOption, NumericsOption, PromptOption, SeedOption, SystemOption,
+                      NoThinkOption, NumericsOption, PrefillCapOption, PromptOption, SeedOption, SystemOption,
                       TempOption, TokensOption, TopKOption, TopPOption, check_range)
 
 try:  # typer >= 0.26 carries its own copy of click
@@ -250,6 +250,7 @@ def generate(
     nothink: NoThinkOption = False,
     system: SystemOption = DEFAULT_SYSTEM,
     ctx: CtxOption = 4096,
+    prefill_cap: PrefillCapOption = None,
     backend: BackendOption = "auto",
     numerics: NumericsOption = "ds4",
     split_next: SplitNextOption = None,
@@ -280,6 +281,8 @@ def generate(
         sys.stdout.reconfigure(errors="replace")
     if seed is None:
         seed = time.time_ns() & MAX_SEED
+    with library_errors():
+        check_prefill_cap(prefill_cap, ctx)
     params = SamplingParams(temperature=temp, top_k=top_k, top_p=top_p, min_p=min_p)
     rng = Rng(seed)
 
@@ -301,7 +304,7 @@ def generate(
     else:
         eng = open_engine(model, backend, numerics, announce=False)
     try:
-        _generate(eng, prompt, n, params, rng, seed, nothink, system, ctx,
+        _generate(eng, prompt, n, params, rng, seed, nothink, system, ctx, prefill_cap,
                   backend_note=f"backend {eng.backend.name} (auto)" if backend == "auto" else None)
     finally:
         close = getattr(eng, "close", None)
@@ -309,7 +312,7 @@ def generate(
             close()
 
 
-def _generate(eng, prompt, n, params, rng, seed, nothink, system, ctx, backend_note=None) -> None:
+def _generate(eng, prompt, n, params, rng, seed, nothink, system, ctx, prefill_cap=None, backend_note=None) -> None:
     from ds4.core.chat import encode_prompt
 
     tok = eng.tokenizer
@@ -321,7 +324,7 @@ def _generate(eng, prompt, n, params, rng, seed, nothink, system, ctx, backend_n
         if len(ids) >= ctx:
             raise CLIError(f"the prompt has {len(ids)} tokens, which leaves no room in "
                            f"--ctx {ctx}; raise --ctx")
-        session = eng.session(ctx=ctx)
+        session = eng.session(ctx=ctx, prefill_cap=prefill_cap)
         with err.status(f"prefilling {len(ids)} prompt tokens ..."):
             t0 = time.perf_counter()
             session.sync(ids)

@@ -69,6 +69,13 @@ CtxOption = Annotated[int, typer.Option(
     help="Session context size in tokens (prompt + generated); at most the model's "
          "context_length.")]
 
+PrefillCapOption = Annotated[Optional[int], typer.Option(
+    "--prefill-cap", metavar="TOKENS", callback=check_range(1), show_default="2048, or --ctx if smaller",
+    help="Prompt tokens per prefill chunk (the session's prefill_cap; ds4's DS4_METAL_PREFILL_CHUNK). "
+         "Larger chunks prefill long prompts faster on Triton (bench/triton/README.md) and take more "
+         "memory. A saved session records its chunk, and ds4 loads it only into a session of the same "
+         "chunk.")]
+
 # ---- prompt -------------------------------------------------------------------------------------
 
 PromptOption = Annotated[str, typer.Option(

@@ -22,8 +22,8 @@ from rich.text import Text
 
 from ds4.serve import DEFAULT_MAX_BODY
 
-from .common import CLIError, err, library_errors, open_engine
-from .options import BackendOption, CtxOption, ModelOption, NumericsOption, check_range
+from .common import CLIError, check_prefill_cap, err, library_errors, open_engine
+from .options import BackendOption, CtxOption, ModelOption, NumericsOption, PrefillCapOption, check_range
 from .pipe import LayersOption, SplitNextOption, open_split_engine
 from .tp import (DEFAULT_GATE_TIMEOUT_MS, DEFAULT_TP_WAIT_S, DebugHashOption, GateTimeoutOption,
                  TpLeader, TpListenOption, TpTransportOption, TpWaitOption)
@@ -96,6 +96,7 @@ def serve(
     backend: BackendOption = "auto",
     numerics: NumericsOption = "ds4",
     ctx: CtxOption = 4096,
+    prefill_cap: PrefillCapOption = None,
     queue: Annotated[int, typer.Option(
         "--queue", metavar="N", callback=check_range(0, 1 << 16),
         help="Requests that may wait while one generates; more get 429 with Retry-After.")] = DEFAULT_QUEUE,
@@ -141,6 +142,7 @@ def serve(
     from ds4.serve.driver import Driver
 
     with library_errors():
+        check_prefill_cap(prefill_cap, ctx)
         key = read_api_key(api_key_file)
         warning = exposure_warning(host, key)
         if warning:
@@ -164,7 +166,7 @@ def serve(
             raise CLIError(f"--ctx {ctx} is more than the model's context_length "
                            f"{eng.config.context_length}")
         name = model_id or (model.stem if model is not None else "ds4-default")
-        driver = Driver(eng, ctx=ctx, queue_size=queue, snapshots=snapshots)
+        driver = Driver(eng, ctx=ctx, queue_size=queue, snapshots=snapshots, prefill_cap=prefill_cap)
     app = create_app(driver, model_id=name, max_tokens_limit=max_tokens or ctx, api_key=key,
                      max_body=max_body)
     actual = sock.getsockname()[1]

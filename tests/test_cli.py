@@ -62,7 +62,10 @@ def test_help_lists_commands():
     ("inspect", []),
     ("make-tiny", ["--preset", "--experts", "--seed", "--yes"]),
     ("generate", ["--model", "--prompt", "--tokens", "--temp", "--top-k", "--top-p", "--min-p",
-                  "--seed", "--nothink", "--system", "--ctx", "--backend", "--numerics"]),
+                  "--seed", "--nothink", "--system", "--ctx", "--prefill-cap", "--backend", "--numerics"]),
+    ("chat", ["--ctx", "--prefill-cap"]),
+    ("serve", ["--ctx", "--prefill-cap"]),
+    ("bench", ["--prefill-cap"]),
 ])
 def test_command_help_explains_options(command, options):
     r = run(command, "--help")
@@ -267,6 +270,7 @@ def test_generate_bad_option(model_path, args, option):
 @pytest.mark.parametrize("args, words", [
     (["--ctx", "100000"], ["--ctx", "context_length"]),
     (["--ctx", "8"], ["prompt", "--ctx"]),
+    (["--ctx", "64", "--prefill-cap", "65"], ["--prefill-cap 65", "--ctx 64"]),
     (["-m", "/nonexistent/model.gguf"], ["not found", "model.gguf"]),
 ])
 def test_generate_runtime_errors(model_path, args, words):
@@ -288,6 +292,29 @@ def test_generate_unavailable_backend(model_path):
     r = run("generate", "-m", model_path, "-p", "hi", "--backend", missing[0])
     assert r.exit_code == 1
     assert missing[0] in r.stderr and "Traceback" not in r.output
+
+
+def test_generate_prefill_cap_reaches_the_session(model_path, monkeypatch):
+    """--prefill-cap 3: the session prefills in chunks of 3 tokens (its layout says so), and the
+    greedy text is a library session's at that prefill_cap."""
+    eng = ds4.Engine.open(model_path)
+    ids = encode_prompt(eng.tokenizer, "Hello there")
+    s = eng.session(ctx=4096, prefill_cap=3)
+    s.sync(ids)
+    out = list(s.greedy(6, stop={eng.tokenizer.eos_id}))
+    caps = []
+    real = ds4.Engine.session
+
+    def spy(self, *a, **kw):
+        session = real(self, *a, **kw)
+        caps.append(session.layout.prefill_cap)
+        return session
+
+    monkeypatch.setattr(ds4.Engine, "session", spy)
+    r = run("generate", "-m", model_path, "-p", "Hello there", "-n", 6, "--temp", 0, "--prefill-cap", 3)
+    assert r.exit_code == 0, r.output
+    assert r.stdout_bytes == (eng.tokenizer.decode(out) + "\n").encode("utf-8")
+    assert caps == [3]
 
 
 def test_generate_stops_when_context_is_full(model_path):

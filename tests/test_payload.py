@@ -401,6 +401,34 @@ def test_cli_prefill_then_decode_matches_a_greedy_loop(cli, ref, model_path, tmp
     assert kv2.read_bytes() == kv.read_bytes()
 
 
+def test_cli_prefill_cap_is_the_chunk_the_payload_records(cli, ref, model_path, tmp_path):
+    """--prefill-cap: the session prefills in chunks of that many tokens, so the saved payload is
+    the library's at that prefill_cap, whose header field (u32 at byte 12, spec §payload) holds
+    it; decode adopts it from the file. A cap over --ctx is refused naming both."""
+    prompt = "Hello there, how are you today?"
+    ids = encode_prompt(ref.tokenizer, prompt)
+    cap = 5
+    assert len(ids) > 2 * cap  # at least three chunks
+    kv = tmp_path / "c.dsv4"
+    r = cli("prefill", "-m", model_path, "-p", prompt, "--prefill-cap", cap, "--save-kv", kv)
+    assert r.exit_code == 0, r.output
+    body = kv.read_bytes()
+    assert body == payload_of(prefilled(ref, ids, ctx=4096, prefill_cap=cap), identity=True)
+    assert body != payload_of(prefilled(ref, ids, ctx=4096), identity=True)
+    assert int.from_bytes(body[12:16], "little") == cap
+    s = prefilled(ref, ids, ctx=4096, prefill_cap=cap)
+    out = []
+    while len(out) < 6 and int(np.argmax(s.logits)) != ref.tokenizer.eos_id:
+        out.append(int(np.argmax(s.logits)))
+        s.eval(out[-1])
+    r = cli("decode", "-m", model_path, "--load-kv", kv, "-n", 6, "--temp", 0)
+    assert r.exit_code == 0, r.output
+    assert r.stdout_bytes == (ref.tokenizer.decode(out) + "\n").encode("utf-8")
+    r = cli("prefill", "-m", model_path, "-p", prompt, "--ctx", 64, "--prefill-cap", 65, "--save-kv", kv)
+    assert r.exit_code == 1 and "--prefill-cap 65 is more than --ctx 64" in r.stderr, r.output
+    assert cli("prefill", "-m", model_path, "-p", prompt, "--prefill-cap", 0, "--save-kv", kv).exit_code == 2
+
+
 @pytest.mark.parametrize("args", [
     ["prefill", "--save-kv", "x.dsv4"],  # no prompt
     ["prefill", "-p", "hi", "--prompt-file", "f.txt", "--save-kv", "x.dsv4"],

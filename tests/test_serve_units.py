@@ -272,3 +272,18 @@ def test_think_max_needs_its_context(tok, ctx):
     has = any(ids[i:i + len(prefix)] == prefix for i in range(len(ids)))
     assert has == (ctx >= THINK_MAX_MIN_CONTEXT)
     assert (ids == plain) == (ctx < THINK_MAX_MIN_CONTEXT)
+
+
+def test_driver_session_prefills_in_chunks_of_prefill_cap():
+    """`ds4 serve --prefill-cap` reaches the served session's layout (None keeps the default)."""
+    import ds4
+    from ds4.core.state import DEFAULT_PREFILL_CAP
+    from ds4.serve.driver import Driver
+
+    eng = ds4.Engine.open(None, backend="reference")
+    for cap, want in ((8, 8), (None, min(DEFAULT_PREFILL_CAP, 64))):
+        d = Driver(eng, ctx=64, queue_size=1, prefill_cap=cap)
+        try:
+            assert d.session.layout.prefill_cap == want
+        finally:
+            d.close()

@@ -116,13 +116,13 @@ def _unavailable_errors() -> tuple[type[BaseException], ...]:
 
 class Driver:
     def __init__(self, engine, *, ctx: int, queue_size: int, metrics: Metrics | None = None,
-                 snapshots: bool = True):
+                 snapshots: bool = True, prefill_cap: int | None = None):
         self.engine = engine
         self.tokenizer = engine.tokenizer
         self.ctx = ctx
         self.queue_size = queue_size
         self.metrics = metrics or Metrics()
-        self.session = engine.session(ctx=ctx)
+        self.session = engine.session(ctx=ctx, prefill_cap=prefill_cap)  # (None: the layout's default)
         self.split = not isinstance(self.session, Session)
         # a pipeline's next stage or a tensor-parallel worker can go away and come back
         self.remote = self.split or hasattr(engine, "ensure_worker")
