@@ -31,7 +31,7 @@ def _pdl_wait():
     visible. Returns 0 for the caller to add to the addresses of what that kernel wrote, so that
     LLVM does not schedule pure inline-assembly loads (_ld4) above the wait; ptxas sees the 0,
     so those loads must also be coherent ones (_ld4 NC=False): it keeps those below the wait
-    (tests/test_triton_kernels.py::test_early_launch_loads_x_after_its_wait)."""
+    (tests/test_triton_experts.py::test_early_launch_loads_x_after_its_wait)."""
     return tl.inline_asm_elementwise("griddepcontrol.wait;\n\tmov.u32 $0, 0;", "=r", [], dtype=tl.int32,
                                      is_pure=False, pack=1)
 
