@@ -13,6 +13,7 @@ from typing import Annotated, Literal, Optional
 import typer
 
 from ds4.backends import BACKENDS
+from ds4.core.state import DEFAULT_PREFILL_CAP
 
 # Literal[...] built from the registry, so a backend added there is accepted here too.
 BackendName = Literal[tuple(BACKENDS)]  # type: ignore[valid-type]
@@ -70,7 +71,8 @@ CtxOption = Annotated[int, typer.Option(
          "context_length.")]
 
 PrefillCapOption = Annotated[Optional[int], typer.Option(
-    "--prefill-cap", metavar="TOKENS", callback=check_range(1), show_default="2048, or --ctx if smaller",
+    "--prefill-cap", metavar="TOKENS", callback=check_range(1),
+    show_default=f"{DEFAULT_PREFILL_CAP}, or --ctx if smaller",
     help="Prompt tokens per prefill chunk (the session's prefill_cap; ds4's DS4_METAL_PREFILL_CHUNK). "
          "Larger chunks prefill long prompts faster on Triton (bench/triton/README.md) and take more "
          "memory. A saved session records its chunk, and ds4 loads it only into a session of the same "
