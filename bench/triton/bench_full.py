@@ -38,6 +38,9 @@ from ds4.core.gguf_write import write_sparse_gguf
 from ds4.core.sampling import Rng, SamplingParams
 from ds4.core.tiny import preset_config
 
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # (run as a script or imported by path)
+from decode_chain import read_timeline, step_table  # noqa: E402
+
 BF16_PEAK_TFLOPS = 790.0  # the H200's dense bf16 / fp16 tensor-core peak: the prefill table's yardstick
 
 
@@ -184,6 +187,8 @@ def replay_timeline(graph, path: str) -> dict:
     rows = [dict(kernel=e["name"], stream=e.get("args", {}).get("stream"), start_us=round(e["ts"] - t0, 2),
                  dur_us=round(e["dur"], 2)) for e in events]
     _write_csv(path, rows)
+    chain_rows, _ = step_table(read_timeline(path))  # per kernel: on the critical chain, alone
+    _write_csv(path.replace("decode_timeline_", "decode_chain_"), chain_rows)
     span = max(e["ts"] + e["dur"] for e in events) - t0
     busy, (cs, ce) = 0.0, (events[0]["ts"], events[0]["ts"] + events[0]["dur"])
     for e in events[1:]:  # union of the kernels' intervals
@@ -304,7 +309,8 @@ def main() -> None:
                          "(\"prefill_cap\": the session's chunk instead of a backend attribute)")
     ap.add_argument("--trace", action="store_true",
                     help="profile one graph replay per decode context: decode_timeline_<ctx>.csv (every kernel's "
-                         "stream, start, duration) and its busy time in results.json")
+                         "stream, start, duration), decode_chain_<ctx>.csv (per kernel: time on the step's "
+                         "critical chain and alone, decode_chain.py) and its busy time in results.json")
     ap.add_argument("--set", default="{}",
                     help='JSON {backend attribute: value} set after loading, before anything is measured '
                          '(the run\'s own configuration, traces included)')
