@@ -21,7 +21,7 @@ def chain():
     return decode_chain
 
 
-# stream, kernel, start, duration (µs): A and B overlap, C waits for B, D runs inside C
+# kernel, stream, start, duration (µs): A and B overlap, C waits for B, D runs inside C
 CSV = """kernel,stream,start_us,dur_us
 A,7,0.0,10.0
 B,8,5.0,10.0
@@ -49,3 +49,9 @@ def test_chain_alone_and_concurrency(chain, tmp_path):
     }
     assert [r["kernel"] for r in rows][:2] == ["B", "C"]  # the longest chain time first
     assert by_count == {0: 5.0, 1: 13.0, 2: 7.0}  # [15, 20]; A, B, C alone; [5, 10] and [21, 23]
+
+
+def test_chain_walk_ends_on_zero_length_kernels(chain):
+    """Kernels of no duration at one instant (the profiler rounds) are each on the chain once."""
+    spans = [("A", 0.0, 4.0), ("X", 5.0, 5.0), ("Y", 5.0, 5.0), ("B", 5.0, 9.0)]
+    assert [spans[i][0] for i in chain.critical_chain(spans)] == ["A", "X", "Y", "B"]

@@ -43,24 +43,23 @@ def critical_chain(spans: list[tuple[str, float, float]]) -> list[int]:
         return []
     order = sorted(range(len(spans)), key=lambda i: (spans[i][2], i))
     ends = [spans[i][2] for i in order]
-    cur = order[-1]
-    chain = [cur]
+    at = len(order) - 1
+    chain = [order[at]]
     while True:
-        j = bisect.bisect_right(ends, spans[cur][1]) - 1  # the last to end at or before cur starts
-        while j >= 0 and order[j] == cur:  # (a zero-length span ends where it starts)
-            j -= 1
-        if j < 0:
+        # the last to end at or before the current one starts, and before it in `order` (a
+        # zero-length span ends where it starts, so the walk would otherwise stay in place)
+        at = min(bisect.bisect_right(ends, spans[order[at]][1]) - 1, at - 1)
+        if at < 0:
             break
-        cur = order[j]
-        chain.append(cur)
+        chain.append(order[at])
     return chain[::-1]
 
 
 def step_table(spans: list[tuple[str, float, float]]) -> tuple[list[dict], dict[int, float]]:
     """Per kernel name: calls, summed duration, calls and time on the chain, time alone (µs),
     the longest chain time first, then the chain's gaps (its kernel count as calls on it) and the
-    idle time; and the time with k
-    kernels running, per k, over the span from the first start to the last end."""
+    idle time; and the time with k kernels running, per k, over the span from the first start to
+    the last end."""
     events = []
     for i, (_, s, e) in enumerate(spans):
         events += [(s, 1, i), (e, -1, i)]
