@@ -3,22 +3,14 @@ timeline, on a timeline written out by hand."""
 
 from __future__ import annotations
 
-import sys
-from pathlib import Path
-
 import pytest
 
-ROOT = Path(__file__).resolve().parents[1]
+from bench_modules import bench_module
 
 
 @pytest.fixture(scope="module")
 def chain():
-    sys.path.insert(0, str(ROOT / "bench" / "triton"))
-    try:
-        import decode_chain
-    finally:
-        sys.path.pop(0)
-    return decode_chain
+    return bench_module("triton", "decode_chain")
 
 
 # kernel, stream, start, duration (µs): A and B overlap, C waits for B, D runs inside C

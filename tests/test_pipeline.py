@@ -26,6 +26,7 @@ from ds4.core.sampling import GREEDY, Rng, SamplingParams
 from ds4.core.tiny import make_tiny
 from ds4.pipeline import PipelineError, PipelineRefused, SplitEngine, next_token, topk_for
 from ds4.wire import qkp
+from bench_modules import bench_module
 from serve_helpers import Proc
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -562,11 +563,7 @@ def test_open_split_engine_reports_a_missing_worker_as_one_line(model_path):
 
 def test_bench_frame_round_trip_smoke():
     """bench/pipeline/bench_split.py's frame measurement, a few frames against a null stage."""
-    sys.path.insert(0, str(ROOT / "bench" / "pipeline"))
-    try:
-        import bench_split
-    finally:
-        sys.path.pop(0)
+    bench_split = bench_module("pipeline", "bench_split")
     from ds4.pipeline import Worker
 
     w = Worker(bench_split.NullStage(4096, 4)).start()

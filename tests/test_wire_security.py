@@ -33,6 +33,7 @@ from ds4.core.tiny import make_tiny
 from ds4.pipeline import PipelineRefused, SplitEngine, Stage, Worker
 from ds4.wire import auth, ds4k, qkp
 from ds4.wire.deadline import Deadline, DeadlineExceeded
+from bench_modules import bench_module
 
 ROOT = Path(__file__).resolve().parents[1]
 T_OUT = 10.0
@@ -289,12 +290,7 @@ def test_deadline():
 
 
 def _bench():
-    sys.path.insert(0, str(ROOT / "bench" / "reliability"))
-    try:
-        import bench_reliability
-    finally:
-        sys.path.pop(0)
-    return bench_reliability
+    return bench_module("reliability", "bench_reliability")
 
 
 @pytest.mark.parametrize("where", ["header", "payload"])
