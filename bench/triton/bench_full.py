@@ -39,7 +39,8 @@ from ds4.core.sampling import Rng, SamplingParams
 from ds4.core.tiny import preset_config
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # (run as a script or imported by path)
-from decode_chain import read_timeline, step_table  # noqa: E402
+from decode_chain import step_table  # noqa: E402
+from settings import SESSION_KEYS, apply_settings, check_settings  # noqa: E402
 
 BF16_PEAK_TFLOPS = 790.0  # the H200's dense bf16 / fp16 tensor-core peak: the prefill table's yardstick
 
@@ -187,7 +188,8 @@ def replay_timeline(graph, path: str) -> dict:
     rows = [dict(kernel=e["name"], stream=e.get("args", {}).get("stream"), start_us=round(e["ts"] - t0, 2),
                  dur_us=round(e["dur"], 2)) for e in events]
     _write_csv(path, rows)
-    chain_rows, _ = step_table(read_timeline(path))  # per kernel: on the critical chain, alone
+    # per kernel: on the critical chain, alone (from the rows as written, as decode_chain.py reads them)
+    chain_rows, _ = step_table([(r["kernel"], r["start_us"], r["start_us"] + r["dur_us"]) for r in rows])
     _write_csv(path.replace("decode_timeline_", "decode_chain_"), chain_rows)
     span = max(e["ts"] + e["dur"] for e in events) - t0
     busy, (cs, ce) = 0.0, (events[0]["ts"], events[0]["ts"] + events[0]["dur"])
@@ -334,11 +336,15 @@ def main() -> None:
     eng = ds4.Engine.open(a.gguf, backend="triton", synthetic=True)
     torch.cuda.synchronize()
     res["load_s"] = time.time() - t0
-    for k, v in json.loads(a.set).items():
-        if not hasattr(eng.backend, k):
-            raise SystemExit(f"--set: the backend has no attribute {k!r}")
-        setattr(eng.backend, k, v)
-        res.setdefault("set", {})[k] = v
+    settings = json.loads(a.set)
+    apply_settings(eng.backend, settings, "--set")
+    if settings:
+        res["set"] = settings
+    variants, prefill_variants = json.loads(a.variants), json.loads(a.prefill_variants)
+    for name, attrs in variants.items():  # (before anything is measured)
+        check_settings(eng.backend, attrs, f"--variants {name}")
+    for name, attrs in prefill_variants.items():
+        check_settings(eng.backend, attrs, f"--prefill-variants {name}", SESSION_KEYS)
     res["gpu_mem_GB"] = torch.cuda.memory_allocated() / 1e9
     wb = decode_weight_bytes(eng)
     res["decode_weight_bytes"] = wb
@@ -359,7 +365,7 @@ def main() -> None:
             f"{r['tokens_per_s']:.1f} tok/s ({r['ms_per_token']:.2f} ms/token, "
             f"GPU replay {r['gpu_ms_per_step']} ms, {r['n_graph_ops']} ops/graph; one step's wall time "
             f"min / median / max {r['step_ms_min']:.2f} / {r['step_ms_median']:.2f} / {r['step_ms_max']:.2f} ms)")
-        for name, attrs in json.loads(a.variants).items():
+        for name, attrs in variants.items():
             be = eng.backend
             saved = {k: getattr(be, k) for k in attrs}
             from ds4.backends.triton.backend import parse_mv_shapes  # (here: a base tree may lack it)
@@ -391,10 +397,10 @@ def main() -> None:
         first = not res["prefill"]
         res["prefill"].append(r)
         log(f"prefill {n}: {r['tokens_per_s']:.0f} tok/s ({r['seconds']:.2f}s)")
-        for name, attrs in (json.loads(a.prefill_variants).items() if first else ()):
+        for name, attrs in (prefill_variants.items() if first else ()):
             be = eng.backend
             cap = attrs.get("prefill_cap")
-            saved = {k: getattr(be, k) for k in attrs if k != "prefill_cap"}
+            saved = {k: getattr(be, k) for k in attrs if k not in SESSION_KEYS}
             for k in saved:
                 setattr(be, k, attrs[k])
             try:

@@ -37,6 +37,9 @@ import numpy as np
 import ds4
 from ds4.core.tiny import EXPERT_MIXES, make_synthetic, preset_config
 
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # (run as a script or imported by path)
+from settings import apply_settings  # noqa: E402
+
 CLEAN_RTOL = 2e-3  # what a position without a router or indexer flip must meet (issue #30)
 
 
@@ -195,10 +198,7 @@ def main(argv=None) -> int:
             ref.backend._cache, ref.backend._cached = cache
         tri = ds4.Engine.open(args.gguf, backend="triton", numerics=numerics, device=args.device,
                               cuda_graphs=False)
-        for k, v in settings.items():
-            if not hasattr(tri.backend, k):
-                raise SystemExit(f"--set: the Triton backend has no attribute {k!r}")
-            setattr(tri.backend, k, v)
+        apply_settings(tri.backend, settings, "--set")
         summary["device"] = tri.backend.device
         summary["set"] = settings
         rr, tr = Recorder(ref, True), Recorder(tri, False)
