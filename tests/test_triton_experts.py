@@ -46,6 +46,42 @@ def test_router_hash_and_topk(pair, rng):
         assert _rel(tri.to_numpy(tw), w) < 1e-5
 
 
+@pytest.mark.parametrize("parts", [1, 2])
+def test_router_in_the_logits_product(pair, rng, parts):
+    """router_in_product: the decode product of the router's logits routes the tokens in its last
+    program (matvec_router_kernel), the RMSNorm fused, K whole or split in two parts; the same
+    experts and weights as the reference, and no router_kernel launch."""
+    ref, wr, tri, wt = pair
+    cfg = ref.cfg
+    shapes = tri.mv_shapes
+    tri.router_in_product = True
+    grids = []
+    launch = tri._launch
+    tri._launch = lambda kern, grid, *a, **k: (grids.append(grid), launch(kern, grid, *a, **k))[1]
+    try:
+        for il in (0, 4):  # hash layer, top-k layer with bias
+            L_r, L_t = wr.layers[il], wt.layers[il]
+            g = L_t.ffn_gate_inp
+            # a per-shape entry: the layout's own decoder, 128-value K-steps, K in `parts` parts
+            tri.mv_shapes = {**shapes, ("linear", int(g.kt), g.N, g.K): (int(g.kt), 128, 4, 4, parts)}
+            for n in (1, 3):
+                tokens = rng.integers(0, cfg.n_vocab, n)
+                x = rng.standard_normal((n, cfg.n_embd)).astype(np.float32)
+                ids, w = ref.router(ref.rms_norm(x, L_r.ffn_norm), L_r.ffn_gate_inp, L_r.exp_probs_b, L_r.tid2eid,
+                                    tokens, il)
+                tri.ledger = []
+                tids, tw = tri.router(tri.rms_norm(_t(tri, x), L_t.ffn_norm), g, L_t.exp_probs_b, L_t.tid2eid,
+                                      tokens, il)
+                assert [k for k, _ in tri.ledger] == ["matvec_router_kernel"]
+                assert grids[-1][2] == parts  # (K split as the entry asks)
+                assert np.array_equal(tri.to_numpy(tids), ids)
+                assert _rel(tri.to_numpy(tw), w) < 1e-5
+    finally:
+        tri.router_in_product = False
+        tri.mv_shapes = shapes
+        del tri._launch
+
+
 def test_router_ties_pick_the_lower_expert(model):
     """Equal logits: the stable order of the reference (lower expert id first)."""
     cfg = model.config

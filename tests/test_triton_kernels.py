@@ -427,6 +427,31 @@ def test_attention(pair, il, rng, monkeypatch):
         _check_attention(ref, wr, tri, wt, il, rng)
 
 
+def test_attention_splits_capped(pair, rng, monkeypatch):
+    """attn_max_splits: a decode query's rows in at most that many programs per head group (then
+    more rows a program than attn_split_rows), merged as before: the HCA layer at position 120
+    (8 window + 15 compressed rows) in 6 programs of 4 rows, and capped at 2 (16 rows each),
+    both against the reference."""
+    ref, wr, tri, wt = pair
+    cfg = ref.cfg
+    il, p0 = 3, 120
+    rs, ts = _states(ref, tri, cfg, il, rng=rng)
+    sinks_r, sinks_t = wr.layers[il].attn_sinks, wt.layers[il].attn_sinks
+    grids = []
+    launch = tri._launch
+    monkeypatch.setattr(tri, "_launch",
+                        lambda kern, grid, *a, **k: (grids.append((kern.fn.__name__, grid)), launch(kern, grid, *a, **k))[1])
+    monkeypatch.setattr(tri, "attn_split_rows", 4)
+    q = rng.standard_normal((1, cfg.n_head, cfg.head_dim)).astype(np.float32) * 3
+    want = ref.attention(q, rs, sinks_r, p0, il, None)
+    for cap, splits in ((1 << 30, 6), (2, 2)):
+        monkeypatch.setattr(tri, "attn_max_splits", cap)
+        grids.clear()
+        got = tri.to_numpy(tri.attention(_t(tri, q), ts, sinks_t, p0, il, None))
+        assert [g[2] for name, g in grids if name == "attn_kernel"] == [splits]
+        assert _rel(got, want) < 1e-5, cap
+
+
 def _check_attention(ref, wr, tri, wt, il, rng):
     cfg = ref.cfg
     rs, ts = _states(ref, tri, cfg, il, rng=rng)

@@ -13,6 +13,9 @@ from .plumbing import (
 )
 
 
+ATTN_STEP = 16  # KV rows per step of a decode attention program
+
+
 class _AttentionOps:
     """The attention ops of TritonBackend (a mixin: it uses the state TritonBackend.__init__ sets up)."""
 
@@ -177,14 +180,19 @@ class _AttentionOps:
         else:
             vis = visible_compressed_rows(p0 + n - 1, m) if comp else 0
             ncomp = min(vis, cfg.indexer_top_k) if sel else vis
+        rows = W + ncomp
+        # rows per program: attn_split_rows, or more where that would make over attn_max_splits
+        # splits (whole steps of 16 rows), so that long histories do not multiply the programs
         RS = self.attn_split_rows
-        S = max(1, _cdiv(W + ncomp, RS))
+        if _cdiv(rows, RS) > self.attn_max_splits:
+            RS = _cdiv(_cdiv(rows, self.attn_max_splits), ATTN_STEP) * ATTN_STEP
+        S = max(1, _cdiv(rows, RS))
         mo = self._new((n, S, H))
         lo = self._new((n, S, H))
         ao = self._new((n, S, H, D))
         self._launch(K.attn_kernel, (n, _cdiv(H, HB), S), *common, mo, lo, ao,
                      H, W, raw.shape[0], max(m, 1), cfg.indexer_top_k, RS, qscale,
-                     D=D, HB=HB, BR=16, COMP=comp, SEL=sel, SINGLE=False, KEXACT=self.ds4_numerics,
+                     D=D, HB=HB, BR=ATTN_STEP, COMP=comp, SEL=sel, SINGLE=False, KEXACT=self.ds4_numerics,
                      F16=f16, DP=_pad_dim(D), num_warps=8, nbytes=4 * ((W + ncomp) * D * _cdiv(H, HB) + 2 * S * H * D))
         return _AttnParts(mo, lo, ao, S, sinks, il, n, H, D)
 

@@ -116,6 +116,12 @@ class TritonTuning:
     # ("score") or its query RoPE ("rope"), or for neither ("none"): it fills every SM, and the
     # indexer's small kernels behind it (RoPE, scores, top-k) are the layer's critical chain
     query_waits_index: str = "rope"
+    # decode steps: the shared expert's products (a side stream) wait for the router's kernel,
+    # issued just before them on the main stream, instead of taking the SMs beside it
+    shared_waits_router: bool = True
+    # decode steps: the router's logits product routes the token too, in its last program
+    # (matvec_router_kernel), instead of a router_kernel launch behind it
+    router_in_product: bool = True
     # decode steps: the products on XQ8 x (Q8C_XQ8: wq_b, wo_a, wo_b, the head) launch while the
     # kernel ahead of them on their stream still runs (programmatic dependent launch: that kernel,
     # named in pdl_dep, lets them from its start), load their first K-step's weights, then wait
@@ -132,6 +138,9 @@ class TritonTuning:
     # decode RoPE: heads per program (few, so that a token's heads spread over many programs)
     rope_rows_decode: int = 2
     attn_split_rows: int = 32  # decode attention: KV rows per program (attn_combine_kernel merges them)
+    # decode attention: at most this many programs per head group (longer histories take more
+    # rows a program); 20 is what the 640 rows of a CSA layer's top-k and window make at 32 rows
+    attn_max_splits: int = 20
     # decoder per layout in decode products (formats.Decoder); anything else (GGUF-layout Q8_0
     # included) takes the generic block decoder
     mv_types: Mapping = field(default_factory=lambda: {
