@@ -14,7 +14,7 @@ from .mmvq import _matvec_tile, _mv_rows, _q8c_xq_rows, _split_last, _split_rese
 from .mmq import _mm_rows
 from .rules import rules
 
-PICKED: tl.constexpr = tl.constexpr(-(1 << 63))  # router_kernel: a key below every score's
+PICKED: tl.constexpr = tl.constexpr(-(1 << 63))  # _route: below every score's key (a picked expert)
 
 
 @triton.jit
