@@ -124,7 +124,6 @@ def test_hold_main_orders_lane_0_after_the_branch():
     assert main.log == [("event", ev)]
 
 
-
 def test_follow_main_orders_the_branch_after_lane_0():
     ln, main, s1, s2 = _lanes()
     a, b = torch.empty(2), torch.empty(2)
