@@ -23,6 +23,7 @@ from gguf.constants import GGMLQuantizationType  # noqa: E402
 from ds4.backends.reference.backend import ReferenceBackend  # noqa: E402
 from ds4.backends.triton.backend import TritonBackend, _grid_table  # noqa: E402
 from ds4.backends.triton.layout import Q8C, q8_chunks  # noqa: E402
+from ds4.backends.triton.plumbing import MM_MIN  # noqa: E402
 from ds4.core.gguf_model import Tensor  # noqa: E402
 from ds4.core.quants import GGMLType as T  # noqa: E402
 from ds4.core.quants import dequantize_rows, random_blocks, row_bytes  # noqa: E402
@@ -35,7 +36,8 @@ from triton_pair import model, pair, rng  # noqa: E402,F401  (fixtures)
 @pytest.mark.parametrize("in_product", [False, True], ids=["router_kernel", "in_product"])
 def test_router_hash_and_topk(pair, rng, in_product, monkeypatch):
     """Five tokens through router_kernel after the logits product, and through the product that
-    routes them itself (router_in_product, the default)."""
+    routes them itself (router_in_product, the default); a prefill's MM_MIN tokens through
+    router_kernel either way."""
     ref, wr, tri, wt = pair
     monkeypatch.setattr(tri, "router_in_product", in_product)
     cfg = ref.cfg
@@ -51,6 +53,17 @@ def test_router_hash_and_topk(pair, rng, in_product, monkeypatch):
                                               ["matvec_kernel", "router_kernel"])
         assert np.array_equal(tri.to_numpy(tids), ids)
         assert _rel(tri.to_numpy(tw), w) < 1e-5
+    # a prefill's product (matrix-matrix) leaves the routing to router_kernel either way
+    tokens = rng.integers(0, cfg.n_vocab, MM_MIN)
+    L_r, L_t = wr.layers[4], wt.layers[4]
+    f = rng.standard_normal((MM_MIN, cfg.n_embd)).astype(np.float32)
+    ids, w = ref.router(f, L_r.ffn_gate_inp, L_r.exp_probs_b, L_r.tid2eid, tokens, 4)
+    tri.ledger = []
+    tids, tw = tri.router(_t(tri, f), L_t.ffn_gate_inp, L_t.exp_probs_b, L_t.tid2eid, tokens, 4)
+    launched = [k for k, _ in tri.ledger]
+    assert launched[-1] == "router_kernel" and "matvec_router_kernel" not in launched
+    assert np.array_equal(tri.to_numpy(tids), ids)
+    assert _rel(tri.to_numpy(tw), w) < 1e-5
 
 
 @pytest.mark.parametrize("parts", [1, 2])

@@ -27,9 +27,9 @@ class _LinearOps:
     def _linear(self, x, w: QWeight, group_rows: int = 0, group_stride: int = 0, xq_out: bool = False,
                 route: dict | None = None):
         """x [n, K(·groups)] -> [n, N]. Rows of group g read x columns [g·stride, +K). xq_out: the
-        result also in XQ8 form where the product can store it (309; then a _Quantized). route: a
-        decode product on matvec_kernel's path (not _takes_xq8) routes its tokens too
-        (matvec_router_kernel; the router's arguments)."""
+        result also in XQ8 form where the product can store it (309; then a _Quantized). route (the
+        router's arguments): a decode product on matvec_kernel's path routes its tokens too
+        (matvec_router_kernel) and sets route["routed"]; any other path leaves that to the caller."""
         N, Kd = w.N, w.K
         gr = group_rows or (1 << 30)
         if x.shape[0] < MM_MIN and w.kt == KernelType.Q8C and group_stride % 32 == 0:
@@ -66,6 +66,7 @@ class _LinearOps:
                              self._gridp, self._ksigns, out, ws, self._tickets(), N, Kd, w.RB, self.cfg.rms_eps,
                              *route["args"], NORM=norm, **c, **route["meta"],
                              nbytes=w.RB * N + 4 * n * (Kd + N) + 8 * n * route["meta"]["KSEL"])
+                route["routed"] = True
             else:
                 self._launch(K.matvec_kernel, (tiles, n, S), src, sx_t, group_stride, nw,
                              w.b8, w.i16, w.f32, self._gridp, self._ksigns, out, N, ws, self._tickets(),

@@ -28,13 +28,11 @@ class _MoeOps:
         args = (bias.vec if bias is not None else self._dummy_f, tid2eid.i32 if tid2eid is not None else self._dummy_i,
                 self._tokens_dev(tokens), ids, wts, float(cfg.expert_weights_scale))
         meta = dict(KSEL=k, KP=_pow2(k), BE=_pow2(NE), HAS_BIAS=bias is not None, HASH=tid2eid is not None)
-        if (self.router_in_product and n < MM_MIN and gate_inp.K == f.shape[1]
-                and not self._takes_xq8(gate_inp, n)):
-            self._linear(f, gate_inp, route=dict(args=args, meta=meta))
-            return ids, wts
-        logits = self._linear(f, gate_inp)
-        self._launch(K.router_kernel, (n,), logits, NE, *args, **meta,
-                     num_warps=1, nbytes=8 * n * NE)  # one warp: its reductions need no barrier
+        route = dict(args=args, meta=meta) if self.router_in_product else None
+        logits = self._linear(f, gate_inp, route=route)
+        if route is None or not route.get("routed"):  # (a product on another path than matvec_kernel's)
+            self._launch(K.router_kernel, (n,), logits, NE, *args, **meta,
+                         num_warps=1, nbytes=8 * n * NE)  # one warp: its reductions need no barrier
         return ids, wts
 
     def _gateup_mv(self, x, gate: QWeight, up: QWeight, ids, wts, slots: int, kslots: int, clamp: float,
