@@ -21,6 +21,7 @@ import gguf.quants as gq  # noqa: E402
 from gguf.constants import GGMLQuantizationType  # noqa: E402
 
 from ds4.backends.reference.backend import rope_tail  # noqa: E402
+from ds4.backends.triton import kernels as K  # noqa: E402
 from ds4.backends.triton.backend import TritonBackend  # noqa: E402
 from ds4.backends.triton.layout import Q8C  # noqa: E402
 from ds4.core import numerics as nx  # noqa: E402
@@ -306,7 +307,8 @@ def test_indexer_select(pair, rng):
             assert got is None and (p0 + n) // m <= cfg.indexer_top_k
             continue
         assert np.array_equal(got.mask(want.shape[1]), want), (p0, n)
-        assert not tri._topk_counts.any()  # one query's key counts and ticket: top-k cleared them
+        # one query's key counts and end ticket: top-k cleared them
+        assert not tri._topk_counts[:K.TOPK_START.value].any() and tri._topk_counts[K.TOPK_END.value] == 0
         tri.topk_reg_max = 0  # the chunked top-k used past 16384 rows
         got = tri.indexer_select(ts, _t(tri, qr), _t(tri, a), W_t, p0, il)
         tri.topk_reg_max = 16384
@@ -343,8 +345,6 @@ def test_indexer_select_failure_leaves_no_counts(pair, rng, monkeypatch):
 def test_topk_ties_and_signed_zeros():
     """The register top-k on scores with many ties, ±0 among them and negative values, against
     a stable sort written here: the TOPK largest, equal scores by lower row, rows increasing."""
-    from ds4.backends.triton import kernels as K
-
     gen = np.random.default_rng(7)
     CS, TOPK = 200, 37
     for levels in ([-0.0, 0.0, 1.5, -2.0, 3.0], [0.0, -0.0], [-1.0, -1.5, -0.0, 2.0 ** -140]):
@@ -367,17 +367,20 @@ def _order_key(sc: np.ndarray) -> np.ndarray:
     return np.where(b >> 31 == 0, b | np.uint32(0x80000000), ~b).astype(np.uint32)
 
 
+@pytest.mark.parametrize("NP", [1, 6])
 @pytest.mark.parametrize("case", ["spread", "ties", "boundary", "crowded"])
-def test_topk_one_from_counts_and_buckets(case):
+def test_topk_one_from_counts_and_buckets(case, NP):
     """The one-query top-k of several programs (topk_one_kernel) from key counts and buckets
     laid out here by numpy (as idx_score_kernel HIST leaves them; bucket entries in a random
     order), against a stable sort written here: the TOPK largest, equal scores by lower row,
     rows increasing. Both ways to the last selected key: ranking the threshold's bucket, and
-    (a bucket past its capacity) bisection over every score; the counts and the ticket are left
-    at zero for the next step, and nothing is written past TOPK."""
-    from ds4.backends.triton import kernels as K
-
-    CS, CH, CAPB = 300, 64, 32
+    (a bucket past its capacity) bisection over every score. Six programs (a capacity past the
+    visible rows, as in a decode step's graph) add up the counts the chunks before theirs
+    publish, each its selected rows plus one; one program (of 512 rows) has no chunk before it
+    and publishes nothing. The key counts and the end ticket are left at zero for the next step,
+    and nothing is written past TOPK."""
+    CS, CAPB = 300, 32
+    CH = 64 if NP > 1 else 512
     for seed in range(6):
         gen = np.random.default_rng(seed)
         TOPK = int(gen.integers(20, 120))
@@ -393,7 +396,7 @@ def test_topk_one_from_counts_and_buckets(case):
         order = sorted(range(CS), key=lambda r: (-(float(sc[r]) + 0.0), r))
         want = np.sort(np.array(order[:TOPK]))
         key = _order_key(sc)
-        counts = np.zeros(256 + 16384 + 16, np.int32)
+        counts = np.zeros(K.TOPK_CHUNKS.value + NP, np.int32)
         buckets = np.zeros((2, 16384, CAPB), np.int32)
         for r in gen.permutation(CS):  # any order of arrival
             b = int(key[r] >> 18)
@@ -407,14 +410,20 @@ def test_topk_one_from_counts_and_buckets(case):
         idx = torch.full((TOPK + 64,), -1, dtype=torch.int32, device=DEVICE)
         cnt = torch.zeros(1, dtype=torch.int32, device=DEVICE)
         pos = torch.tensor([CS - 1], dtype=torch.int32, device=DEVICE)
-        NP = -(-(CS + 40) // CH)  # a capacity past the visible rows, as in a decode step's graph
         K.topk_one_kernel[(NP,)](torch.from_numpy(sc).to(DEVICE), idx, cnt, pos, counts_t,
                                  torch.from_numpy(buckets.reshape(-1)).to(DEVICE), 1, TOPK, NP, CH=CH, CAPB=CAPB, LB=CH,
-                                 NLB=NP)
+                                 SB=2)
         assert int(cnt[0]) == TOPK
         got = idx.cpu().numpy()
         assert np.array_equal(got[:TOPK], want) and (got[TOPK:] == -1).all(), (case, seed)
-        assert not counts_t.any(), (case, seed)
+        left = counts_t.cpu().numpy()
+        assert not left[:K.TOPK_START.value].any() and left[K.TOPK_END.value] == 0, (case, seed)
+        if NP > 1:  # the chunks' published counts, and every program's start ticket
+            per_chunk = np.bincount(want // CH, minlength=NP)
+            assert np.array_equal(left[K.TOPK_CHUNKS.value:], per_chunk + 1), (case, seed)
+            assert left[K.TOPK_START.value] == NP
+        else:
+            assert not left[K.TOPK_START.value:].any(), (case, seed)
 
 
 @pytest.mark.parametrize("il", [0, 2, 3], ids=["sliding", "csa", "hca"])

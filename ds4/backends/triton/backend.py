@@ -51,7 +51,7 @@ from . import kernels as K
 from .formats import Decoder, FLOAT_DECODER, KernelType
 from .lanes import Lanes
 from .linear import _LinearOps
-from .ops_attention import _AttentionOps
+from .ops_attention import TOPK_MAX_CHUNKS, _AttentionOps
 from .ops_hc import _HcOps
 from .ops_moe import _MoeOps
 from .plumbing import (
@@ -131,10 +131,11 @@ class TritonBackend(_LinearOps, _DecodeSteps, _HcOps, _AttentionOps, _MoeOps, Ba
         self._tok_t = None
         self._dummy_f = torch.zeros(16, dtype=torch.float32, device=d)
         self._dummy_i = torch.zeros(16, dtype=torch.int32, device=d)
-        # one query's indexer key counts (by top 8 bits, by top 14 bits, then the top-k programs'
-        # ticket): the scores kernel adds, top-k reads and clears them, so they are zero between;
-        # the buckets (allocated on first use) need no clearing
-        self._topk_counts = torch.zeros(256 + 16384 + 16, dtype=torch.int32, device=d)
+        # one query's indexer key counts, the top-k programs' tickets and chunk counts (the
+        # layout: kernels.attention.TOPK_CHUNKS): the scores kernel and top-k leave them at zero
+        # for the next step, as topk_one_kernel says; the buckets (allocated on first use) need
+        # no clearing
+        self._topk_counts = torch.zeros(K.TOPK_CHUNKS.value + TOPK_MAX_CHUNKS, dtype=torch.int32, device=d)
         self._topk_buckets = None
         # split-K tickets of the matrix-vector kernels, one per output tile (_split_store); each
         # launch leaves them at zero

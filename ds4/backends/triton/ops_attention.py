@@ -14,6 +14,10 @@ from .plumbing import (
 
 
 ATTN_STEP = 16  # KV rows per step of a decode attention program
+# one-query top-k: the most programs (chunks of rows; more rows a chunk past that) and the chunk
+# counts a program adds up at a time
+TOPK_MAX_CHUNKS = 4096
+TOPK_SUM_BLOCK = 256
 
 
 class _AttentionOps:
@@ -122,8 +126,10 @@ class _AttentionOps:
         if self.query_waits_index == "rope":
             self._hold_main()
         try:
+            ch = max(self.topk_rows, _pow2(_cdiv(cs, TOPK_MAX_CHUNKS)))
+            npr = _cdiv(cs, ch)  # one-query top-k: programs of ch rows
             self._launch(K.idx_score_kernel, (n, _cdiv(cs, BC)), iq, hw, st["index"], scores, self._pos,
-                         self._topk_counts, bkt, m, IH, cs, top_k, float(np.float32(np.sqrt(ID * IH))),
+                         self._topk_counts, bkt, m, IH, cs, top_k, float(np.float32(np.sqrt(ID * IH))), npr,
                          IHP=max(16, _pow2(IH)), ID=ID, BC=BC, EXACT=self.ds4_numerics, HIST=hist, CAPB=capb, IDP=_pad_dim(ID),
                          num_warps=4, nbytes=4 * n * (cs * ID + IH * ID + cs))
             if self.query_waits_index == "score":
@@ -131,11 +137,9 @@ class _AttentionOps:
             idx = self._new((n, top_k), torch.int32)
             cnt = self._new((n,), torch.int32)
             if hist:
-                ch = self.topk_rows
-                lb = max(ch, _pow2(cs) // 16)  # (at most 16 blocks of rows before a program's)
-                self._launch(K.topk_one_kernel, (_cdiv(cs, ch),), scores, idx, cnt, self._pos, self._topk_counts,
-                             bkt, m, top_k, _cdiv(cs, ch), CH=ch, CAPB=capb, LB=lb, NLB=_cdiv(cs, lb),
-                             num_warps=self.topk_warps, nbytes=4 * cs)
+                self._launch(K.topk_one_kernel, (npr,), scores, idx, cnt, self._pos, self._topk_counts,
+                             bkt, m, top_k, npr, CH=ch, CAPB=capb, LB=max(ch, _pow2(cs) // 16),
+                             SB=min(_pow2(npr), TOPK_SUM_BLOCK), num_warps=self.topk_warps, nbytes=4 * cs)
             else:
                 cmax = _pow2(cs) if cs <= self.topk_reg_max else 0
                 self._launch(K.topk_kernel, (n,), scores, idx, cnt, self._pos, m, cs, top_k,

@@ -88,6 +88,9 @@ from .attention import (  # noqa: F401
     idx_score_kernel,
     topk_kernel,
     topk_one_kernel,
+    TOPK_CHUNKS,
+    TOPK_END,
+    TOPK_START,
     attn_kernel,
     attn_combine_kernel,
 )

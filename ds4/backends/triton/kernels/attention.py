@@ -194,18 +194,34 @@ def comp_update_kernel(kv_ptr, sc_ptr, ape_ptr, skv_ptr, ssc_ptr, pos_ptr, n,
 # indexer (§3.6)
 
 
+# The one-query top-k's counts (idx_score_kernel's cnt_ptr, topk_one_kernel's kc_ptr): keys by
+# their top 8 bits [0, 256), by their top 14 bits [256, 256 + 16384), then the top-k programs'
+# start and end tickets, then each chunk's selected-row count plus one (0: not yet known).
+TOPK_START = tl.constexpr(256 + 16384)
+TOPK_END = tl.constexpr(256 + 16384 + 1)
+TOPK_CHUNKS = tl.constexpr(256 + 16384 + 2)
+
+
 @triton.jit
-def idx_score_kernel(iq_ptr, hw_ptr, keys_ptr, out_ptr, pos_ptr, cnt_ptr, bkt_ptr, M, IH, CS, TOPK, hscale,
+def idx_score_kernel(iq_ptr, hw_ptr, keys_ptr, out_ptr, pos_ptr, cnt_ptr, bkt_ptr, M, IH, CS, TOPK, hscale, NPT,
                      IHP: tl.constexpr, ID: tl.constexpr, BC: tl.constexpr, EXACT: tl.constexpr,
                      HIST: tl.constexpr = False, CAPB: tl.constexpr = 1, IDP: tl.constexpr = 0):
     """score[t, c] = Σ_h hw[t,h]·relu(iq[t,h]·k_c) over the rows c < (p0+t+1)//M.
     HIST (one query, more than TOPK rows visible): also count the scores' order-preserving keys
     by their top 8 bits (cnt_ptr[0, 256)) and their top 14 (cnt_ptr[256, 256 + 16384)), and put
     (key, row) in the bucket of the top 14 bits (bkt_ptr: keys [16384, CAPB], then rows; the
-    first CAPB of a bucket), for topk_one_kernel, which reads them and clears the counts.
+    first CAPB of a bucket), for topk_one_kernel, which reads them and clears the counts; the
+    first program clears the start ticket and the chunk counts of its NPT programs (the last
+    top-k has ended before this kernel starts; this one's top-k starts after it).
     IDP: ID padded to a power of two (0: ID is one), the pad zero in both operands."""
     t = tl.program_id(0)
     cb = tl.program_id(1)
+    if HIST:
+        if cb == 0:
+            tl.store(cnt_ptr + TOPK_START, 0)
+            for z in range(0, NPT, 1024):
+                z4 = z + tl.arange(0, 1024)
+                tl.store(cnt_ptr + TOPK_CHUNKS + z4, tl.zeros([1024], tl.int32), mask=z4 < NPT)
     vis = rules.visible_compressed_rows(tl.load(pos_ptr) + t, M)
     if cb * BC < vis:
         c = cb * BC + tl.arange(0, BC)
@@ -345,33 +361,42 @@ def _at_least(key, row, Lk, Lr):
 
 @triton.jit
 def topk_one_kernel(score_ptr, idx_ptr, cnt_ptr, pos_ptr, kc_ptr, bkt_ptr, M, TOPK, NP,
-                    CH: tl.constexpr, CAPB: tl.constexpr, LB: tl.constexpr, NLB: tl.constexpr):
+                    CH: tl.constexpr, CAPB: tl.constexpr, LB: tl.constexpr, SB: tl.constexpr):
     """topk_kernel's selection for one query (decode) from what idx_score_kernel HIST left: the
-    key counts and buckets. Program p writes the selected rows among [p·CH, p·CH + CH).
+    key counts and buckets. NP programs of CH rows each write the selected rows of one chunk.
 
     Each program on its own: the counts give the top 14 bits of the threshold key T (the TOPK-th
     largest) and how many keys share them; those keys are one bucket, ranked against each other
     by (key, then lower row), which gives the last selected (key, row) L. A row is selected when
     (its key, lower row first) is at least L; its place is the count of selected rows before it.
-    A bucket past CAPB keys: L from bisection passes over every score instead. The last program
-    to read the counts clears them for the next step. The rows before a program's are counted in
-    NLB blocks of LB (NLB·LB covers the capacity) loaded together, not one block after another."""
+    A bucket past CAPB keys: L from bisection passes over every score instead (LB rows a pass).
+    The last program to read the counts clears them for the next step.
+
+    The rows selected before a chunk: each program publishes its chunk's count, then adds up
+    those of the chunks before (SB at a time), waiting for any not yet published. A program takes
+    its chunk by a start ticket, so the chunks it waits for belong to programs already running
+    (never to one that waits for a free slot on the GPU behind it). The scores kernel clears the
+    start ticket and the chunk counts."""
     pid = tl.program_id(0)
     vis = rules.visible_compressed_rows(tl.load(pos_ptr), M)
-    c = pid * CH + tl.arange(0, CH)
-    cv = c < vis
     if vis <= TOPK:
-        tl.store(idx_ptr + c, c, mask=cv)
+        c = pid * CH + tl.arange(0, CH)
+        tl.store(idx_ptr + c, c, mask=c < vis)
         if pid == 0:
             tl.store(cnt_ptr, vis)
     else:
-        key = _keys_at(score_ptr, c, cv)  # (in flight while L is found)
+        q = pid  # (one program: no ticket, nothing before its chunk)
+        if NP > 1:
+            q = tl.atomic_add(kc_ptr + TOPK_START, 1, sem="relaxed")  # (awaited after the counts' loads)
         d1, need, _ = _hist_digit(tl.load(kc_ptr + tl.arange(0, 256)), TOPK)
         d2, need, n_c = _hist_digit(tl.load(kc_ptr + 256 + d1 * 64 + tl.arange(0, 64)), need)
         P = d1 * 64 + d2  # T's top 14 bits, shared by n_c keys; need of them are selected
-        tl.debug_barrier()  # every thread's reads of the counts done before the ticket
+        tl.debug_barrier()  # every thread's reads of the counts done before the end ticket
         # (release: the loads below need not wait for it; its answer is awaited last)
-        ticket = tl.atomic_add(kc_ptr + 256 + 16384, 1, sem="release")
+        ticket = tl.atomic_add(kc_ptr + TOPK_END, 1, sem="release")
+        c = q * CH + tl.arange(0, CH)
+        cv = c < vis
+        key = _keys_at(score_ptr, c, cv)  # (in flight while L is found)
         if n_c <= CAPB:
             i = tl.arange(0, CAPB)
             im = i < n_c
@@ -411,23 +436,27 @@ def topk_one_kernel(score_ptr, idx_ptr, cnt_ptr, pos_ptr, kc_ptr, bkt_ptr, M, TO
                 eq = ((r < vis) & (_keys_at(score_ptr, r, r < vis) == Lk)).to(tl.int32)
                 Lr = tl.maximum(Lr, tl.max(tl.where((eq > 0) & (seen + tl.cumsum(eq, 0) == need), r, -1), 0))
                 seen += tl.sum(eq, 0)
-        # selected rows before this program's: counted over [0, pid·CH)
-        acc = tl.zeros([LB], tl.int32)
-        for b in tl.static_range(NLB):
-            r = b * LB + tl.arange(0, LB)
-            rm = (r < vis) & (r < pid * CH)
-            acc += (rm & _at_least(_keys_at(score_ptr, r, rm), r, Lk, Lr)).to(tl.int32)
         sel = cv & _at_least(key, c, Lk, Lr)
         s1 = sel.to(tl.int32)
-        tl.store(idx_ptr + tl.sum(acc, 0) + tl.cumsum(s1, 0) - s1, c, mask=sel)
+        if NP > 1:
+            tl.atomic_xchg(kc_ptr + TOPK_CHUNKS + q, tl.sum(s1, 0) + 1, sem="relaxed")
+        before = tl.zeros([], tl.int32)
+        for b0 in range(0, q, SB):
+            i = b0 + tl.arange(0, SB)
+            im = i < q
+            v = tl.where(im, tl.atomic_add(kc_ptr + TOPK_CHUNKS + i, 0, mask=im, sem="relaxed"), 1)
+            while tl.min(v, 0) == 0:  # a chunk before not yet counted
+                v = tl.where(im, tl.atomic_add(kc_ptr + TOPK_CHUNKS + i, 0, mask=im, sem="relaxed"), 1)
+            before += tl.sum(v - 1, 0)
+        tl.store(idx_ptr + before + tl.cumsum(s1, 0) - s1, c, mask=sel)
         if pid == 0:
             tl.store(cnt_ptr, TOPK)
         if ticket == NP - 1:  # every program has read the counts: the last clears them
-            tl.atomic_add(kc_ptr + 256 + 16384, 0, sem="acquire")  # (their reads before these stores)
+            tl.atomic_add(kc_ptr + TOPK_END, 0, sem="acquire")  # (their reads before these stores)
             tl.store(kc_ptr + tl.arange(0, 256), tl.zeros([256], tl.int32))
             for z in range(0, 16384, 4096):
                 tl.store(kc_ptr + 256 + z + tl.arange(0, 4096), tl.zeros([4096], tl.int32))
-            tl.store(kc_ptr + 256 + 16384, 0)
+            tl.store(kc_ptr + TOPK_END, 0)
 
 
 # ------------------------------------------------------------------------------------------------
