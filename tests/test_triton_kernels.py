@@ -291,10 +291,18 @@ def test_compressor_over_chunks(pair, il, indexer, rng):
     assert p // cfg.ratio(il) >= 2
 
 
-def test_indexer_select(pair, rng):
+@pytest.mark.parametrize("chunk", [None, 8], ids=["one top-k program", "top-k programs of 8 rows"])
+def test_indexer_select(pair, rng, chunk, monkeypatch):
+    """The indexer's selection against the reference at prefill and decode positions, one call
+    after another. With top-k programs of 8 rows a decode step's top-k is several programs that
+    add up each other's counts, and each call starts from the tickets and counts the one before
+    left (the scores kernel clears them)."""
     ref, wr, tri, wt = pair
     cfg = ref.cfg
     il = 2
+    programs = []  # a decode step's top-k programs
+    if chunk is not None:
+        monkeypatch.setattr(tri, "topk_rows", chunk)
     rs, ts = _states(ref, tri, cfg, il, rng=rng)
     m = cfg.ratio(il)
     W_r, W_t = wr.layers[il].indexer, wt.layers[il].indexer
@@ -309,10 +317,14 @@ def test_indexer_select(pair, rng):
         assert np.array_equal(got.mask(want.shape[1]), want), (p0, n)
         # one query's key counts and end ticket: top-k cleared them
         assert not tri._topk_counts[:K.TOPK_START.value].any() and tri._topk_counts[K.TOPK_END.value] == 0
+        if chunk is not None and n == 1:  # the tickets the programs took (one program takes none)
+            programs.append(-(-((p0 + 1) // m) // chunk))
+            assert tri._topk_counts[K.TOPK_START.value] == (programs[-1] if programs[-1] > 1 else 0)
         tri.topk_reg_max = 0  # the chunked top-k used past 16384 rows
         got = tri.indexer_select(ts, _t(tri, qr), _t(tri, a), W_t, p0, il)
         tri.topk_reg_max = 16384
         assert np.array_equal(got.mask(want.shape[1]), want), (p0, n)
+    assert chunk is None or max(programs) > 1
 
 
 def test_indexer_select_failure_leaves_no_counts(pair, rng, monkeypatch):
@@ -340,6 +352,37 @@ def test_indexer_select_failure_leaves_no_counts(pair, rng, monkeypatch):
     want = ref.indexer_select(rs, qr, a, W_r, 120, il)
     got = tri.indexer_select(ts, _t(tri, qr), _t(tri, a), W_t, 120, il)
     assert np.array_equal(got.mask(want.shape[1]), want)
+
+
+def test_scores_kernel_counts_keys_and_clears_tickets():
+    """idx_score_kernel HIST for one query: the scores against numpy, every visible row's key
+    counted once by its top 8 bits and once by its top 14 (as _order_key here makes them), and
+    the top-k programs' start ticket and the chunk counts of its NPT programs cleared, nothing
+    past them (the top-k leaves them set; on a GPU a stale count would be read as published)."""
+    gen = np.random.default_rng(11)
+    IH, ID, CS, VIS, TOPK, NPT = 4, 32, 48, 40, 8, 5
+    q = gen.standard_normal((IH, ID)).astype(np.float32)
+    hw = gen.standard_normal(IH).astype(np.float32)
+    keys = gen.standard_normal((CS, ID)).astype(np.float32)
+    hscale = np.float32(np.sqrt(ID * IH))
+    want = ((hw / hscale)[:, None] * np.maximum(q @ keys[:VIS].T, 0)).sum(0)
+    counts = torch.full((K.TOPK_CHUNKS.value + NPT + 3,), 7, dtype=torch.int32, device=DEVICE)
+    counts[:K.TOPK_START.value] = 0  # (the key counts start at zero; the tickets do not need to)
+    out = torch.zeros(CS, dtype=torch.float32, device=DEVICE)
+    bkt = torch.zeros(2 * 16384 * 64, dtype=torch.int32, device=DEVICE)
+    pos = torch.tensor([VIS - 1], dtype=torch.int32, device=DEVICE)
+    K.idx_score_kernel[(1, 1)](torch.from_numpy(q).to(DEVICE), torch.from_numpy(hw).to(DEVICE),
+                               torch.from_numpy(keys).to(DEVICE), out, pos, counts, bkt, 1, IH, CS, TOPK, float(hscale),
+                               NPT, IHP=16, ID=ID, BC=64, EXACT=False, HIST=True, CAPB=64)
+    got = out.cpu().numpy()
+    assert _rel(got[:VIS], want) < 1e-5
+    left = counts.cpu().numpy()
+    key = _order_key(got[:VIS])
+    assert np.array_equal(left[:256], np.bincount(key >> 24, minlength=256))
+    assert np.array_equal(left[256:256 + 16384], np.bincount(key >> 18, minlength=16384))
+    assert not left[K.TOPK_START.value] and left[K.TOPK_END.value] == 7
+    assert not left[K.TOPK_CHUNKS.value:K.TOPK_CHUNKS.value + NPT].any()
+    assert (left[K.TOPK_CHUNKS.value + NPT:] == 7).all()
 
 
 def test_topk_ties_and_signed_zeros():

@@ -30,8 +30,8 @@ their count are the same (34 per 32 values); every quant word is 4-byte aligned 
 
 The kernels live in one module per op family: `common` (loads, conversions, the generic block
 decoders), `decode` and `decode_rows` (the specialised decoders), `mmvq` (matrix-vector), `mmq`
-(matrix-matrix), `moe`, `attention` (KV store, compressor, indexer, attention), `norm_rope`
-(embedding, norms, hyper-connections, RoPE) and `sampling`. This package re-exports the kernels
+(matrix-matrix), `moe`, `attention` (KV store, compressor, attention), `indexer` (scores,
+top-k), `norm_rope` (embedding, norms, hyper-connections, RoPE) and `sampling`. This package re-exports the kernels
 and the type constants, so `from ds4.backends.triton import kernels as K; K.matvec_kernel` works.
 """
 
@@ -85,14 +85,16 @@ from .attention import (  # noqa: F401
     kv_store_kernel,
     comp_pool_kernel,
     comp_update_kernel,
+    attn_kernel,
+    attn_combine_kernel,
+)
+from .indexer import (  # noqa: F401
     idx_score_kernel,
     topk_kernel,
     topk_one_kernel,
     TOPK_CHUNKS,
     TOPK_END,
     TOPK_START,
-    attn_kernel,
-    attn_combine_kernel,
 )
 from .sampling import (  # noqa: F401
     greedy_next_kernel,
