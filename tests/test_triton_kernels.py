@@ -356,30 +356,41 @@ def test_indexer_select_failure_leaves_no_counts(pair, rng, monkeypatch):
 
 def test_scores_kernel_counts_keys_and_clears_tickets():
     """idx_score_kernel HIST for one query: the scores against numpy, every visible row's key
-    counted once by its top 8 bits and once by its top 14 (as _order_key here makes them), and
-    the top-k programs' start ticket and the chunk counts of its NPT programs cleared, nothing
-    past them (the top-k leaves them set; on a GPU a stale count would be read as published)."""
+    counted once by its top 8 bits and once by its top 14 (as _order_key here makes them), each
+    bucket holding its rows' (key, row) pairs once, in any order, and the top-k programs' start
+    ticket and the chunk counts of its NPT programs cleared, nothing past them (the top-k leaves
+    them set; on a GPU a stale count would be read as published). Half the key rows repeat
+    others, so that rows share buckets."""
     gen = np.random.default_rng(11)
-    IH, ID, CS, VIS, TOPK, NPT = 4, 32, 48, 40, 8, 5
+    IH, ID, CS, VIS, TOPK, NPT, CAPB = 4, 32, 48, 40, 8, 5, 64
     q = gen.standard_normal((IH, ID)).astype(np.float32)
     hw = gen.standard_normal(IH).astype(np.float32)
     keys = gen.standard_normal((CS, ID)).astype(np.float32)
+    keys[1::2] = keys[gen.integers(0, CS // 2, CS // 2) * 2]
     hscale = np.float32(np.sqrt(ID * IH))
     want = ((hw / hscale)[:, None] * np.maximum(q @ keys[:VIS].T, 0)).sum(0)
     counts = torch.full((K.TOPK_CHUNKS.value + NPT + 3,), 7, dtype=torch.int32, device=DEVICE)
     counts[:K.TOPK_START.value] = 0  # (the key counts start at zero; the tickets do not need to)
     out = torch.zeros(CS, dtype=torch.float32, device=DEVICE)
-    bkt = torch.zeros(2 * 16384 * 64, dtype=torch.int32, device=DEVICE)
+    bkt = torch.zeros(2 * 16384 * CAPB, dtype=torch.int32, device=DEVICE)
     pos = torch.tensor([VIS - 1], dtype=torch.int32, device=DEVICE)
     K.idx_score_kernel[(1, 1)](torch.from_numpy(q).to(DEVICE), torch.from_numpy(hw).to(DEVICE),
                                torch.from_numpy(keys).to(DEVICE), out, pos, counts, bkt, 1, IH, CS, TOPK, float(hscale),
-                               NPT, IHP=16, ID=ID, BC=64, EXACT=False, HIST=True, CAPB=64)
+                               NPT, IHP=16, ID=ID, BC=64, EXACT=False, HIST=True, CAPB=CAPB)
     got = out.cpu().numpy()
     assert _rel(got[:VIS], want) < 1e-5
     left = counts.cpu().numpy()
     key = _order_key(got[:VIS])
     assert np.array_equal(left[:256], np.bincount(key >> 24, minlength=256))
-    assert np.array_equal(left[256:256 + 16384], np.bincount(key >> 18, minlength=16384))
+    per_bucket = np.bincount(key >> 18, minlength=16384)
+    assert np.array_equal(left[256:256 + 16384], per_bucket)
+    assert per_bucket.max() > 1  # (shared buckets)
+    b = bkt.cpu().numpy().reshape(2, 16384, CAPB)
+    for u in np.flatnonzero(per_bucket):
+        n = per_bucket[u]
+        held = sorted(zip(b[0, u, :n].view(np.uint32).tolist(), b[1, u, :n].tolist()))
+        rows = np.flatnonzero(key >> 18 == u)
+        assert held == sorted(zip(key[rows].tolist(), rows.tolist())), u
     assert not left[K.TOPK_START.value] and left[K.TOPK_END.value] == 7
     assert not left[K.TOPK_CHUNKS.value:K.TOPK_CHUNKS.value + NPT].any()
     assert (left[K.TOPK_CHUNKS.value + NPT:] == 7).all()
