@@ -5,8 +5,9 @@ Decode (one token): Q8_0 matrix-vector products on the Q8C chunk layout (308, ds
 layout.py); routed-expert gate/up in IQ2_XXS as packed-byte groups (216) or with four rows per
 thread sharing x (416); Q2_K down as unrolled runs (110); `xq`: the routed experts on x and h in XQ form (418 gate/up,
 111 down) through their tilings, against the float decoders (417, 110).
-Each point replays a CUDA graph of 8 calls over rotating weight copies / expert choices, so
-neither Python launches nor L2 hits flatter it.
+Each point replays a CUDA graph of calls over rotating weight copies / expert choices (8, or as
+many as make COLD_L2 times the L2's size for the small shapes of `dec`), so neither Python
+launches nor L2 hits flatter it: in a decode step every weight comes from HBM.
 `dec` (and `decmoe`, the routed experts) times every decode product shape of the model through its
 decoder variants (K-step, rows per program, warps, K split in parts, 308's rows per thread), set
 through the backend's per-shape table, and --pick writes the fastest as that table
@@ -43,6 +44,7 @@ from ds4.core.quants import GGMLType as T, row_bytes
 from ds4.core.tiny import preset_config
 
 dev = "cuda"
+COLD_L2 = 4  # `dec`: rotating copies of a weight make at least this many times the L2's size
 g = torch.Generator(device=dev).manual_seed(0)
 T0 = time.time()
 
@@ -104,13 +106,13 @@ def rel(a, b) -> float:
     return float((a - b).abs().max() / b.abs().max().clamp_min(1e-30))
 
 
-def try_variant(fn, ref, label):
-    """(output of fn(0), seconds per call of fn in a CUDA graph, the reference output: the first
-    variant's), or None where the variant fails to build or run (printed)."""
+def try_variant(fn, ref, label, calls: int = 8):
+    """(output of fn(0), seconds per call of fn in a CUDA graph of calls, the reference output: the
+    first variant's), or None where the variant fails to build or run (printed)."""
     try:
         y = fn(0)
         ref = y.clone() if ref is None else ref
-        return y, graph_time(fn), ref
+        return y, graph_time(fn, calls), ref
     except Exception as e:  # noqa: BLE001
         print(f"  {label}: {type(e).__name__} {str(e)[:300]}")
         return None
@@ -149,12 +151,21 @@ def _xor(a, b):
     return a ^ b
 
 
+def cold_copies(nbytes: int, least: int = 8) -> int:
+    """Rotating copies of a weight of nbytes that keep each call's weights out of the L2."""
+    l2 = torch.cuda.get_device_properties(0).L2_cache_size
+    return max(least, -(-COLD_L2 * l2 // nbytes))
+
+
 def decode_variants(be, rows, kind, ttype, N, Kd, variants, copies=8, group_rows=0, NE=256):
     """One decode product shape through every (decoder, tuning) variant, set in the backend's
     per-shape table exactly as the forward pass looks it up. kind: linear (group_rows: grouped
-    rows), gateup (Q8_0: the shared expert; else 6 routed experts of NE), down (6 routed)."""
+    rows), gateup (Q8_0: the shared expert; else 6 routed experts of NE), down (6 routed).
+    copies: at least that many rotating copies, more where they would fit in the L2."""
     routed = kind == "down" or (kind == "gateup" and ttype != T.Q8_0)
     ne = NE if routed else 1
+    if not routed:
+        copies = cold_copies(row_bytes(ttype, Kd) * N * (2 if kind == "gateup" else 1), copies)
     ws = qweight(ttype, (Kd, N, ne) if routed else (Kd, N), copies)
     key = (kind, ws[0].kt, N, Kd)
     us = qweight(ttype, (Kd, N, ne) if routed else (Kd, N), copies) if kind == "gateup" else ws
@@ -180,12 +191,12 @@ def decode_variants(be, rows, kind, ttype, N, Kd, variants, copies=8, group_rows
     name = f"{kind} {ttype.name} {N}x{Kd}"
     for v in variants:
         be.mv_shapes[key] = tuple(v)
-        r = try_variant(fn, ref, f"{name} {v}")
+        r = try_variant(fn, ref, f"{name} {v}", calls=8 if routed else copies)
         if r is None:
             continue
         y, s, ref = r
         emit(rows, dict(part="decode", op=name, key=",".join(str(k) for k in key), type=v[0], cap=0,
-                        BN=list(v[1:]), warps=0, us=s * 1e6, GBps=nbytes / s / 1e9, err=rel(y, ref)))
+                        BN=list(v[1:]), warps=0, us=s * 1e6, GBps=nbytes / s / 1e9, err=rel(y, ref), copies=copies))
     del be.mv_shapes[key]
 
 
@@ -403,6 +414,8 @@ def main():
     ap.add_argument("--out", default="tune_paths.json")
     ap.add_argument("--parts", default="read,rows,dec,q8,gateup,down,mm,moe")
     ap.add_argument("--pick", default="", help="write the per-shape table of the fastest decode variants here")
+    ap.add_argument("--dec-max-mb", type=float, default=float("inf"),
+                    help="`dec`: only the shapes whose weights are at most this many MB")
     a = ap.parse_args()
     cfg = preset_config("flash")
     be = TritonBackend(cfg, numerics="exact", cuda_graphs=False)
@@ -422,11 +435,16 @@ def main():
         q8 = (("linear", 4096, 8192, {}), ("linear", 32768, 1024, {}), ("linear", 8192, 4096, dict(group_rows=1024)),
               ("linear", 129280, 4096, dict(copies=3)), ("linear", 1024, 4096, {}), ("linear", 512, 4096, {}),
               ("linear", 4096, 2048, {}), ("gateup", 2048, 4096, {}))
+        mb = a.dec_max_mb * 1e6
         for kind, N, Kd, kw in q8:
+            if row_bytes(T.Q8_0, Kd) * N * (2 if kind == "gateup" else 1) > mb:
+                continue
             decode_variants(be, rows, kind, T.Q8_0, N, Kd, Q8_VARIANTS, **kw)
             print(f"[{time.time() - T0:.0f}s] {kind} {N}x{Kd}", flush=True)
             save()
         for N, Kd in ((1024, 4096), (8192, 1024), (512, 4096), (256, 4096), (64, 4096)):
+            if row_bytes(T.F16, Kd) * N > mb:
+                continue
             decode_variants(be, rows, "linear", T.F16, N, Kd, F16_VARIANTS)
         print(f"[{time.time() - T0:.0f}s] f16", flush=True)
         save()
