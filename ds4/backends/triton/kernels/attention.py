@@ -299,7 +299,9 @@ def attn_combine_kernel(mo_ptr, lo_ptr, ao_ptr, sink_ptr, freq_ptr, pos_ptr, out
     the head (grid axis 2: one program per head left most SMs idle for the few splits of a
     decode query over top-k rows); optionally the inverse tail RoPE. XQ8 (2·BI a multiple of
     32): the result also in XQ8 form (qw_ptr, qs_ptr, qsum_ptr: a token's H·D values a row), for
-    the output projection's decoder 309. DEP: as matvec_xq_kernel."""
+    the output projection's decoder 309. DEP: as matvec_xq_kernel. Each split's pairs are loaded
+    (and the result stored) as [pairs, 2] and split in registers: loading the even and the odd
+    values apart fetched every sector twice."""
     if DEP:
         gdc_launch_dependents()
     t = tl.program_id(0)
@@ -317,8 +319,9 @@ def attn_combine_kernel(mo_ptr, lo_ptr, ao_ptr, sink_ptr, freq_ptr, pos_ptr, out
     im = i < D // 2  # (the last program's pairs past D / 2, where BI does not divide them)
     ab = ao_ptr + pb[:, None].to(tl.int64) * D + 2 * i[None, :]
     lm = spm[:, None] & im[None, :]
-    xe = tl.sum(tl.load(ab, mask=lm, other=0.0) * f[:, None], axis=0) / den
-    xo = tl.sum(tl.load(ab + 1, mask=lm, other=0.0) * f[:, None], axis=0) / den
+    j = tl.arange(0, 2)
+    v = tl.load(ab[:, :, None] + j[None, None, :], mask=lm[:, :, None], other=0.0)  # [SP, BI, 2]
+    xe, xo = tl.split(tl.sum(v * f[:, None, None], axis=0) / den)
     if ROPE_INV:
         k = i - (D - NROT) // 2
         km = (k >= 0) & im
@@ -332,8 +335,7 @@ def attn_combine_kernel(mo_ptr, lo_ptr, ao_ptr, sink_ptr, freq_ptr, pos_ptr, out
         xe = ne
         xo = no
     ob = out_ptr + (t * H + h).to(tl.int64) * D + 2 * i
-    tl.store(ob, xe, mask=im)
-    tl.store(ob + 1, xo, mask=im)
+    tl.store(ob[:, None] + j[None, :], tl.join(xe, xo), mask=im[:, None])
     if XQ8:
         NBLK: tl.constexpr = 2 * BI // 32
         hd = H * D
