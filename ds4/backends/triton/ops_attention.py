@@ -120,8 +120,9 @@ class _AttentionOps:
         BC = 64 if not self.interpret else 128
         hist = self.topk_hist and n == 1
         capb = self.topk_bucket
-        if hist and (self._topk_buckets is None or self._topk_buckets.numel() != 2 * 16384 * capb):
-            self._topk_buckets = torch.zeros(2 * 16384 * capb, dtype=torch.int32, device=self.dev)
+        nbkt = 2 * K.TOPK_BUCKETS.value * capb  # (keys, then rows)
+        if hist and (self._topk_buckets is None or self._topk_buckets.numel() != nbkt):
+            self._topk_buckets = torch.zeros(nbkt, dtype=torch.int32, device=self.dev)
         bkt = self._topk_buckets if hist else self._dummy_i
         if self.query_waits_index == "rope":
             self._hold_main()

@@ -92,6 +92,7 @@ from .indexer import (  # noqa: F401
     idx_score_kernel,
     topk_kernel,
     topk_one_kernel,
+    TOPK_BUCKETS,
     TOPK_CHUNKS,
     TOPK_END,
     TOPK_START,

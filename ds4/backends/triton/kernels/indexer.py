@@ -13,11 +13,17 @@ from .rules import rules
 
 
 # The one-query top-k's counts (idx_score_kernel's cnt_ptr, topk_one_kernel's kc_ptr): keys by
-# their top 8 bits [0, 256), by their top 14 bits [256, 256 + 16384), then the top-k programs'
-# start and end tickets, then each chunk's selected-row count plus one (0: not yet known).
-TOPK_START = tl.constexpr(256 + 16384)
-TOPK_END = tl.constexpr(256 + 16384 + 1)
-TOPK_CHUNKS = tl.constexpr(256 + 16384 + 2)
+# their top 8 bits [0, TOPK_DIGIT_BINS), by their top 14 bits (a bucket each) [TOPK_DIGIT_BINS,
+# + TOPK_BUCKETS), then the top-k programs' start and end tickets, then each chunk's selected-row
+# count plus one (0: not yet known). A bucket's top 14 bits are the first digit's 8, then a
+# second digit of 6 (TOPK_DIGIT2_BINS values); TOPK_BUCKET_SHIFT key bits lie below them.
+TOPK_DIGIT_BINS = tl.constexpr(256)
+TOPK_DIGIT2_BINS = tl.constexpr(64)
+TOPK_BUCKETS = tl.constexpr(TOPK_DIGIT_BINS.value * TOPK_DIGIT2_BINS.value)
+TOPK_BUCKET_SHIFT = tl.constexpr(18)
+TOPK_START = tl.constexpr(TOPK_DIGIT_BINS.value + TOPK_BUCKETS.value)
+TOPK_END = tl.constexpr(TOPK_START.value + 1)
+TOPK_CHUNKS = tl.constexpr(TOPK_START.value + 2)
 
 
 @triton.jit
@@ -26,8 +32,8 @@ def idx_score_kernel(iq_ptr, hw_ptr, keys_ptr, out_ptr, pos_ptr, cnt_ptr, bkt_pt
                      HIST: tl.constexpr = False, CAPB: tl.constexpr = 1, IDP: tl.constexpr = 0):
     """score[t, c] = Σ_h hw[t,h]·relu(iq[t,h]·k_c) over the rows c < (p0+t+1)//M.
     HIST (one query, more than TOPK rows visible): also count the scores' order-preserving keys
-    by their top 8 bits (cnt_ptr[0, 256)) and their top 14 (cnt_ptr[256, 256 + 16384)), and put
-    (key, row) in the bucket of the top 14 bits (bkt_ptr: keys [16384, CAPB], then rows; the
+    by their top 8 bits and their top 14 in cnt_ptr (the layout above), and put (key, row) in
+    the bucket of the top 14 bits (bkt_ptr: keys [TOPK_BUCKETS, CAPB], then rows; the
     first CAPB of a bucket), for topk_one_kernel, which reads them and clears the counts; the
     first program clears the start ticket and the chunk counts of its NPT programs (the last
     top-k has ended before this kernel starts; this one's top-k starts after it).
@@ -59,14 +65,14 @@ def idx_score_kernel(iq_ptr, hw_ptr, keys_ptr, out_ptr, pos_ptr, cnt_ptr, bkt_pt
                 key = _score_key(sc)
                 # the top bytes are few distinct values (sign and exponent): counted in the
                 # program first, so that a bin takes one atomic add per program
-                hi = tl.histogram((key >> 24).to(tl.int32), 256, mask=cm)
-                tl.atomic_add(cnt_ptr + tl.arange(0, 256), hi, mask=hi > 0, sem="relaxed")
+                hi = tl.histogram((key >> 24).to(tl.int32), TOPK_DIGIT_BINS, mask=cm)
+                tl.atomic_add(cnt_ptr + tl.arange(0, TOPK_DIGIT_BINS), hi, mask=hi > 0, sem="relaxed")
                 # a key's place in its bucket is the count before its own
-                b = (key >> 18).to(tl.int32)
-                slot = tl.atomic_add(cnt_ptr + 256 + b, 1, mask=cm, sem="relaxed")
+                b = (key >> TOPK_BUCKET_SHIFT).to(tl.int32)
+                slot = tl.atomic_add(cnt_ptr + TOPK_DIGIT_BINS + b, 1, mask=cm, sem="relaxed")
                 keep = cm & (slot < CAPB)
                 tl.store(bkt_ptr + b * CAPB + slot, key.to(tl.int32, bitcast=True), mask=keep)
-                tl.store(bkt_ptr + (16384 + b) * CAPB + slot, c, mask=keep)
+                tl.store(bkt_ptr + (TOPK_BUCKETS + b) * CAPB + slot, c, mask=keep)
 
 
 @triton.jit
@@ -206,9 +212,10 @@ def topk_one_kernel(score_ptr, idx_ptr, cnt_ptr, pos_ptr, kc_ptr, bkt_ptr, M, TO
         q = pid  # (one program: no ticket, nothing before its chunk)
         if NP > 1:
             q = tl.atomic_add(kc_ptr + TOPK_START, 1, sem="relaxed")  # (awaited after the counts' loads)
-        d1, need, _ = _hist_digit(tl.load(kc_ptr + tl.arange(0, 256)), TOPK)
-        d2, need, n_c = _hist_digit(tl.load(kc_ptr + 256 + d1 * 64 + tl.arange(0, 64)), need)
-        P = d1 * 64 + d2  # T's top 14 bits, shared by n_c keys; need of them are selected
+        d1, need, _ = _hist_digit(tl.load(kc_ptr + tl.arange(0, TOPK_DIGIT_BINS)), TOPK)
+        d2, need, n_c = _hist_digit(tl.load(kc_ptr + TOPK_DIGIT_BINS + d1 * TOPK_DIGIT2_BINS
+                                             + tl.arange(0, TOPK_DIGIT2_BINS)), need)
+        P = d1 * TOPK_DIGIT2_BINS + d2  # T's top 14 bits, shared by n_c keys; need of them are selected
         tl.debug_barrier()  # every thread's reads of the counts done before the end ticket
         # (release: the loads below need not wait for it; its answer is awaited last)
         ticket = tl.atomic_add(kc_ptr + TOPK_END, 1, sem="release")
@@ -219,13 +226,13 @@ def topk_one_kernel(score_ptr, idx_ptr, cnt_ptr, pos_ptr, kc_ptr, bkt_ptr, M, TO
             i = tl.arange(0, CAPB)
             im = i < n_c
             ck = tl.load(bkt_ptr + P * CAPB + i, mask=im, other=0).to(tl.uint32, bitcast=True)
-            cr = tl.load(bkt_ptr + (16384 + P) * CAPB + i, mask=im, other=0)
+            cr = tl.load(bkt_ptr + (TOPK_BUCKETS + P) * CAPB + i, mask=im, other=0)
             rank = tl.zeros([CAPB], tl.int32)
             for j0 in range(0, n_c, 32):  # the bucket's others, 32 at a time
                 j = j0 + tl.arange(0, 32)
                 jm = j < n_c
                 kj = tl.load(bkt_ptr + P * CAPB + j, mask=jm, other=0).to(tl.uint32, bitcast=True)
-                rj = tl.load(bkt_ptr + (16384 + P) * CAPB + j, mask=jm, other=0)
+                rj = tl.load(bkt_ptr + (TOPK_BUCKETS + P) * CAPB + j, mask=jm, other=0)
                 beats = (kj[None, :] > ck[:, None]) | ((kj[None, :] == ck[:, None]) & (rj[None, :] < cr[:, None]))
                 rank += tl.sum((beats & jm[None, :]).to(tl.int32), 1)
             # the one ranked need - 1 (a sum picks it; its key zero-extended by hand)
@@ -234,9 +241,9 @@ def topk_one_kernel(score_ptr, idx_ptr, cnt_ptr, pos_ptr, kc_ptr, bkt_ptr, M, TO
             Lk = ((last >> 32) & 0xFFFFFFFF).to(tl.uint32)
             Lr = (last & 0xFFFFFFFF).to(tl.int32)
         else:
-            Lk = P.to(tl.uint32) << 18
-            for bb in range(18):
-                cand = Lk | (tl.full([], 1, tl.uint32) << (17 - bb))
+            Lk = P.to(tl.uint32) << TOPK_BUCKET_SHIFT
+            for bb in range(TOPK_BUCKET_SHIFT):
+                cand = Lk | (tl.full([], 1, tl.uint32) << (TOPK_BUCKET_SHIFT - 1 - bb))
                 acc = tl.zeros([LB], tl.int32)
                 for c0 in range(0, vis, LB):
                     r = c0 + tl.arange(0, LB)
@@ -271,7 +278,7 @@ def topk_one_kernel(score_ptr, idx_ptr, cnt_ptr, pos_ptr, kc_ptr, bkt_ptr, M, TO
             tl.store(cnt_ptr, TOPK)
         if ticket == NP - 1:  # every program has read the counts: the last clears them
             tl.atomic_add(kc_ptr + TOPK_END, 0, sem="acquire")  # (their reads before these stores)
-            tl.store(kc_ptr + tl.arange(0, 256), tl.zeros([256], tl.int32))
-            for z in range(0, 16384, 4096):
-                tl.store(kc_ptr + 256 + z + tl.arange(0, 4096), tl.zeros([4096], tl.int32))
+            tl.store(kc_ptr + tl.arange(0, TOPK_DIGIT_BINS), tl.zeros([TOPK_DIGIT_BINS], tl.int32))
+            for z in range(0, TOPK_BUCKETS, 4096):
+                tl.store(kc_ptr + TOPK_DIGIT_BINS + z + tl.arange(0, 4096), tl.zeros([4096], tl.int32))
             tl.store(kc_ptr + TOPK_END, 0)
