@@ -33,76 +33,28 @@ from triton_pair import model, pair, rng  # noqa: E402,F401  (fixtures)
 
 # ---- routing and experts ------------------------------------------------------------------------
 
-@pytest.mark.parametrize("in_product", [False, True], ids=["router_kernel", "in_product"])
-def test_router_hash_and_topk(pair, rng, in_product, monkeypatch):
-    """Five tokens through router_kernel after the logits product, and through the product that
-    routes them itself (router_in_product, the default); a prefill's MM_MIN tokens through
-    router_kernel either way."""
-    ref, wr, tri, wt = pair
-    monkeypatch.setattr(tri, "router_in_product", in_product)
-    cfg = ref.cfg
-    n = 5
-    tokens = rng.integers(0, cfg.n_vocab, n)
-    for il in (0, 4):  # hash layer, top-k layer with bias
-        L_r, L_t = wr.layers[il], wt.layers[il]
-        f = rng.standard_normal((n, cfg.n_embd)).astype(np.float32)
-        ids, w = ref.router(f, L_r.ffn_gate_inp, L_r.exp_probs_b, L_r.tid2eid, tokens, il)
-        tri.ledger = []
-        tids, tw = tri.router(_t(tri, f), L_t.ffn_gate_inp, L_t.exp_probs_b, L_t.tid2eid, tokens, il)
-        assert [k for k, _ in tri.ledger] == (["matvec_router_kernel"] if in_product else
-                                              ["matvec_kernel", "router_kernel"])
-        assert np.array_equal(tri.to_numpy(tids), ids)
-        assert _rel(tri.to_numpy(tw), w) < 1e-5
-    # a prefill's product (matrix-matrix) leaves the routing to router_kernel either way
-    tokens = rng.integers(0, cfg.n_vocab, MM_MIN)
-    L_r, L_t = wr.layers[4], wt.layers[4]
-    f = rng.standard_normal((MM_MIN, cfg.n_embd)).astype(np.float32)
-    ids, w = ref.router(f, L_r.ffn_gate_inp, L_r.exp_probs_b, L_r.tid2eid, tokens, 4)
-    tri.ledger = []
-    tids, tw = tri.router(_t(tri, f), L_t.ffn_gate_inp, L_t.exp_probs_b, L_t.tid2eid, tokens, 4)
-    launched = [k for k, _ in tri.ledger]
-    assert launched[-1] == "router_kernel" and "matvec_router_kernel" not in launched
-    assert np.array_equal(tri.to_numpy(tids), ids)
-    assert _rel(tri.to_numpy(tw), w) < 1e-5
-
-
-@pytest.mark.parametrize("parts", [1, 2])
-def test_router_in_the_logits_product(pair, rng, parts, monkeypatch):
-    """router_in_product: the decode product of the router's logits routes the tokens in its last
-    program (matvec_router_kernel), the RMSNorm fused, K whole or split in two parts; the same
-    experts and weights as the reference, and no router_kernel launch."""
+def test_router_hash_and_topk(pair, rng):
+    """Five tokens (a decode product) and a prefill's MM_MIN tokens (matrix-matrix): the logits
+    product, then router_kernel, against the reference's experts and weights."""
     ref, wr, tri, wt = pair
     cfg = ref.cfg
-    monkeypatch.setattr(tri, "router_in_product", True)
-    grids = []
-    launch = tri._launch
-    monkeypatch.setattr(tri, "_launch", lambda kern, grid, *a, **k: (grids.append(grid), launch(kern, grid, *a, **k))[1])
-    for il in (0, 4):  # hash layer, top-k layer with bias
-        L_r, L_t = wr.layers[il], wt.layers[il]
-        g = L_t.ffn_gate_inp
-        # a per-shape entry: the layout's own decoder, 128-value K-steps, K in `parts` parts
-        monkeypatch.setattr(tri, "mv_shapes", {**tri.mv_shapes, ("linear", int(g.kt), g.N, g.K): (int(g.kt), 128, 4, 4, parts)})
-        for n in (1, 3):
-            tokens = rng.integers(0, cfg.n_vocab, n)
-            x = rng.standard_normal((n, cfg.n_embd)).astype(np.float32)
-            ids, w = ref.router(ref.rms_norm(x, L_r.ffn_norm), L_r.ffn_gate_inp, L_r.exp_probs_b, L_r.tid2eid,
-                                tokens, il)
+    for n, layers in ((5, (0, 4)), (MM_MIN, (4,))):  # hash layer, top-k layer with bias
+        tokens = rng.integers(0, cfg.n_vocab, n)
+        for il in layers:
+            L_r, L_t = wr.layers[il], wt.layers[il]
+            f = rng.standard_normal((n, cfg.n_embd)).astype(np.float32)
+            ids, w = ref.router(f, L_r.ffn_gate_inp, L_r.exp_probs_b, L_r.tid2eid, tokens, il)
             tri.ledger = []
-            tids, tw = tri.router(tri.rms_norm(_t(tri, x), L_t.ffn_norm), g, L_t.exp_probs_b, L_t.tid2eid,
-                                  tokens, il)
-            assert [k for k, _ in tri.ledger] == ["matvec_router_kernel"]
-            assert grids[-1][2] == parts  # (K split as the entry asks)
+            tids, tw = tri.router(_t(tri, f), L_t.ffn_gate_inp, L_t.exp_probs_b, L_t.tid2eid, tokens, il)
+            assert [k for k, _ in tri.ledger][-1] == "router_kernel"
             assert np.array_equal(tri.to_numpy(tids), ids)
             assert _rel(tri.to_numpy(tw), w) < 1e-5
 
 
-@pytest.mark.parametrize("in_product", [False, True], ids=["router_kernel", "in_product"])
-def test_router_ties_pick_the_lower_expert(model, in_product):
-    """Equal logits: the stable order of the reference (lower expert id first), in router_kernel
-    and in the product that routes (router_in_product)."""
+def test_router_ties_pick_the_lower_expert(model):
+    """Equal logits: the stable order of the reference (lower expert id first)."""
     cfg = model.config
     ref, tri = ReferenceBackend(cfg), TritonBackend(cfg, device=DEVICE)
-    tri.router_in_product = in_product
     gate = np.zeros((cfg.n_expert, cfg.n_embd), np.float32)
     gate[[1, 5, 6]] = 1.0  # three equal winners, the rest tied at zero
     t = Tensor("g", T.F32, (cfg.n_embd, cfg.n_expert), gate.reshape(-1).view(np.uint8))

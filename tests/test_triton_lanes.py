@@ -122,22 +122,3 @@ def test_hold_main_orders_lane_0_after_the_branch():
     assert main.log == [("event", ev)]
     _launch(ln, 0, b)  # a later read of b on lane 0 needs no second wait
     assert main.log == [("event", ev)]
-
-
-def test_follow_main_orders_the_branch_after_lane_0():
-    ln, main, s1, s2 = _lanes()
-    a, b = torch.empty(2), torch.empty(2)
-    ln.arena(a)
-    ln.arena(b)
-    _launch(ln, 0, a)
-    _launch(ln, 1, a)  # the branch joins lane 0's work so far
-    _, ev_router = _launch(ln, 0, b)  # a kernel of lane 0 the branch does not read
-    ln.lane = 1
-    ln.follow_main()  # lane 1 waits for it, once
-    assert s1.log == [("stream", main), ("event", ev_router)]
-    ln.follow_main()
-    _launch(ln, 1, b)  # reading b later needs no second wait
-    assert s1.log == [("stream", main), ("event", ev_router)]
-    ln.lane = 0
-    ln.follow_main()  # on lane 0 itself: nothing
-    assert main.log == []

@@ -86,13 +86,6 @@ class Lanes:
         if self.lane != 0 and self.count[self.lane]:
             self._wait(0, self.lane, self.count[self.lane])
 
-    def follow_main(self) -> None:
-        """The current lane's later launches wait for lane 0's last launch, though they do not
-        read what it wrote: where a branch's large products would take the SMs from a small
-        kernel of lane 0 issued just before (the router), that kernel goes first."""
-        if self.lane != 0 and self.count[0]:
-            self._wait(self.lane, 0, self.count[0])
-
     def tickets(self) -> torch.Tensor:
         return self.tickets_of[self.lane]
 

@@ -24,12 +24,9 @@ class _LinearOps:
         """Whether a decode product of n tokens on w reads x in XQ8 form (decoder 309)."""
         return n < MM_MIN and w.kt == KernelType.Q8C and self._mv_cfg(w.kt, w.N, w.K, n, xq=True)["TYPE"] == Decoder.Q8C_XQ8
 
-    def _linear(self, x, w: QWeight, group_rows: int = 0, group_stride: int = 0, xq_out: bool = False,
-                route: dict | None = None):
+    def _linear(self, x, w: QWeight, group_rows: int = 0, group_stride: int = 0, xq_out: bool = False):
         """x [n, K(·groups)] -> [n, N]. Rows of group g read x columns [g·stride, +K). xq_out: the
-        result also in XQ8 form where the product can store it (309; then a _Quantized). route (the
-        router's arguments): a decode product on matvec_kernel's path routes its tokens too
-        (matvec_router_kernel) and sets route["routed"]; any other path leaves that to the caller."""
+        result also in XQ8 form where the product can store it (309; then a _Quantized)."""
         N, Kd = w.N, w.K
         gr = group_rows or (1 << 30)
         if x.shape[0] < MM_MIN and w.kt == KernelType.Q8C and group_stride % 32 == 0:
@@ -58,20 +55,10 @@ class _LinearOps:
             tiles = _cdiv(N, c["BN"])
             self._tiles_ok(tiles * n, S)
             ws = self._new((n, S, N)) if S > 1 else self._dummy_f
-            if route is not None:
-                if group_rows or group_stride or sx_t != Kd:
-                    raise ValueError("a routing product reads whole rows of x, ungrouped")
-                self._tiles_ok(tiles * n + n, 2)  # the split-K tickets, then one per token
-                self._launch(K.matvec_router_kernel, (tiles, n, S), src, sx_t, nw, w.b8, w.i16, w.f32,
-                             self._gridp, self._ksigns, out, ws, self._tickets(), N, Kd, w.RB, self.cfg.rms_eps,
-                             *route["args"], NORM=norm, **c, **route["meta"],
-                             nbytes=w.RB * N + 4 * n * (Kd + N) + 8 * n * route["meta"]["KSEL"])
-                route["routed"] = True
-            else:
-                self._launch(K.matvec_kernel, (tiles, n, S), src, sx_t, group_stride, nw,
-                             w.b8, w.i16, w.f32, self._gridp, self._ksigns, out, N, ws, self._tickets(),
-                             N, Kd, w.RB, gr, self.cfg.rms_eps, NORM=norm, **c,
-                             nbytes=w.RB * N + 4 * n * (Kd + N))
+            self._launch(K.matvec_kernel, (tiles, n, S), src, sx_t, group_stride, nw,
+                         w.b8, w.i16, w.f32, self._gridp, self._ksigns, out, N, ws, self._tickets(),
+                         N, Kd, w.RB, gr, self.cfg.rms_eps, NORM=norm, **c,
+                         nbytes=w.RB * N + 4 * n * (Kd + N))
         elif self._f16w(w, src, group_stride):
             q8 = w.kt == KernelType.Q8C
             lo = self._x_lo  # F16 rows under bf16x3: x in two fp16 terms

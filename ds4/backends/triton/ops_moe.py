@@ -22,17 +22,16 @@ class _MoeOps:
     @_op
     def router(self, f, gate_inp, bias, tid2eid, tokens, il):
         cfg = self.cfg
-        n, NE, k = f.shape[0], gate_inp.N, cfg.n_expert_used
+        logits = self._linear(f, gate_inp)
+        n, NE = logits.shape
+        k = cfg.n_expert_used
         ids = self._new((n, k), torch.int32)
         wts = self._new((n, k))
-        args = (bias.vec if bias is not None else self._dummy_f, tid2eid.i32 if tid2eid is not None else self._dummy_i,
-                self._tokens_dev(tokens), ids, wts, float(cfg.expert_weights_scale))
-        meta = dict(KSEL=k, KP=_pow2(k), BE=_pow2(NE), HAS_BIAS=bias is not None, HASH=tid2eid is not None)
-        route = dict(args=args, meta=meta) if self.router_in_product else None
-        logits = self._linear(f, gate_inp, route=route)
-        if route is None or not route.get("routed"):  # (a product on another path than matvec_kernel's)
-            self._launch(K.router_kernel, (n,), logits, NE, *args, **meta,
-                         num_warps=1, nbytes=8 * n * NE)  # one warp: its reductions need no barrier
+        self._launch(K.router_kernel, (n,), logits, NE, bias.vec if bias is not None else self._dummy_f,
+                     tid2eid.i32 if tid2eid is not None else self._dummy_i, self._tokens_dev(tokens), ids, wts,
+                     float(cfg.expert_weights_scale), KSEL=k, KP=_pow2(k), BE=_pow2(NE),
+                     HAS_BIAS=bias is not None, HASH=tid2eid is not None,
+                     num_warps=1, nbytes=8 * n * NE)  # one warp: its reductions need no barrier
         return ids, wts
 
     def _gateup_mv(self, x, gate: QWeight, up: QWeight, ids, wts, slots: int, kslots: int, clamp: float,
@@ -268,8 +267,6 @@ class _MoeOps:
             # the router, writes it with the float f this reads (else it would be a launch of its
             # own between the router and the routed experts)
             self._xq(f)
-        if self.shared_waits_router:
-            self._follow_main()
         x = self._val(f)
         n, E = x.shape
         F = gate.N

@@ -56,12 +56,6 @@ class _DecodeSteps:
         if self._lanes is not None and self._lanes.active:
             self._lanes.hold_main()
 
-    def _follow_main(self) -> None:
-        """In a decode step with side streams: this branch's next launches wait for the main
-        stream's last launch (Lanes.follow_main)."""
-        if self._lanes is not None and self._lanes.active:
-            self._lanes.follow_main()
-
     def _end_lanes(self) -> None:
         if self._lanes is not None:
             self._lanes.end()

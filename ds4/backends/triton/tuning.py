@@ -116,12 +116,6 @@ class TritonTuning:
     # ("score") or its query RoPE ("rope"), or for neither ("none"): it fills every SM, and the
     # indexer's small kernels behind it (RoPE, scores, top-k) are the layer's critical chain
     query_waits_index: str = "rope"
-    # decode steps: the shared expert's products (a side stream) wait for the router's kernel,
-    # issued just before them on the main stream, instead of taking the SMs beside it
-    shared_waits_router: bool = True
-    # decode steps: the router's logits product routes the token too, in its last program
-    # (matvec_router_kernel), instead of a router_kernel launch behind it
-    router_in_product: bool = True
     # decode steps: the products on XQ8 x (Q8C_XQ8: wq_b, wo_a, wo_b, the head) launch while the
     # kernel ahead of them on their stream still runs (programmatic dependent launch: that kernel,
     # named in pdl_dep, lets them from its start), load their first K-step's weights, then wait

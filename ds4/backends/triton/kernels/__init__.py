@@ -69,7 +69,6 @@ from .moe import (  # noqa: F401
     moe_down_mm_kernel,
     moe_reduce_kernel,
     router_kernel,
-    matvec_router_kernel,
 )
 from .norm_rope import (  # noqa: F401
     embed_kernel,

@@ -192,17 +192,14 @@ def _split_store(y, out_ptr, rows, rmask, ws_ptr, cnt_ptr, tile, sk, N, S: tl.co
     part: each program writes its partial sum to the workspace (ws_ptr: this token's [S, N]), and
     the tile's last program to arrive (a ticket from an acq_rel counter) adds the S partials in the
     order 0..S−1, so the result does not depend on the order the programs ran in, and resets the
-    counter for the next launch. Returns whether this program stored the rows (always at S = 1)."""
+    counter for the next launch."""
     if S == 1:
         tl.store(out_ptr + rows, y, mask=rmask)
-        return True
     else:
         tl.store(ws_ptr + sk * N + rows, y, mask=rmask)
-        last = _split_last(cnt_ptr, tile, S)
-        if last:
+        if _split_last(cnt_ptr, tile, S):
             tl.store(out_ptr + rows, _split_sum(ws_ptr, rows, rmask, N, S), mask=rmask)
             _split_reset(cnt_ptr, tile)
-        return last
 
 
 @triton.jit
@@ -228,11 +225,18 @@ def _split_reset(cnt_ptr, tile):
 
 
 @triton.jit
-def _matvec_tile(x_ptr, sx_t, sx_g, nw_ptr, wb, wh, wf, gridp, ksigns, N, K, RB, GROUP_ROWS, eps,
-                 TYPE: tl.constexpr, BN: tl.constexpr, NB: tl.constexpr, VB: tl.constexpr,
-                 VA: tl.constexpr, NORM: tl.constexpr, S: tl.constexpr):
-    """This program's part of matvec_kernel's product (rows of grid axis 0, token of axis 1, K
-    part of axis 2) -> (W[rows] · x̂[t] over that part, rows, their mask)."""
+def matvec_kernel(x_ptr, sx_t, sx_g, nw_ptr, wb, wh, wf, gridp, ksigns, out_ptr, so_t, ws_ptr, cnt_ptr,
+                  N, K, RB, GROUP_ROWS, eps,
+                  TYPE: tl.constexpr, BN: tl.constexpr, NB: tl.constexpr, VB: tl.constexpr,
+                  VA: tl.constexpr, NORM: tl.constexpr, S: tl.constexpr = 1):
+    """out[t, r] = W[r] · x̂[t] for a few tokens t (grid axis 1), K split in S parts (grid axis
+    2, _split_store) where the rows alone make too few programs to keep enough bytes in flight.
+    NORM 1/2 applies the weighted / unweighted RMSNorm to x first: each program works out the
+    scale itself (x is small, the weight is not), from the x values its K loop loads when it has
+    the whole of K, else in a prologue over all of x. Either way every program redoes that work
+    on x, so where the programs together would read x 2^22 times over the backend normalises x
+    once first instead (norm_fuse_max). Rows r of group g = r // GROUP_ROWS read x at column
+    offset g·sx_g (grouped projections)."""
     pid = tl.program_id(0)
     t = tl.program_id(1)
     sk = tl.program_id(2)
@@ -249,24 +253,5 @@ def _matvec_tile(x_ptr, sx_t, sx_g, nw_ptr, wb, wh, wf, gridp, ksigns, N, K, RB,
             ss += xv * xv
         rs = tl.sqrt_rn(tl.sum(ss) / K + eps)
     y = _mv_rows(xb, wb, wh, wf, gridp, ksigns, row_off, rmask, K, sk, rs, nw_ptr, eps, BN, TYPE, NB, VB, VA, NORM, S)
-    return y, rows, rmask
-
-
-@triton.jit
-def matvec_kernel(x_ptr, sx_t, sx_g, nw_ptr, wb, wh, wf, gridp, ksigns, out_ptr, so_t, ws_ptr, cnt_ptr,
-                  N, K, RB, GROUP_ROWS, eps,
-                  TYPE: tl.constexpr, BN: tl.constexpr, NB: tl.constexpr, VB: tl.constexpr,
-                  VA: tl.constexpr, NORM: tl.constexpr, S: tl.constexpr = 1):
-    """out[t, r] = W[r] · x̂[t] for a few tokens t (grid axis 1), K split in S parts (grid axis
-    2, _split_store) where the rows alone make too few programs to keep enough bytes in flight.
-    NORM 1/2 applies the weighted / unweighted RMSNorm to x first: each program works out the
-    scale itself (x is small, the weight is not), from the x values its K loop loads when it has
-    the whole of K, else in a prologue over all of x. Either way every program redoes that work
-    on x, so where the programs together would read x 2^22 times over the backend normalises x
-    once first instead (norm_fuse_max). Rows r of group g = r // GROUP_ROWS read x at column
-    offset g·sx_g (grouped projections)."""
-    y, rows, rmask = _matvec_tile(x_ptr, sx_t, sx_g, nw_ptr, wb, wh, wf, gridp, ksigns, N, K, RB, GROUP_ROWS, eps,
-                                  TYPE, BN, NB, VB, VA, NORM, S)
-    t = tl.program_id(1)
-    _split_store(y, out_ptr + t * so_t, rows, rmask, ws_ptr + t * S * N, cnt_ptr, t * tl.num_programs(0) + tl.program_id(0),
-                 tl.program_id(2), N, S)
+    _split_store(y, out_ptr + t * so_t, rows, rmask, ws_ptr + t * S * N, cnt_ptr, t * tl.num_programs(0) + pid,
+                 sk, N, S)

@@ -10,11 +10,9 @@ import triton.language as tl
 from .common import D_IQ2_GROUPS_XQ, D_Q2S_HALVES_XQ, D_Q2_K_XQ, D_Q8C_XQ8, _dot_units, _swiglu, _wtile
 from .decode import _xq_store
 from .decode_rows import _iq2_group_rows, _q2k_int_rows, _q2s_slots
-from .mmvq import _matvec_tile, _mv_rows, _q8c_xq_rows, _split_last, _split_reset, _split_store, _split_sum
+from .mmvq import _mv_rows, _q8c_xq_rows, _split_last, _split_reset, _split_store, _split_sum
 from .mmq import _mm_rows
 from .rules import rules
-
-PICKED: tl.constexpr = tl.constexpr(-(1 << 63))  # _route: below every score's key (a picked expert)
 
 
 @triton.jit
@@ -198,13 +196,15 @@ def moe_reduce_kernel(src_ptr, inv_ptr, out_ptr, E, KSLOTS: tl.constexpr, BE: tl
 
 
 @triton.jit
-def _route(x, t, NE, bias_ptr, tid_ptr, tok_ptr, ids_ptr, w_ptr, scale,
-           KSEL: tl.constexpr, KP: tl.constexpr, BE: tl.constexpr, HAS_BIAS: tl.constexpr, HASH: tl.constexpr):
-    """Token t's routing from its logits x [BE] (NE of them): p = sqrt(softplus(x)); ids = the
-    hash table's row or the top-k of p + bias (ties: lower id); weights = the core's
-    router_scale of p[ids] and their sum (spec §3.7)."""
+def router_kernel(logit_ptr, NE, bias_ptr, tid_ptr, tok_ptr, ids_ptr, w_ptr, scale,
+                  KSEL: tl.constexpr, KP: tl.constexpr, BE: tl.constexpr,
+                  HAS_BIAS: tl.constexpr, HASH: tl.constexpr):
+    """p = sqrt(softplus(logits)); ids = hash table row or top-k of p + bias (ties: lower id);
+    weights = the core's router_scale of p[ids] and their sum (spec §3.7)."""
+    t = tl.program_id(0)
     idx = tl.arange(0, BE)
     em = idx < NE
+    x = tl.load(logit_ptr + t * NE + idx, mask=em, other=0.0)
     ex = tl.exp(tl.minimum(x, 20.0))
     one = 1.0 + ex
     lp = tl.where(one == 1.0, ex, tl.log(one) * ex / (one - 1.0))  # accurate log1p
@@ -215,64 +215,26 @@ def _route(x, t, NE, bias_ptr, tid_ptr, tok_ptr, ids_ptr, w_ptr, scale,
     if HASH:
         tok = tl.load(tok_ptr + t).to(tl.int64)
         ids = tl.load(tid_ptr + tok * KSEL + kk, mask=km, other=0)
+        w = tl.sum(tl.where(idx[None, :] == ids[:, None], p[None, :], 0.0), axis=1)
+        w = tl.where(km, w, 0.0)
     else:
         sel = p
         if HAS_BIAS:
             sel = sel + tl.load(bias_ptr + idx, mask=em, other=0.0)
-        sel = tl.where(em, tl.where(sel == 0.0, 0.0, sel), float("-inf"))  # (-0 ties +0, as in the reference)
-        # one max a pick: each score's float order as a signed integer, above the complement of
-        # its id, so that the largest key is the best score and, of equal ones, the lowest id
-        bits = sel.to(tl.int32, bitcast=True)
-        order = bits ^ ((bits >> 31) & 0x7FFFFFFF)
-        key = (order.to(tl.int64) << 32) | (BE - 1 - idx).to(tl.int64)
+        sel = tl.where(em, sel, float("-inf"))
         ids = tl.zeros([KP], tl.int32)
+        w = tl.zeros([KP], tl.float32)
         for j in tl.static_range(KSEL):
-            i = BE - 1 - tl.max(key, axis=0).to(tl.int32)  # (the low word: the complement)
+            # the best score, then the lowest id holding it (-0 equals +0 here, as in the reference)
+            mx = tl.max(sel, axis=0)
+            i = tl.min(tl.where(sel == mx, idx, BE), axis=0)
             ids = tl.where(kk == j, i, ids)
-            key = tl.where(idx == i, PICKED, key)
-    w = tl.sum(tl.where(idx[None, :] == ids[:, None], p[None, :], 0.0), axis=1)
-    w = tl.where(km, w, 0.0)
-    w = rules.router_scale(w, tl.sum(w, axis=0), scale)
+            w = tl.where(kk == j, tl.sum(tl.where(idx == i, p, 0.0), axis=0), w)
+            sel = tl.where(idx == i, float("-inf"), sel)
+    tot = tl.sum(w, axis=0)
+    w = rules.router_scale(w, tot, scale)
     tl.store(ids_ptr + t * KSEL + kk, ids, mask=km)
     tl.store(w_ptr + t * KSEL + kk, w, mask=km)
-
-
-@triton.jit
-def router_kernel(logit_ptr, NE, bias_ptr, tid_ptr, tok_ptr, ids_ptr, w_ptr, scale,
-                  KSEL: tl.constexpr, KP: tl.constexpr, BE: tl.constexpr,
-                  HAS_BIAS: tl.constexpr, HASH: tl.constexpr):
-    """Each token's routing (a program per token) from its logits [n, NE] (_route)."""
-    t = tl.program_id(0)
-    idx = tl.arange(0, BE)
-    x = tl.load(logit_ptr + t * NE + idx, mask=idx < NE, other=0.0)
-    _route(x, t, NE, bias_ptr, tid_ptr, tok_ptr, ids_ptr, w_ptr, scale, KSEL, KP, BE, HAS_BIAS, HASH)
-
-
-@triton.jit
-def matvec_router_kernel(x_ptr, sx_t, nw_ptr, wb, wh, wf, gridp, ksigns, out_ptr, ws_ptr, cnt_ptr,
-                         N, K, RB, eps, bias_ptr, tid_ptr, tok_ptr, ids_ptr, w_ptr, scale,
-                         TYPE: tl.constexpr, BN: tl.constexpr, NB: tl.constexpr, VB: tl.constexpr,
-                         VA: tl.constexpr, NORM: tl.constexpr, S: tl.constexpr,
-                         KSEL: tl.constexpr, KP: tl.constexpr, BE: tl.constexpr,
-                         HAS_BIAS: tl.constexpr, HASH: tl.constexpr):
-    """A decode step's router in one launch: the logits out[t] = W · x̂[t] as matvec_kernel computes
-    them, then the last of the token's programs to store its rows (a ticket after the split-K
-    ones) reads the N logits back and routes the token (_route), instead of a router_kernel
-    launch behind the product."""
-    pid = tl.program_id(0)
-    t = tl.program_id(1)
-    sk = tl.program_id(2)
-    y, rows, rmask = _matvec_tile(x_ptr, sx_t, 0, nw_ptr, wb, wh, wf, gridp, ksigns, N, K, RB, N, eps,
-                                  TYPE, BN, NB, VB, VA, NORM, S)
-    tiles = tl.num_programs(0)
-    stored = _split_store(y, out_ptr + t * N, rows, rmask, ws_ptr + t * S * N, cnt_ptr, t * tiles + pid, sk, N, S)
-    if stored:
-        ticket = tl.num_programs(1) * tiles + t  # (after the split-K tickets of this launch)
-        if _split_last(cnt_ptr, ticket, tiles):
-            idx = tl.arange(0, BE)
-            x = tl.load(out_ptr + t * N + idx, mask=idx < N, other=0.0, cache_modifier=".cg")
-            _route(x, t, N, bias_ptr, tid_ptr, tok_ptr, ids_ptr, w_ptr, scale, KSEL, KP, BE, HAS_BIAS, HASH)
-            _split_reset(cnt_ptr, ticket)
 
 
 # ------------------------------------------------------------------------------------------------
