@@ -149,15 +149,13 @@ def topk_kernel(score_ptr, idx_ptr, cnt_ptr, pos_ptr, M, CS, TOPK, BC: tl.conste
             cnt = tl.zeros([1], tl.int64)
             for c0 in range(0, vis, BC):
                 c = c0 + tl.arange(0, BC)
-                bits = tl.load(srow + c, mask=c < vis, other=0.0).to(tl.int32, bitcast=True).to(tl.int64)
-                key = tl.where(bits >= 0, bits + 2147483648, -1 - bits)
+                key = _keys_at(srow, c, c < vis).to(tl.int64)
                 cnt += tl.sum(((key >= cand) & (c < vis)).to(tl.int64), axis=0)
             T = tl.where(cnt >= TOPK, cand, T)
         gt = tl.zeros([1], tl.int64)
         for c0 in range(0, vis, BC):
             c = c0 + tl.arange(0, BC)
-            bits = tl.load(srow + c, mask=c < vis, other=0.0).to(tl.int32, bitcast=True).to(tl.int64)
-            key = tl.where(bits >= 0, bits + 2147483648, -1 - bits)
+            key = _keys_at(srow, c, c < vis).to(tl.int64)
             gt += tl.sum(((key > T) & (c < vis)).to(tl.int64), axis=0)
         need = TOPK - gt
         eq_seen = tl.zeros([1], tl.int64)
@@ -165,8 +163,7 @@ def topk_kernel(score_ptr, idx_ptr, cnt_ptr, pos_ptr, M, CS, TOPK, BC: tl.conste
         for c0 in range(0, vis, BC):
             c = c0 + tl.arange(0, BC)
             cv = c < vis
-            bits = tl.load(srow + c, mask=cv, other=0.0).to(tl.int32, bitcast=True).to(tl.int64)
-            key = tl.where(bits >= 0, bits + 2147483648, -1 - bits)
+            key = _keys_at(srow, c, cv).to(tl.int64)
             eq = (key == T) & cv
             eq_rank = eq_seen + tl.cumsum(eq.to(tl.int64), axis=0) - eq.to(tl.int64)
             sel = ((key > T) & cv) | (eq & (eq_rank < need))
