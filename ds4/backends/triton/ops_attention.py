@@ -117,7 +117,7 @@ class _AttentionOps:
             hw = self._linear(a, w.proj)
         iq = self._rope(self._linear(qr, w.q_b), il, inverse=False, qat=self.ds4_numerics, rows_dim=(IH, ID))
         scores = self._new((n, cs))
-        BC = 64 if not self.interpret else 128
+        BC = self.idx_score_rows
         hist = self.topk_hist and n == 1
         capb = self.topk_bucket
         nbkt = 2 * K.TOPK_BUCKETS.value * capb  # (keys, then rows)
@@ -132,7 +132,7 @@ class _AttentionOps:
             self._launch(K.idx_score_kernel, (n, _cdiv(cs, BC)), iq, hw, st["index"], scores, self._pos,
                          self._topk_counts, bkt, m, IH, cs, top_k, float(np.float32(np.sqrt(ID * IH))), npr,
                          IHP=max(16, _pow2(IH)), ID=ID, BC=BC, EXACT=self.ds4_numerics, HIST=hist, CAPB=capb, IDP=_pad_dim(ID),
-                         num_warps=4, nbytes=4 * n * (cs * ID + IH * ID + cs))
+                         num_warps=self.idx_score_warps, nbytes=4 * n * (cs * ID + IH * ID + cs))
             if self.query_waits_index == "score":
                 self._hold_main()
             idx = self._new((n, top_k), torch.int32)

@@ -91,6 +91,10 @@ class TritonTuning:
     topk_bucket: int = 256
     topk_rows: int = 1024
     topk_warps: int = 8
+    # the indexer's scores kernel: rows a program (every program loads the query's heads whole)
+    # and its warps
+    idx_score_rows: int = 64
+    idx_score_warps: int = 4
     # prefill attention (one program per query and head group): heads per program, rows per step,
     # warps, pipeline stages, for its products on fp16 tensor cores (attn_f16: ds4 numerics only,
     # whose cache rows are f16 values; decode's too) and on tf32 pairs. The fp16 tile needs
@@ -195,6 +199,7 @@ def load_tuning(interpret: bool, max_shared: int | None = None, dot_precision: s
         raise ValueError(f"DS4_TRITON_MV_SHAPES: expected a JSON file or \"\", got {table!r} (no such file)")
     if interpret:  # few, large programs; the interpreter's tests use small shapes of their own
         t.update(moe_tile={"gateup": (64, 4), "down": (64, 4), "shared": (64, 4)}, topk_bucket=32, topk_rows=64,
+                 idx_score_rows=128,
                  hc_mix_bt=(2, 16), combine_pairs=16, rope_rows_decode=64, f16w_tile=(16, 32, 64, 2, 4, 1))
     elif table:
         t["mv_shapes"] = load_mv_shapes(table)
