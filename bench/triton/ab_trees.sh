@@ -18,11 +18,11 @@ RES=$(mktemp -d)  # each run's results.json
 trap 'rm -rf "$RES"' EXIT
 (nvidia-smi --query-gpu=name --format=csv,noheader 2>/dev/null || echo unknown) | head -1 > "$OUT/device.txt"
 echo "device,round,tree,ctx,gpu_ms,greedy_tokens_per_s" > "$OUT/ab.csv"
+layers=$( [ -n "${LAYERS:-}" ] && echo "--layers $LAYERS" )
 for round in $(seq 1 "${ROUNDS:-2}"); do
   for tree in $TREES; do
     name=$( [ "$tree" = . ] && echo work || basename "$tree" )
     res="$RES/$round-$name"
-    layers=$( [ -n "${LAYERS:-}" ] && echo "--layers $LAYERS" )
     (cd "$tree" && PYTHONPATH=/tmp/site:. timeout "${RUN_TIMEOUT:-300}" python3 bench/triton/bench_full.py --out "$res" \
        --ctx "${CTX:-4096}" --prefill , --prefill-table , $layers ${ARGS:-}) > "$OUT/runs/$round-$name.log" 2>&1 \
       || echo "$tree: bench_full.py failed (round $round), see runs/$round-$name.log" >&2

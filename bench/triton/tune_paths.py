@@ -151,6 +151,11 @@ def _xor(a, b):
     return a ^ b
 
 
+def weight_bytes(kind: str, ttype, N: int, Kd: int, slots: int = 1) -> int:
+    """Bytes of weights one decode product of this shape reads (gateup: the gate and the up)."""
+    return row_bytes(ttype, Kd) * N * slots * (2 if kind == "gateup" else 1)
+
+
 def cold_copies(nbytes: int, least: int = 8) -> int:
     """Rotating copies of a weight of nbytes that keep each call's weights out of the L2."""
     l2 = torch.cuda.get_device_properties(0).L2_cache_size
@@ -165,7 +170,7 @@ def decode_variants(be, rows, kind, ttype, N, Kd, variants, copies=8, group_rows
     routed = kind == "down" or (kind == "gateup" and ttype != T.Q8_0)
     ne = NE if routed else 1
     if not routed:
-        copies = cold_copies(row_bytes(ttype, Kd) * N * (2 if kind == "gateup" else 1), copies)
+        copies = cold_copies(weight_bytes(kind, ttype, N, Kd), copies)
     ws = qweight(ttype, (Kd, N, ne) if routed else (Kd, N), copies)
     key = (kind, ws[0].kt, N, Kd)
     us = qweight(ttype, (Kd, N, ne) if routed else (Kd, N), copies) if kind == "gateup" else ws
@@ -175,7 +180,7 @@ def decode_variants(be, rows, kind, ttype, N, Kd, variants, copies=8, group_rows
     ids = [torch.tensor(rng.choice(NE, 6, replace=False)[None], dtype=torch.int32, device=dev) for _ in range(8)]
     wts = torch.rand(1, 6, device=dev)
     slots = 6 if routed else 1
-    nbytes = row_bytes(ttype, Kd) * N * slots * (2 if kind == "gateup" else 1)
+    nbytes = weight_bytes(kind, ttype, N, Kd, slots)
 
     def fn(i):
         w, u = ws[i % copies], us[i % copies]
@@ -437,13 +442,13 @@ def main():
               ("linear", 4096, 2048, {}), ("gateup", 2048, 4096, {}))
         mb = a.dec_max_mb * 1e6
         for kind, N, Kd, kw in q8:
-            if row_bytes(T.Q8_0, Kd) * N * (2 if kind == "gateup" else 1) > mb:
+            if weight_bytes(kind, T.Q8_0, N, Kd) > mb:
                 continue
             decode_variants(be, rows, kind, T.Q8_0, N, Kd, Q8_VARIANTS, **kw)
             print(f"[{time.time() - T0:.0f}s] {kind} {N}x{Kd}", flush=True)
             save()
         for N, Kd in ((1024, 4096), (8192, 1024), (512, 4096), (256, 4096), (64, 4096)):
-            if row_bytes(T.F16, Kd) * N > mb:
+            if weight_bytes("linear", T.F16, N, Kd) > mb:
                 continue
             decode_variants(be, rows, "linear", T.F16, N, Kd, F16_VARIANTS)
         print(f"[{time.time() - T0:.0f}s] f16", flush=True)
