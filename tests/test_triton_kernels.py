@@ -81,6 +81,48 @@ def test_linear_reads_every_block_format(ttype, K, rng):
         assert _rel(y, xn @ dense.T) < 2e-6, (ttype.name, "fused norm", fuse_max)
 
 
+def test_q8c_prefill_products_on_two_fp16_planes(rng):
+    """Q8C prefill products under bf16x3 (q8_hl): the weight split exactly into two fp16 planes
+    (q8c_hl_kernel), four fp16 products against x in two terms (matmul_f16w_kernel WLO). Against
+    the float64 product of the numpy decode, value by value within 2^-20 of Σ|x||w|: blocks whose
+    scales span 2^-14..1 of their row's largest, x values from 1 down to 2^-24 of their row's
+    largest, ragged tiles (19 tokens, 48 rows), groups; and the same result with q8_hl off
+    (matmul_kernel)."""
+    tri = TritonBackend(_cfg(), device=DEVICE)
+    N, K = 48, 512
+    blocks = random_blocks(T.Q8_0, N * K, rng, scale=0.05).reshape(-1, 34)
+    d = blocks[:, :2].copy().view("<f2").astype(np.float32)
+    spread = np.exp2(-rng.integers(0, 15, len(blocks))).astype(np.float32)[:, None]
+    blocks[:, :2] = (d * spread).astype("<f2").view(np.uint8)
+    raw = blocks.reshape(-1)
+    w = tri.upload(Tensor("w", T.Q8_0, (K, N), raw))
+    assert w.kt == Q8C and tri.prec == "bf16x3" and tri.q8_hl
+    dense = dequantize_rows(raw.reshape(N, row_bytes(T.Q8_0, K)), T.Q8_0, K).astype(np.float64)
+
+    def x_of(n, width):
+        mag = np.exp2(-rng.uniform(0, 24, (n, width)))
+        return (rng.choice([-1.0, 1.0], (n, width)) * mag).astype(np.float32)
+
+    def check(y, x, dw, what):
+        want = x.astype(np.float64) @ dw.T
+        bound = np.abs(x.astype(np.float64)) @ np.abs(dw).T * 2.0 ** -20
+        assert np.isfinite(y).all() and (np.abs(y - want) <= bound).all(), what
+
+    x = x_of(19, K)
+    ys = {}  # (both kept: a failure shows each path's error)
+    for hl in (True, False):
+        tri.q8_hl, tri.ledger = hl, []
+        ys[hl] = tri.to_numpy(tri.linear(_t(tri, x), w))
+        ran = [k for k, _ in tri.ledger]
+        assert ran == (["x16_kernel", "q8c_hl_kernel", "matmul_f16w_kernel"] if hl else ["matmul_kernel"]), ran
+        check(ys[hl], x, dense, ("plain", hl))
+    tri.q8_hl = True
+    xg = x_of(19, 3 * K)
+    y = tri.to_numpy(tri._linear(_t(tri, xg), w, group_rows=16, group_stride=K))
+    for g in range(3):
+        check(y[:, 16 * g:16 * (g + 1)], xg[:, g * K:(g + 1) * K], dense[16 * g:16 * (g + 1)], ("group", g))
+
+
 @pytest.mark.parametrize("ttype,fast", [(T.IQ2_XXS, 417), (T.Q2_K, 110)], ids=["IQ2_XXS", "Q2_K"])
 def test_decoders_with_16_byte_x_loads_fall_back_on_unaligned_rows(ttype, fast, rng):
     """417 (416) and 110 load x 16 bytes at a time, so a row of x that does not start on 16 bytes (a

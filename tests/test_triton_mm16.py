@@ -354,7 +354,7 @@ def test_f16_experts_round_x_once(tri16, rng):
 # The kernels of both precisions compiled for sm_90: "f16" must issue a third of bf16x3's
 # tensor-core products on Q8_0 and half of the two-term path's on the experts, and its fp16 kernel
 # (Q8C and F16 rows) must run on wgmma; the same kernel on x's two terms (F16 rows under bf16x3)
-# issues twice its products.
+# issues twice its products, and on two terms of x and of W (Q8C rows under bf16x3) four times.
 _PTR = {"wb": "*u8", "wh": "*i16", "wf": "*i32", "gridp": "*i32", "ksigns": "*i32", "gb": "*u8", "gh": "*i16",
         "gf": "*i32", "ub": "*u8", "uh": "*i16", "uf": "*i32", "lv8": "*i64", "sg8": "*i64", "tok_ptr": "*i32",
         "tile_e_ptr": "*i32", "tile_r0_ptr": "*i32", "tile_end_ptr": "*i32", "ww": "*i32", "ws": "*i32",
@@ -369,12 +369,14 @@ _PAIRS = {"matmul": ("kernels", "matmul_kernel", dict(TYPE=80, BM=64, BN=128, NB
 def test_f16_kernels_compile_for_sm90_with_fewer_products():
     cases = [(mod, name, {**cx, flag: v}, _PTR, dict(num_warps=4, num_stages=1))
              for mod, name, cx, flag, values in _PAIRS.values() for v in values]
-    cases += [("kernels", "matmul_f16w_kernel", dict(TYPE=t, BM=128, BN=128, BK=64, GM=8, LO=lo),
-               {**_PTR, "x_ptr": "*fp16"}, dict(num_warps=8, num_stages=3))
-              for t, lo in ((80, False), (1, False), (1, True))]  # Q8C, F16, F16 on two terms (bf16x3)
+    f16 = {"x_ptr": "*fp16", "xl_ptr": "*fp16", "wl_ptr": "*fp16"}
+    cases += [("kernels", "matmul_f16w_kernel", dict(TYPE=t, BM=128, BN=128, BK=64, GM=8, LO=lo, WLO=wlo, FRESH=lo),
+               {**_PTR, **f16, "wh": "*i16" if t == 80 else "*fp16"}, dict(num_warps=8, num_stages=3))
+              for t, lo, wlo in ((80, False, False), (1, False, False), (1, True, False), (1, True, True))]
+    # Q8C, F16, F16 on two terms (bf16x3), Q8C split into two fp16 planes (q8_hl, read as F16 rows)
     n = [len(re.findall(r"wgmma\.mma_async", p)) for p in ptx_sm90(cases)]
     for i, name in enumerate(_PAIRS):
         full, one = n[2 * i], n[2 * i + 1]
         assert full == (3 if name == "matmul" else 2) * one > 0, (name, n)
-    assert min(n[-3:-1]) > 0, n  # the fp16 path: its products on wgmma
-    assert n[-1] == 2 * n[-2], n  # two terms: twice the products
+    assert min(n[-4:-2]) > 0, n  # the fp16 path: its products on wgmma
+    assert n[-2] == 2 * n[-3] and n[-1] == 4 * n[-3], n  # two terms of x: twice the products; and of W: four times

@@ -131,6 +131,7 @@ class TritonBackend(_LinearOps, _DecodeSteps, _HcOps, _AttentionOps, _MoeOps, Ba
         self._tok_t = None
         self._dummy_f = torch.zeros(16, dtype=torch.float32, device=d)
         self._dummy_i = torch.zeros(16, dtype=torch.int32, device=d)
+        self._dummy_h = torch.zeros(16, dtype=torch.float16, device=d)
         # one query's indexer key counts, the top-k programs' tickets and chunk counts (the
         # layout: kernels.indexer.TOPK_CHUNKS): the scores kernel and top-k leave them at zero
         # for the next step, as topk_one_kernel says; the buckets (allocated on first use) need

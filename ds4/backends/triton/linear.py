@@ -1,6 +1,7 @@
 """Linear layers of the Triton backend: decode products (matrix-vector, or the Q8C_XQ8 path on
 x in XQ8 form) and prefill products (matrix-matrix, or the fp16 path: Q8C and F16 rows under
-the "f16" precision, F16 rows on two fp16 terms under bf16x3)."""
+the "f16" precision; under bf16x3 F16 rows on x in two fp16 terms, and Q8C rows split into two
+fp16 planes against x in two terms)."""
 
 from __future__ import annotations
 
@@ -60,17 +61,7 @@ class _LinearOps:
                          N, Kd, w.RB, gr, self.cfg.rms_eps, NORM=norm, **c,
                          nbytes=w.RB * N + 4 * n * (Kd + N))
         elif self._f16w(w, src, group_stride):
-            q8 = w.kt == KernelType.Q8C
-            lo = self._x_lo  # F16 rows under bf16x3: x in two fp16 terms
-            xs, xl, xinv = self._x16(src, perm=q8, lo=lo)
-            BM, BN, BK, GM, warps, stages = self.f16w_tile
-            if group_rows:
-                BN = min(BN, _largest_pow2_divisor(group_rows, BN))
-            self._launch(K.matmul_f16w_kernel, (_cdiv(n, BM) * _cdiv(N, BN),), xs, xl, xinv, xs.shape[1], w.b8,
-                         w.i16, self._row_scale(w) if q8 else self._dummy_f, out, N, n, N, Kd, w.RB, gr, group_stride,
-                         TYPE=w.kt, BM=BM, BN=BN, BK=BK, GM=GM, LO=lo,
-                         num_warps=warps, num_stages=stages,
-                         flops=2 * n * N * Kd, nbytes=w.RB * N + (4 if lo else 2) * n * Kd + 4 * n * N)
+            self._matmul16(src, w, out, group_rows, group_stride)
         else:
             mc = self._mm_cfg(w.kt, Kd)
             BM, BN, warps = self.mm_tile_q8 if mc["U"] and not self.interpret else self.mm_tile
@@ -82,6 +73,30 @@ class _LinearOps:
                          num_warps=warps, num_stages=2, flops=2 * n * N * Kd, nbytes=w.RB * N + 4 * n * (Kd + N))
         return out
 
+    def _matmul16(self, src, w: QWeight, out, group_rows: int = 0, group_stride: int = 0, split=None):
+        """out [n, N] = src · Wᵀ on the fp16 path (matmul_f16w_kernel; _f16w says when it applies).
+        split: src's _x16 split when a caller already has it (products that share their x)."""
+        n, N, Kd = src.shape[0], w.N, w.K
+        q8 = w.kt == KernelType.Q8C
+        lo = self._x_lo  # F16 rows under bf16x3: x in two fp16 terms
+        hl = q8 and lo  # Q8C rows under bf16x3: W in two fp16 planes too (q8_hl)
+        xs, xl, xinv = split or self._x16(src, perm=q8, lo=lo)
+        BM, BN, BK, GM, warps, stages = self.hl_tile if hl else self.f16w_tile
+        if group_rows:
+            BN = min(BN, _largest_pow2_divisor(group_rows, BN))
+        t = self._row_scale(w) if q8 else self._dummy_f
+        # F16 rows as fp16 (a load straight into the tensor cores' tiles is what gets pipelined)
+        wh, RB, kt, wl = (w.i16 if q8 else w.i16.view(torch.float16)), w.RB, w.kt, self._dummy_h
+        if hl:
+            wh, wl = self._q8c_hl(w, t)
+            RB, kt = 2 * Kd, KernelType.F16
+        self._launch(K.matmul_f16w_kernel, (_cdiv(n, BM) * _cdiv(N, BN),), xs, xl, xinv, xs.shape[1], w.b8,
+                     wh, t, out, N, n, N, Kd, RB, group_rows or (1 << 30), group_stride, wl,
+                     TYPE=kt, BM=BM, BN=BN, BK=BK, GM=GM, LO=lo, WLO=hl, FRESH=lo and self.hl_fresh,
+                     num_warps=warps, num_stages=stages,
+                     flops=2 * n * N * Kd, nbytes=RB * N * (2 if hl else 1) + (4 if lo else 2) * n * Kd + 4 * n * N)
+        return out
+
     def _f16w(self, w: QWeight, x, group_stride: int) -> bool:
         """Whether a prefill product takes the fp16 path (matmul_f16w_kernel): under the "f16"
         precision Q8C or F16 rows (f16w_types), under bf16x3 F16 rows (f16_x2), whose weights are
@@ -89,7 +104,8 @@ class _LinearOps:
         if self.prec == ONE_TERM:
             takes = self.q8_f16w and w.kt in self.f16w_types
         else:
-            takes = self.f16_x2 and self.prec in INTEGER_PRECISIONS and w.kt == KernelType.F16
+            takes = self.prec in INTEGER_PRECISIONS and (
+                (self.f16_x2 and w.kt == KernelType.F16) or (self.q8_hl and w.kt == KernelType.Q8C))
         return (takes and x.shape[1] % 256 == 0 and w.K % 256 == 0 and group_stride % 256 == 0
                 and x.stride(1) == 1)
 
@@ -105,6 +121,16 @@ class _LinearOps:
         self._launch(K.x16_kernel, (_cdiv(R, BR),), x, x.stride(0), xs, xl, inv, R, Kd, BR=BR, BC=256, PERM=perm,
                      LO=lo, num_warps=4, nbytes=(12 if lo else 10) * R * Kd)
         return xs, xl, inv
+
+    def _q8c_hl(self, w: QWeight, t):
+        """Q8C rows [N, K] -> (hi, lo) [N, K] fp16, hi + lo = each weight times its row's t,
+        exactly, in quant byte order: q8c_hl_kernel, into buffers of this product only."""
+        hi = torch.empty((w.N, w.K), dtype=torch.float16, device=self.dev)
+        lo = torch.empty_like(hi)
+        BR = 4
+        self._launch(K.q8c_hl_kernel, (_cdiv(w.N, BR), w.K // 256), w.b8, w.i16, t, hi, lo, w.N, w.K, w.RB,
+                     BR=BR, num_warps=4, nbytes=w.RB * w.N + 4 * w.N * w.K)
+        return hi, lo
 
     def _row_scale(self, w: QWeight):
         """The powers of two t [N] that bring each Q8C row's largest |q·d| into [2^14, 2^15) (the

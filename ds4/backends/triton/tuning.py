@@ -83,6 +83,16 @@ class TritonTuning:
     # "bf16x3", F16 linears: the same kernel on x in two fp16 terms (x16_kernel's hi and lo, 22
     # bits) against the weights as they are, two exact products a K-step, instead of tf32x3
     f16_x2: bool = True
+    # "bf16x3", Q8C linears: each weight split once per product into two fp16 planes that hold it
+    # exactly (q8c_hl_kernel, a transient copy), then the same kernel's four products of the two
+    # terms of x and of W as plain fp16 tiles (no block scale inside the K loop), instead of
+    # matmul_kernel's three bf16 products and a scale per 32-value block; its tile as f16w_tile's.
+    # hl_fresh (this path and f16_x2's): the tensor cores sum each K-step from zero and the kernel
+    # adds the partial sums in float32 (off: one accumulator over K, which the tensor cores'
+    # truncating sums make less exact)
+    q8_hl: bool = True
+    hl_tile: tuple = (128, 128, 64, 8, 8, 3)
+    hl_fresh: bool = True
     topk_reg_max: int = 16384  # indexer rows that top-k keeps in registers
     # one-query top-k (decode) from the key counts and buckets the scores kernel makes
     # (idx_score_kernel HIST, topk_one_kernel) instead of bisection passes in one program; the
@@ -200,7 +210,8 @@ def load_tuning(interpret: bool, max_shared: int | None = None, dot_precision: s
     if interpret:  # few, large programs; the interpreter's tests use small shapes of their own
         t.update(moe_tile={"gateup": (64, 4), "down": (64, 4), "shared": (64, 4)}, topk_bucket=32, topk_rows=64,
                  idx_score_rows=128,
-                 hc_mix_bt=(2, 16), combine_pairs=16, rope_rows_decode=64, f16w_tile=(16, 32, 64, 2, 4, 1))
+                 hc_mix_bt=(2, 16), combine_pairs=16, rope_rows_decode=64, f16w_tile=(16, 32, 64, 2, 4, 1),
+                 hl_tile=(16, 32, 64, 2, 4, 1))
     elif table:
         t["mv_shapes"] = load_mv_shapes(table)
     return dataclasses.replace(defaults, **t)

@@ -1,5 +1,6 @@
 """Matrix-matrix products (prefill) of quantized weights: `matmul_kernel` (every type) and the
-"f16" precision's path for Q8C and F16 rows (`x16_kernel`, `matmul_f16w_kernel`)."""
+fp16 path (`x16_kernel`, `matmul_f16w_kernel`): the "f16" precision's Q8C and F16 rows, and under
+bf16x3 F16 rows and Q8C rows split into two exact fp16 planes (`q8c_hl_kernel`)."""
 
 from __future__ import annotations
 
@@ -103,9 +104,33 @@ def x16_kernel(x_ptr, sx, out_ptr, lo_ptr, inv_ptr, R, K, BR: tl.constexpr, BC: 
 
 
 @triton.jit
+def _f16w_step(x_ptr, xl_ptr, xo, mm, wb, wh, wl_ptr, ro, rmask, t, k0, acc,
+               TYPE: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, LO: tl.constexpr, WLO: tl.constexpr):
+    """acc + x[:, k0 : k0 + BK] · W[rows, k0 : k0 + BK]ᵀ: one K-step of matmul_f16w_kernel."""
+    kk = tl.arange(0, BK)
+    xt = tl.load(x_ptr + xo + k0, mask=mm[:, None], other=0.0)
+    if TYPE == T_Q8C:
+        c = ro + (k0 // 256) * 272  # the chunk: 8 f16 scales, then 256 quant bytes
+        p = k0 % 256
+        q = tl.load(wb + c[:, None] + 16 + p + kk[None, :], mask=rmask[:, None], other=128).to(tl.int32)
+        qf = (q | 0x4B000000).to(tl.float32, bitcast=True) - 8388736.0  # byte − 128, exactly (see _u8f)
+        NU: tl.constexpr = BK // 32
+        d = _ld_f16(wh, c[:, None] + (p // 32 + tl.arange(0, NU))[None, :] * 2, rmask[:, None]) * t[:, None]
+        w = tl.reshape(tl.reshape(qf, [BN, NU, 32]) * d[:, :, None], [BN, BK]).to(tl.float16)
+    else:
+        w = tl.load(wh + ro[:, None] // 2 + k0 + kk[None, :], mask=rmask[:, None], other=0.0)
+    xl = tl.load(xl_ptr + xo + k0, mask=mm[:, None], other=0.0) if LO else xt
+    if WLO:  # the low plane's products first: the smaller terms before the larger
+        wl = tl.load(wl_ptr + ro[:, None] // 2 + k0 + kk[None, :], mask=rmask[:, None], other=0.0)
+        acc = _dot16(xt, xl, wl, acc, LO)
+    return _dot16(xt, xl, w, acc, LO)
+
+
+@triton.jit
 def matmul_f16w_kernel(x_ptr, xl_ptr, xinv_ptr, SX, wb, wh, wt_ptr, out_ptr, so_t, M, N, K, RB, GROUP_ROWS,
-                       sx_g, TYPE: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
-                       GM: tl.constexpr, LO: tl.constexpr = False):
+                       sx_g, wl_ptr, TYPE: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
+                       GM: tl.constexpr, LO: tl.constexpr = False, WLO: tl.constexpr = False,
+                       FRESH: tl.constexpr = False):
     """out[M, N] = x[M, K] · W[N, K]ᵀ on fp16 tensor cores: x from x16_kernel (rows of SX values,
     fp16, 1/s per row; in quant byte order for Q8C) and W as fp16 values, so the K loop is plain
     fp16 products into one float32 accumulator and 1/s applies once at the end. TYPE Q8C: each
@@ -115,31 +140,56 @@ def matmul_f16w_kernel(x_ptr, xl_ptr, xinv_ptr, SX, wb, wh, wt_ptr, out_ptr, so_
     float32-grade products; without it (the "f16" precision) x is rounded once. Rows of group
     g = r // GROUP_ROWS read x at column offset g·sx_g (a multiple of 256). BK: a divisor of
     256. Programs run GM row tiles of x per column tile of W, so that neighbours share W in L2.
+    WLO (TYPE F16, with LO): W in two fp16 planes, wh + wl (q8c_hl_kernel's split of Q8C rows,
+    exact, scaled by t [N] at wt_ptr), and the four products of the two terms of x and of W, so
+    that only x's 22 bits round; 1/t applies at the end.
+    FRESH: the tensor cores sum each K-step from zero and the kernel adds those partial sums in
+    float32. The tensor cores align each product to the largest addend and drop the bits
+    below, so one accumulator over all of K loses the small products against the large running
+    sum; partial sums lose them only against their own size.
     The block scales load once per block and are broadcast through a reshape: loading them per
     value, which keeps the tile's layout, made the kernel far slower (bench/triton/README.md)."""
     tm, mm, r0, rows, rmask = _tile_of(M, N, BM, BN, GM)
     ro = rows.to(tl.int64) * RB
-    if TYPE == T_Q8C:
+    if TYPE == T_Q8C or WLO:
         t = tl.load(wt_ptr + rows, mask=rmask, other=1.0)
+    else:
+        t = tl.full([BN], 1.0, tl.float32)
     kk = tl.arange(0, BK)
     xo = tm[:, None].to(tl.int64) * SX + (r0 // GROUP_ROWS) * sx_g + kk[None, :]
     acc = tl.zeros([BM, BN], tl.float32)
     for k0 in range(0, K, BK):
-        xt = tl.load(x_ptr + xo + k0, mask=mm[:, None], other=0.0)
-        if TYPE == T_Q8C:
-            c = ro + (k0 // 256) * 272  # the chunk: 8 f16 scales, then 256 quant bytes
-            p = k0 % 256
-            q = tl.load(wb + c[:, None] + 16 + p + kk[None, :], mask=rmask[:, None], other=128).to(tl.int32)
-            qf = (q | 0x4B000000).to(tl.float32, bitcast=True) - 8388736.0  # byte − 128, exactly (see _u8f)
-            NU: tl.constexpr = BK // 32
-            d = _ld_f16(wh, c[:, None] + (p // 32 + tl.arange(0, NU))[None, :] * 2, rmask[:, None]) * t[:, None]
-            w = tl.reshape(tl.reshape(qf, [BN, NU, 32]) * d[:, :, None], [BN, BK]).to(tl.float16)
+        if FRESH:
+            acc += _f16w_step(x_ptr, xl_ptr, xo, mm, wb, wh, wl_ptr, ro, rmask, t, k0, tl.zeros([BM, BN], tl.float32),
+                              TYPE, BN, BK, LO, WLO)
         else:
-            w = tl.load(wh + ro[:, None] // 2 + k0 + kk[None, :], mask=rmask[:, None], other=0).to(tl.float16,
-                                                                                                  bitcast=True)
-        xl = tl.load(xl_ptr + xo + k0, mask=mm[:, None], other=0.0) if LO else xt
-        acc = _dot16(xt, xl, w, acc, LO)
+            acc = _f16w_step(x_ptr, xl_ptr, xo, mm, wb, wh, wl_ptr, ro, rmask, t, k0, acc, TYPE, BN, BK, LO, WLO)
     out = acc * tl.load(xinv_ptr + tm, mask=mm, other=0.0)[:, None]
-    if TYPE == T_Q8C:
+    if TYPE == T_Q8C or WLO:
         out = out * (1.0 / t)[None, :]
     tl.store(out_ptr + tm[:, None].to(tl.int64) * so_t + rows[None, :], out, mask=mm[:, None] & rmask[None, :])
+
+
+@triton.jit
+def q8c_hl_kernel(wb, wh, wt_ptr, hi_ptr, lo_ptr, N, K, RB, BR: tl.constexpr):
+    """Rows [BR·program, +BR) and 256-value chunk c = program 1 of Q8C rows [N, K] -> hi, lo
+    [N, K] fp16 with hi + lo = q·d·t exactly, in quant byte order (x16_kernel's PERM order): q·d
+    has 8 + 11 significant bits and t [N] (Linear._row_scale) brings the row's largest into
+    [2^14, 2^15), so hi holds its top 11 bits and lo the rest (_hi_lo), below fp16's normal range
+    only where the value is under 2^-28 of its row's largest. A transient copy of one weight,
+    which matmul_f16w_kernel (WLO) then reads as plain fp16 tiles."""
+    r = tl.program_id(0) * BR + tl.arange(0, BR)
+    rm = r < N
+    c = tl.program_id(1)
+    r64 = r.to(tl.int64)
+    base = r64 * RB + c * 272  # the chunk: 8 f16 scales, then 256 quant bytes
+    j = tl.arange(0, 256)
+    q = tl.load(wb + base[:, None] + 16 + j[None, :], mask=rm[:, None], other=128).to(tl.int32)
+    qf = (q | 0x4B000000).to(tl.float32, bitcast=True) - 8388736.0  # byte − 128, exactly (see _u8f)
+    t = tl.load(wt_ptr + r, mask=rm, other=1.0)
+    d = _ld_f16(wh, base[:, None] + tl.arange(0, 8)[None, :] * 2, rm[:, None]) * t[:, None]  # exact: t is 2^e
+    w = tl.reshape(tl.reshape(qf, [BR, 8, 32]) * d[:, :, None], [BR, 256])
+    hi, lo = _hi_lo(w)
+    o = r64[:, None] * K + c * 256 + j[None, :]
+    tl.store(hi_ptr + o, hi, mask=rm[:, None])
+    tl.store(lo_ptr + o, lo, mask=rm[:, None])
