@@ -146,8 +146,14 @@ def test_moe_and_shared_expert(pair, n, rng):
         finally:
             tri.mv_types = saved
     want = ref.shared_expert(f, L_r.ffn_gate_shexp, L_r.ffn_up_shexp, L_r.ffn_down_shexp, il)
+    tri.ledger = []
     got = tri.to_numpy(tri.shared_expert(_t(tri, f), L_t.ffn_gate_shexp, L_t.ffn_up_shexp, L_t.ffn_down_shexp, il))
     assert _rel(got, want) < 1e-5
+    if n >= 16:  # Q8C gate/up under bf16x3: two products on fp16 planes of one split of f, the SwiGLU
+        assert L_t.ffn_gate_shexp.kt == Q8C
+        ran = [k for k, _ in tri.ledger]
+        assert ran[:6] == ["x16_kernel", "q8c_hl_kernel", "matmul_f16w_kernel", "q8c_hl_kernel",
+                           "matmul_f16w_kernel", "swiglu_kernel"], ran
 
 
 def test_q2s_down_rows_past_the_tile(rng):

@@ -81,7 +81,8 @@ class _LinearOps:
         lo = self._x_lo  # F16 rows under bf16x3: x in two fp16 terms
         hl = q8 and lo  # Q8C rows under bf16x3: W in two fp16 planes too (q8_hl)
         xs, xl, xinv = split or self._x16(src, perm=q8, lo=lo)
-        BM, BN, BK, GM, warps, stages = self.hl_tile if hl else self.f16w_tile
+        # two terms of x (bf16x3): hl_tile, whose 8 warps hold the partial sum beside the accumulator
+        BM, BN, BK, GM, warps, stages = self.hl_tile if lo else self.f16w_tile
         if group_rows:
             BN = min(BN, _largest_pow2_divisor(group_rows, BN))
         t = self._row_scale(w) if q8 else self._dummy_f
