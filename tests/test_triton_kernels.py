@@ -83,7 +83,8 @@ def test_linear_reads_every_block_format(ttype, K, rng):
 
 def test_q8c_prefill_products_on_two_fp16_planes(rng):
     """Q8C prefill products under bf16x3 (q8_hl): the weight split exactly into two fp16 planes
-    (q8c_hl_kernel), four fp16 products against x in two terms (matmul_f16w_kernel WLO). Against
+    (q8c_hl_kernel), three fp16 products against x in two terms (matmul_f16w_kernel WLO; four
+    with the low terms' product, hl_products). Against
     the float64 product of the numpy decode, value by value within 2^-20 of Σ|x||w|: blocks whose
     scales span 2^-14..1 of their row's largest, x values from 1 down to 2^-24 of their row's
     largest, ragged tiles (19 tokens, 48 rows), groups; and the same result with q8_hl off
@@ -109,14 +110,13 @@ def test_q8c_prefill_products_on_two_fp16_planes(rng):
         assert np.isfinite(y).all() and (np.abs(y - want) <= bound).all(), what
 
     x = x_of(19, K)
-    ys = {}  # (both kept: a failure shows each path's error)
-    for hl in (True, False):
-        tri.q8_hl, tri.ledger = hl, []
-        ys[hl] = tri.to_numpy(tri.linear(_t(tri, x), w))
+    for hl, products in ((True, 4), (True, 3), (False, 4)):
+        tri.q8_hl, tri.hl_products, tri.ledger = hl, products, []
+        y = tri.to_numpy(tri.linear(_t(tri, x), w))
         ran = [k for k, _ in tri.ledger]
         assert ran == (["x16_kernel", "q8c_hl_kernel", "matmul_f16w_kernel"] if hl else ["matmul_kernel"]), ran
-        check(ys[hl], x, dense, ("plain", hl))
-    tri.q8_hl = True
+        check(y, x, dense, ("plain", hl, products))
+    tri.q8_hl, tri.hl_products = True, 3
     xg = x_of(19, 3 * K)
     y = tri.to_numpy(tri._linear(_t(tri, xg), w, group_rows=16, group_stride=K))
     for g in range(3):

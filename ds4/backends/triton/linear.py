@@ -93,7 +93,8 @@ class _LinearOps:
             RB, kt = 2 * Kd, KernelType.F16
         self._launch(K.matmul_f16w_kernel, (_cdiv(n, BM) * _cdiv(N, BN),), xs, xl, xinv, xs.shape[1], w.b8,
                      wh, t, out, N, n, N, Kd, RB, group_rows or (1 << 30), group_stride, wl,
-                     TYPE=kt, BM=BM, BN=BN, BK=BK, GM=GM, LO=lo, WLO=hl, FRESH=lo and self.hl_fresh,
+                     TYPE=kt, BM=BM, BN=BN, BK=BK, GM=GM, LO=lo, WLO=self.hl_products if hl else 0,
+                     FRESH=lo and self.hl_fresh,
                      num_warps=warps, num_stages=stages,
                      flops=2 * n * N * Kd, nbytes=RB * N * (2 if hl else 1) + (4 if lo else 2) * n * Kd + 4 * n * N)
         return out

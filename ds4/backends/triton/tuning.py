@@ -84,16 +84,17 @@ class TritonTuning:
     # bits) against the weights as they are, two exact products a K-step, instead of tf32x3
     f16_x2: bool = True
     # "bf16x3", Q8C linears: each weight split once per product into two fp16 planes that hold it
-    # exactly (q8c_hl_kernel, a transient copy), then the same kernel's four products of the two
-    # terms of x and of W as plain fp16 tiles (no block scale inside the K loop), instead of
-    # matmul_kernel's three bf16 products and a scale per 32-value block. hl_tile: the kernel's
-    # tile under bf16x3 (these and f16_x2's products; as f16w_tile's), 8 warps for the partial
-    # sums. hl_fresh: the tensor cores sum each K-step from zero and the kernel adds the partial
-    # sums in float32 (off: one accumulator over K, which the tensor cores' truncating sums make
-    # less exact)
+    # exactly (q8c_hl_kernel, a transient copy), then the same kernel's products of the two terms
+    # of x and of W (hl_products: three, or four with the low terms' product) as plain fp16 tiles
+    # (no block scale inside the K loop), instead of matmul_kernel's three bf16 products and a
+    # scale per 32-value block. hl_tile: the kernel's tile under bf16x3 (these and f16_x2's
+    # products; as f16w_tile's), 8 warps for the partial sums. hl_fresh: the tensor cores sum
+    # each K-step from zero and the kernel adds the partial sums in float32 (off: one accumulator
+    # over K, which the tensor cores' truncating sums make less exact)
     q8_hl: bool = True
     hl_tile: tuple = (128, 128, 64, 8, 8, 3)
     hl_fresh: bool = True
+    hl_products: int = 3  # (the low terms' product is under 2^-24 of |x|·|w|)
     # the shared expert's Q8C gate/up in prefill as two such products on one split of x and the
     # SwiGLU, instead of the fused gate/up kernel's bf16x3 Q8_0 path
     shared_hl: bool = True

@@ -120,16 +120,16 @@ def _f16w_step(x_ptr, xl_ptr, xo, mm, wb, wh, wl_ptr, ro, rmask, t, k0, acc,
     else:
         w = tl.load(wh + ro[:, None] // 2 + k0 + kk[None, :], mask=rmask[:, None], other=0.0)
     xl = tl.load(xl_ptr + xo + k0, mask=mm[:, None], other=0.0) if LO else xt
-    if WLO:  # the low plane's products first: the smaller terms before the larger
+    if WLO > 0:  # the low plane's products first: the smaller terms before the larger
         wl = tl.load(wl_ptr + ro[:, None] // 2 + k0 + kk[None, :], mask=rmask[:, None], other=0.0)
-        acc = _dot16(xt, xl, wl, acc, LO)
+        acc = _dot16(xt, xl, wl, acc, LO and WLO == 4)
     return _dot16(xt, xl, w, acc, LO)
 
 
 @triton.jit
 def matmul_f16w_kernel(x_ptr, xl_ptr, xinv_ptr, SX, wb, wh, wt_ptr, out_ptr, so_t, M, N, K, RB, GROUP_ROWS,
                        sx_g, wl_ptr, TYPE: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
-                       GM: tl.constexpr, LO: tl.constexpr = False, WLO: tl.constexpr = False,
+                       GM: tl.constexpr, LO: tl.constexpr = False, WLO: tl.constexpr = 0,
                        FRESH: tl.constexpr = False):
     """out[M, N] = x[M, K] · W[N, K]ᵀ on fp16 tensor cores: x from x16_kernel (rows of SX values,
     fp16, 1/s per row; in quant byte order for Q8C) and W as fp16 values, so the K loop is plain
@@ -140,9 +140,10 @@ def matmul_f16w_kernel(x_ptr, xl_ptr, xinv_ptr, SX, wb, wh, wt_ptr, out_ptr, so_
     float32-grade products; without it (the "f16" precision) x is rounded once. Rows of group
     g = r // GROUP_ROWS read x at column offset g·sx_g (a multiple of 256). BK: a divisor of
     256. Programs run GM row tiles of x per column tile of W, so that neighbours share W in L2.
-    WLO (TYPE F16, with LO): W in two fp16 planes, wh + wl (q8c_hl_kernel's split of Q8C rows,
-    exact, scaled by t [N] at wt_ptr), and the four products of the two terms of x and of W, so
-    that only x's 22 bits round; 1/t applies at the end.
+    WLO 4 or 3 (TYPE F16, with LO): W in two fp16 planes, wh + wl (q8c_hl_kernel's split of Q8C
+    rows, exact, scaled by t [N] at wt_ptr), and the four products of the two terms of x and of
+    W, so that only x's 22 bits round, or three: the low terms' product, under 2^-24 of |x|·|w|,
+    left out; 1/t applies at the end.
     FRESH: the tensor cores sum each K-step from zero and the kernel adds those partial sums in
     float32. The tensor cores align each product to the largest addend and drop the bits
     below, so one accumulator over all of K loses the small products against the large running
@@ -151,7 +152,7 @@ def matmul_f16w_kernel(x_ptr, xl_ptr, xinv_ptr, SX, wb, wh, wt_ptr, out_ptr, so_
     value, which keeps the tile's layout, made the kernel far slower (bench/triton/README.md)."""
     tm, mm, r0, rows, rmask = _tile_of(M, N, BM, BN, GM)
     ro = rows.to(tl.int64) * RB
-    if TYPE == T_Q8C or WLO:
+    if TYPE == T_Q8C or WLO > 0:
         t = tl.load(wt_ptr + rows, mask=rmask, other=1.0)
     else:
         t = tl.full([BN], 1.0, tl.float32)
@@ -165,7 +166,7 @@ def matmul_f16w_kernel(x_ptr, xl_ptr, xinv_ptr, SX, wb, wh, wt_ptr, out_ptr, so_
         else:
             acc = _f16w_step(x_ptr, xl_ptr, xo, mm, wb, wh, wl_ptr, ro, rmask, t, k0, acc, TYPE, BN, BK, LO, WLO)
     out = acc * tl.load(xinv_ptr + tm, mask=mm, other=0.0)[:, None]
-    if TYPE == T_Q8C or WLO:
+    if TYPE == T_Q8C or WLO > 0:
         out = out * (1.0 / t)[None, :]
     tl.store(out_ptr + tm[:, None].to(tl.int64) * so_t + rows[None, :], out, mask=mm[:, None] & rmask[None, :])
 
@@ -177,7 +178,7 @@ def q8c_hl_kernel(wb, wh, wt_ptr, hi_ptr, lo_ptr, N, K, RB, BR: tl.constexpr):
     has 8 + 11 significant bits and t [N] (Linear._row_scale) brings the row's largest into
     [2^14, 2^15), so hi holds its top 11 bits and lo the rest (_hi_lo), below fp16's normal range
     only where the value is under 2^-28 of its row's largest. A transient copy of one weight,
-    which matmul_f16w_kernel (WLO) then reads as plain fp16 tiles."""
+    which matmul_f16w_kernel (WLO > 0) then reads as plain fp16 tiles."""
     r = tl.program_id(0) * BR + tl.arange(0, BR)
     rm = r < N
     c = tl.program_id(1)
