@@ -176,9 +176,10 @@ def q8c_hl_kernel(wb, wh, wt_ptr, hi_ptr, lo_ptr, N, K, RB, BR: tl.constexpr):
     """Rows [BR·program, +BR) and 256-value chunk c = program 1 of Q8C rows [N, K] -> hi, lo
     [N, K] fp16 with hi + lo = q·d·t exactly, in quant byte order (x16_kernel's PERM order): q·d
     has 8 + 11 significant bits and t [N] (Linear._row_scale) brings the row's largest into
-    [2^14, 2^15), so hi holds its top 11 bits and lo the rest (_hi_lo), below fp16's normal range
-    only where the value is under 2^-28 of its row's largest. A transient copy of one weight,
-    which matmul_f16w_kernel (WLO > 0) then reads as plain fp16 tiles."""
+    [2^14, 2^15), so hi holds its top 11 bits and lo the rest (_hi_lo); lo is exact in fp16
+    (its subnormals included) unless its block's scale is under 2^-21 of the row's largest, and
+    then within 2^-39 of the row's largest. A transient copy of one weight, which
+    matmul_f16w_kernel (WLO > 0) then reads as plain fp16 tiles."""
     r = tl.program_id(0) * BR + tl.arange(0, BR)
     rm = r < N
     c = tl.program_id(1)
