@@ -354,7 +354,8 @@ def test_f16_experts_round_x_once(tri16, rng):
 # The kernels of both precisions compiled for sm_90: "f16" must issue a third of bf16x3's
 # tensor-core products on Q8_0 and half of the two-term path's on the experts, and its fp16 kernel
 # (Q8C and F16 rows) must run on wgmma; the same kernel on x's two terms (F16 rows under bf16x3)
-# issues twice its products, and on two terms of x and of W (Q8C rows under bf16x3) four times.
+# issues twice its products, and on two terms of x and of W (Q8C rows under bf16x3) four times
+# (three without the low terms' product).
 _PTR = {"wb": "*u8", "wh": "*i16", "wf": "*i32", "gridp": "*i32", "ksigns": "*i32", "gb": "*u8", "gh": "*i16",
         "gf": "*i32", "ub": "*u8", "uh": "*i16", "uf": "*i32", "lv8": "*i64", "sg8": "*i64", "tok_ptr": "*i32",
         "tile_e_ptr": "*i32", "tile_r0_ptr": "*i32", "tile_end_ptr": "*i32", "ww": "*i32", "ws": "*i32",

@@ -102,7 +102,8 @@ class _LinearOps:
     def _f16w(self, w: QWeight, x, group_stride: int) -> bool:
         """Whether a prefill product takes the fp16 path (matmul_f16w_kernel): under the "f16"
         precision Q8C or F16 rows (f16w_types), under bf16x3 F16 rows (f16_x2), whose weights are
-        exact in fp16; whole 256-value chunks of x and groups starting on chunk boundaries."""
+        exact in fp16, and Q8C rows split into two fp16 planes (q8_hl); whole 256-value chunks of
+        x and groups starting on chunk boundaries."""
         if self.prec == ONE_TERM:
             takes = self.q8_f16w and w.kt in self.f16w_types
         else:

@@ -1,12 +1,13 @@
 """The Triton kernels of the DS4 forward pass.
 
-Every kernel reads quantized weight blocks, as GGUF stores them or rearranged (Q8C chunks for Q8_0, IQ2S for IQ2_XXS, Q2S for Q2_K, below): `_wtile` decodes a
-[rows, units, values-per-unit] tile of F32/F16/BF16/Q8_0/Q8C/Q2_K/Q4_K/IQ2_XXS rows in registers,
-where a "unit" is the group of values that shares one scale (a Q8_0 block, a Q2_K sub-block, one
-IQ2_XXS grid entry). Matrix-vector kernels (decode) multiply that tile by the activation with FMAs;
-matrix-matrix kernels (prefill) reshape it to [rows, K-block] for `tl.dot`. One path makes a
-dequantized copy: a Q8C prefill product under bf16x3 first splits its weight into two fp16 planes
-(`q8c_hl_kernel`, a buffer of that product only), so that its K loop is plain fp16 tiles.
+Every kernel reads quantized weight blocks, as GGUF stores them or rearranged (Q8C chunks for
+Q8_0, IQ2S for IQ2_XXS, Q2S for Q2_K, below): `_wtile` decodes a [rows, units, values-per-unit]
+tile of F32/F16/BF16/Q8_0/Q8C/Q2_K/Q4_K/IQ2_XXS rows in registers, where a "unit" is the group of
+values that shares one scale (a Q8_0 block, a Q2_K sub-block, one IQ2_XXS grid entry).
+Matrix-vector kernels (decode) multiply that tile by the activation with FMAs; matrix-matrix
+kernels (prefill) reshape it to [rows, K-block] for `tl.dot`. One path makes a dequantized copy:
+a Q8C prefill product under bf16x3 first splits its weight into two fp16 planes (`q8c_hl_kernel`,
+a buffer of that product only), so that its K loop is plain fp16 tiles.
 Specialised decoders (`_mv_step`, `_q8c_rows`, `_iq2_group_rows`) serve the decode shapes of the
 shipped formats, and Q8_0 prefill products run as exact integers on bf16 tensor cores
 (`_dot_units`).
