@@ -17,23 +17,31 @@ from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
 out = []
-for module, name, constexprs, types, options in json.loads(sys.stdin.read()):
+for module, name, constexprs, types, options, aligned in json.loads(sys.stdin.read()):
     fn = getattr(importlib.import_module("ds4.backends.triton." + module), name)
     sig = {a: "constexpr" if a in constexprs else types.get(a, "*fp32" if a.endswith("_ptr") else "i32")
            for a in fn.arg_names}
-    k = triton.compile(ASTSource(fn=fn, signature=sig, constexprs=constexprs), target=GPUTarget("cuda", 90, 32),
-                       options=options)
-    out.append(k.asm["ptx"])
+    attrs = {(i,): [["tt.divisibility", 16]] for i, a in enumerate(fn.arg_names) if a in aligned}
+    k = triton.compile(ASTSource(fn=fn, signature=sig, constexprs=constexprs, attrs=attrs),
+                       target=GPUTarget("cuda", 90, 32), options=options)
+    out.append([k.asm["ptx"], k.metadata.shared])
 print(json.dumps(out))
 """
 
 
-def ptx_sm90(cases: list[tuple[str, str, dict, dict, dict]]) -> list[str]:
-    """The PTX for sm_90 of each case: (module under ds4.backends.triton, kernel name, its
-    constexprs, argument types by name where not *fp32 for a *_ptr and i32 otherwise, compile
-    options such as num_warps)."""
+def compile_sm90(cases: list[tuple]) -> list[tuple[str, int]]:
+    """(PTX, shared memory bytes) for sm_90 of each case: (module under ds4.backends.triton,
+    kernel name, its constexprs, argument types by name where not *fp32 for a *_ptr and i32
+    otherwise, compile options such as num_warps, and optionally the arguments to compile as
+    16-byte aligned, as a launch specialises them: the pipeliner stages only aligned loads)."""
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    cases = [tuple(c) + ((),) * (6 - len(c)) for c in cases]
     run = subprocess.run([sys.executable, "-c", _SCRIPT], input=json.dumps(cases), capture_output=True, text=True,
                          env=env, timeout=600)
     assert run.returncode == 0, run.stderr[-2000:]
-    return json.loads(run.stdout.splitlines()[-1])
+    return [(ptx, int(shared)) for ptx, shared in json.loads(run.stdout.splitlines()[-1])]
+
+
+def ptx_sm90(cases: list[tuple]) -> list[str]:
+    """The PTX for sm_90 of each case (compile_sm90)."""
+    return [ptx for ptx, _ in compile_sm90(cases)]

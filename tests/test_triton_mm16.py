@@ -24,7 +24,7 @@ from ds4.core.quants import GGMLType as T  # noqa: E402
 from ds4.core.quants import random_blocks  # noqa: E402
 from ds4.core.tiny import preset_config  # noqa: E402
 from seeds import rng_for_test  # noqa: E402
-from sm90 import ptx_sm90  # noqa: E402
+from sm90 import compile_sm90, ptx_sm90  # noqa: E402
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 # Errors are measured against the first-order error scale of each output (for a product,
@@ -382,3 +382,23 @@ def test_f16_kernels_compile_for_sm90_with_fewer_products():
     assert min(n[-5:-3]) > 0, n  # the fp16 path: its products on wgmma
     # two terms of x: twice the products; and of W: four times, or three without the low terms' product
     assert n[-3] == 2 * n[-4] and n[-2] == 4 * n[-4] and n[-1] == 3 * n[-4], n
+
+
+def test_fp16_path_tiles_fit_the_shared_memory_they_are_given():
+    """load_tuning fits the fp16 path's tiles to a GPU's shared memory (tuning.fit_stages): the
+    kernel compiled for sm_90 at each fitted tile, its loads aligned as a launch specialises them
+    (so the pipeliner stages them), uses no more than that memory; at the H100/H200's 227 KiB the
+    default three-stage tile stays."""
+    from ds4.backends.triton.tuning import TritonTuning, load_tuning
+
+    f16 = {**_PTR, "x_ptr": "*fp16", "xl_ptr": "*fp16", "wl_ptr": "*fp16", "wh": "*fp16"}
+    aligned = ("x_ptr", "xl_ptr", "xinv_ptr", "wb", "wh", "wt_ptr", "out_ptr", "wl_ptr", "SX", "so_t", "K", "RB",
+               "sx_g", "N")
+    limits = (232448, 101376)  # sm_90's and sm_89's per-block shared memory
+    tiles = [load_tuning(False, ms, env={"DS4_TRITON_MV_SHAPES": ""}).hl_tile for ms in limits]
+    assert tiles[0] == TritonTuning().hl_tile and tiles[1] != tiles[0]
+    cases = [("kernels", "matmul_f16w_kernel", dict(TYPE=1, BM=BM, BN=BN, BK=BK, GM=GM, LO=True, WLO=3, FRESH=True),
+              f16, dict(num_warps=warps, num_stages=stages), aligned)
+             for BM, BN, BK, GM, warps, stages in tiles]
+    for ms, (ptx, shared) in zip(limits, compile_sm90(cases)):
+        assert "cp.async" in ptx and 0 < shared <= ms, (ms, shared)

@@ -42,6 +42,7 @@ INTEGER_PRECISIONS = ("bf16x3", "f16")
 ONE_TERM = "f16"  # of those, the one that rounds x once to fp16
 DEFAULT_MV_SHAPES = os.path.join(os.path.dirname(__file__), "mv_shapes_h200.json")
 FP16_ATTN_SHARED = 135168  # shared memory (bytes) the fp16 prefill attention tile needs
+MIN_K_STEP = 16  # the smallest K-step of a matrix-matrix tile: one fp16 tensor-core step
 
 
 @dataclass(frozen=True)
@@ -179,7 +180,8 @@ def load_tuning(interpret: bool, max_shared: int | None = None, dot_precision: s
                 env: Mapping[str, str] | None = None) -> TritonTuning:
     """The tuning for a backend: the defaults, the interpreter's small shapes (interpret), the
     smaller attention tile where max_shared (bytes, None: not a GPU) is under what the fp16 tile
-    needs, the per-shape table and the environment overrides (the module docstring's table)."""
+    needs and fp16-path tiles whose pipelines fit in it (fit_stages), the per-shape table and the
+    environment overrides (the module docstring's table)."""
     env = os.environ if env is None else env
     t = {}
     prec = dot_precision or env.get("DS4_TRITON_DOT") or "bf16x3"
@@ -202,6 +204,9 @@ def load_tuning(interpret: bool, max_shared: int | None = None, dot_precision: s
     t["moe16_tile"] = moe16_tile
     if max_shared is not None and max_shared < FP16_ATTN_SHARED:
         t["attn_tile"] = (16, 16, 8, 2)
+    if max_shared is not None:  # x's two terms and W's two planes (hl), x and W (f16w) a stage
+        t["hl_tile"] = fit_stages(defaults.hl_tile, 2, 2, max_shared)
+        t["f16w_tile"] = fit_stages(defaults.f16w_tile, 1, 1, max_shared)
     if env.get("DS4_TRITON_MV_PLAIN") == "1":
         t["mv_types"] = {}
     mv_tune = dict(defaults.mv_tune)
@@ -220,6 +225,24 @@ def load_tuning(interpret: bool, max_shared: int | None = None, dot_precision: s
     elif table:
         t["mv_shapes"] = load_mv_shapes(table)
     return dataclasses.replace(defaults, **t)
+
+
+def fit_stages(tile: tuple, planes_x: int, planes_w: int, max_shared: int) -> tuple:
+    """A matmul_f16w_kernel tile (BM, BN, BK, GM, warps, stages) whose pipeline fits in max_shared
+    bytes: a stage holds planes_x fp16 [BM, BK] tiles of x and planes_w [BN, BK] tiles of W.
+    Fewer stages first (down to two, which still overlap a load with a product), then half the
+    K-step (down to 16, one tensor-core step), then one stage."""
+    BM, BN, BK, GM, warps, stages = tile
+    while 2 * BK * (planes_x * BM + planes_w * BN) * stages > max_shared:
+        if stages > 2:
+            stages -= 1
+        elif BK > MIN_K_STEP:
+            BK //= 2
+        elif stages > 1:
+            stages = 1
+        else:
+            break  # (the compiler names what is missing)
+    return (BM, BN, BK, GM, warps, stages)
 
 
 def load_mv_shapes(path: str) -> dict[tuple, tuple]:
