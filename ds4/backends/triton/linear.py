@@ -75,12 +75,12 @@ class _LinearOps:
 
     def _matmul16(self, src, w: QWeight, out, group_rows: int = 0, group_stride: int = 0, split=None):
         """out [n, N] = src · Wᵀ on the fp16 path (matmul_f16w_kernel; _f16w says when it applies).
-        split: src's _x16 split when a caller already has it (products that share their x)."""
+        split: src's _x16_for(w, src) when a caller already has it (products that share their x)."""
         n, N, Kd = src.shape[0], w.N, w.K
         q8 = w.kt == KernelType.Q8C
         lo = self._x_lo  # F16 rows under bf16x3: x in two fp16 terms
         hl = q8 and lo  # Q8C rows under bf16x3: W in two fp16 planes too (q8_hl)
-        xs, xl, xinv = split or self._x16(src, perm=q8, lo=lo)
+        xs, xl, xinv = split or self._x16_for(w, src)
         # two terms of x (bf16x3): hl_tile, whose 8 warps hold the partial sum beside the accumulator
         BM, BN, BK, GM, warps, stages = self.hl_tile if lo else self.f16w_tile
         if group_rows:
@@ -111,6 +111,11 @@ class _LinearOps:
                 (self.f16_x2 and w.kt == KernelType.F16) or (self.q8_hl and w.kt == KernelType.Q8C))
         return (takes and x.shape[1] % 256 == 0 and w.K % 256 == 0 and group_stride % 256 == 0
                 and x.stride(1) == 1)
+
+    def _x16_for(self, w: QWeight, x):
+        """x split as _matmul16 multiplies it by w: in Q8C quant byte order for Q8C rows, with
+        its low term unless the precision rounds x once (_x16)."""
+        return self._x16(x, perm=w.kt == KernelType.Q8C, lo=self._x_lo)
 
     def _x16(self, x, perm: bool, lo: bool = False):
         """x [R, K] float32 -> (x·s in fp16 [R, K], with perm each chunk in Q8C byte order; with lo

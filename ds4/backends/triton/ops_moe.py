@@ -278,7 +278,7 @@ class _MoeOps:
             h = self._gateup_mv(x, gate, up, None, None, n, 1, clamp, c=c, xq=xq)
         elif self.shared_hl and gate.kt == KernelType.Q8C and self._x_lo and self._f16w(gate, x, 0):
             # bf16x3 on two fp16 planes (Linear._matmul16): x split once for both products
-            split = self._x16(x, perm=True, lo=True)
+            split = self._x16_for(gate, x)  # (up: the same layout, so the same split)
             g = self._matmul16(x, gate, self._new((n, F)), split=split)
             u = self._matmul16(x, up, self._new((n, F)), split=split)
             h = self._swiglu(g, u, clamp)

@@ -104,19 +104,28 @@ def x16_kernel(x_ptr, sx, out_ptr, lo_ptr, inv_ptr, R, K, BR: tl.constexpr, BC: 
 
 
 @triton.jit
+def _q8c_scaled(wb, wh, c, p, t, rmask, BN: tl.constexpr, BK: tl.constexpr):
+    """Values [p, p + BK) of the Q8C chunks at byte offsets c [BN] (8 f16 scales, then 256 quant
+    bytes), in quant byte order, times t [BN]: q·d·t [BN, BK] float32, exact (8 + 11 significant
+    bits, t a power of two). p: a multiple of 32. The scales load once per block and are
+    broadcast through a reshape: loading them per value, which keeps the tile's layout, made the
+    fp16 products far slower (bench/triton/README.md)."""
+    kk = tl.arange(0, BK)
+    q = tl.load(wb + c[:, None] + 16 + p + kk[None, :], mask=rmask[:, None], other=128).to(tl.int32)
+    qf = (q | 0x4B000000).to(tl.float32, bitcast=True) - 8388736.0  # byte − 128, exactly (see _u8f)
+    NU: tl.constexpr = BK // 32
+    d = _ld_f16(wh, c[:, None] + (p // 32 + tl.arange(0, NU))[None, :] * 2, rmask[:, None]) * t[:, None]
+    return tl.reshape(tl.reshape(qf, [BN, NU, 32]) * d[:, :, None], [BN, BK])
+
+
+@triton.jit
 def _f16w_step(x_ptr, xl_ptr, xo, mm, wb, wh, wl_ptr, ro, rmask, t, k0, acc,
                TYPE: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, LO: tl.constexpr, WLO: tl.constexpr):
     """acc + x[:, k0 : k0 + BK] · W[rows, k0 : k0 + BK]ᵀ: one K-step of matmul_f16w_kernel."""
     kk = tl.arange(0, BK)
     xt = tl.load(x_ptr + xo + k0, mask=mm[:, None], other=0.0)
     if TYPE == T_Q8C:
-        c = ro + (k0 // 256) * 272  # the chunk: 8 f16 scales, then 256 quant bytes
-        p = k0 % 256
-        q = tl.load(wb + c[:, None] + 16 + p + kk[None, :], mask=rmask[:, None], other=128).to(tl.int32)
-        qf = (q | 0x4B000000).to(tl.float32, bitcast=True) - 8388736.0  # byte − 128, exactly (see _u8f)
-        NU: tl.constexpr = BK // 32
-        d = _ld_f16(wh, c[:, None] + (p // 32 + tl.arange(0, NU))[None, :] * 2, rmask[:, None]) * t[:, None]
-        w = tl.reshape(tl.reshape(qf, [BN, NU, 32]) * d[:, :, None], [BN, BK]).to(tl.float16)
+        w = _q8c_scaled(wb, wh, ro + (k0 // 256) * 272, k0 % 256, t, rmask, BN, BK).to(tl.float16)
     else:
         w = tl.load(wh + ro[:, None] // 2 + k0 + kk[None, :], mask=rmask[:, None], other=0.0)
     xl = tl.load(xl_ptr + xo + k0, mask=mm[:, None], other=0.0) if LO else xt
@@ -147,9 +156,7 @@ def matmul_f16w_kernel(x_ptr, xl_ptr, xinv_ptr, SX, wb, wh, wt_ptr, out_ptr, so_
     FRESH: the tensor cores sum each K-step from zero and the kernel adds those partial sums in
     float32. The tensor cores align each product to the largest addend and drop the bits
     below, so one accumulator over all of K loses the small products against the large running
-    sum; partial sums lose them only against their own size.
-    The block scales load once per block and are broadcast through a reshape: loading them per
-    value, which keeps the tile's layout, made the kernel far slower (bench/triton/README.md)."""
+    sum; partial sums lose them only against their own size."""
     tm, mm, r0, rows, rmask = _tile_of(M, N, BM, BN, GM)
     ro = rows.to(tl.int64) * RB
     if TYPE == T_Q8C or WLO > 0:
@@ -184,14 +191,8 @@ def q8c_hl_kernel(wb, wh, wt_ptr, hi_ptr, lo_ptr, N, K, RB, BR: tl.constexpr):
     rm = r < N
     c = tl.program_id(1)
     r64 = r.to(tl.int64)
-    base = r64 * RB + c * 272  # the chunk: 8 f16 scales, then 256 quant bytes
-    j = tl.arange(0, 256)
-    q = tl.load(wb + base[:, None] + 16 + j[None, :], mask=rm[:, None], other=128).to(tl.int32)
-    qf = (q | 0x4B000000).to(tl.float32, bitcast=True) - 8388736.0  # byte − 128, exactly (see _u8f)
     t = tl.load(wt_ptr + r, mask=rm, other=1.0)
-    d = _ld_f16(wh, base[:, None] + tl.arange(0, 8)[None, :] * 2, rm[:, None]) * t[:, None]  # exact: t is 2^e
-    w = tl.reshape(tl.reshape(qf, [BR, 8, 32]) * d[:, :, None], [BR, 256])
-    hi, lo = _hi_lo(w)
-    o = r64[:, None] * K + c * 256 + j[None, :]
+    hi, lo = _hi_lo(_q8c_scaled(wb, wh, r64 * RB + c * 272, 0, t, rm, BR, 256))
+    o = r64[:, None] * K + c * 256 + tl.arange(0, 256)[None, :]
     tl.store(hi_ptr + o, hi, mask=rm[:, None])
     tl.store(lo_ptr + o, lo, mask=rm[:, None])
