@@ -156,9 +156,9 @@ def test_gateup_iq2xxs(tri, rng):
     h = torch.zeros((n * k, F), dtype=torch.float32, device=tri.dev)
     BN, KS, warps, stages = tri.moe16_tile["gateup"]
     clamp = 1.0e30
-    lv8, sg8 = tri._gridp[256:768].view(torch.int64), tri._ksigns[128:384].view(torch.int64)
+    nib = tri._gridp[768:1024]
     tri._launch(K16.moe_gateup_mm16_kernel, (T_, _cdiv(F, BN)), xh, xl, xi, tok, wsort, te, tr0, tend,
-                gate.i16, up.i16, gate.f32, up.f32, lv8, sg8, h, F, E, gate.RB, F * gate.RB, clamp,
+                gate.i16, up.i16, gate.f32, up.f32, nib, h, F, E, gate.RB, F * gate.RB, clamp,
                 BM=tri.moe16_bm, BN=BN, KS=KS, ROUTED=True, num_warps=warps, num_stages=stages)
     t, e = order // k, ids.reshape(-1)[order]
     x64 = x.astype(np.float64)[t]
@@ -357,7 +357,7 @@ def test_f16_experts_round_x_once(tri16, rng):
 # issues twice its products, and on two terms of x and of W (Q8C rows under bf16x3) four times
 # (three without the low terms' product).
 _PTR = {"wb": "*u8", "wh": "*i16", "wf": "*i32", "gridp": "*i32", "ksigns": "*i32", "gb": "*u8", "gh": "*i16",
-        "gf": "*i32", "ub": "*u8", "uh": "*i16", "uf": "*i32", "lv8": "*i64", "sg8": "*i64", "tok_ptr": "*i32",
+        "gf": "*i32", "ub": "*u8", "uh": "*i16", "uf": "*i32", "nib": "*i32", "tok_ptr": "*i32",
         "tile_e_ptr": "*i32", "tile_r0_ptr": "*i32", "tile_end_ptr": "*i32", "ww": "*i32", "ws": "*i32",
         "xh_ptr": "*fp16", "xl_ptr": "*fp16", "gh_ptr": "*fp16", "gl_ptr": "*fp16", "clamp": "fp32"}
 _PAIRS = {"matmul": ("kernels", "matmul_kernel", dict(TYPE=80, BM=64, BN=128, NB=1, VB=32, PREC="tf32x3", U=32),

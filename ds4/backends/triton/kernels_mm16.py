@@ -23,8 +23,11 @@ tensor-core products.
 Each program decodes the [BN, KS] integer tiles of a super-block once and reuses them for its BM
 assignments. The decoders are built from tl.join, so the 32 values a thread decodes (one IQ2_XXS
 group, one Q2_K run) are contiguous in K and leave the registers as 16-byte stores into the
-tensor cores' shared-memory tile. The kernels run unpipelined (num_stages=1): the pipeliner would
-stage the decoders' 64-bit table lookups through shared memory.
+tensor cores' shared-memory tile. On the GPU the integers reach fp16 through byte permutes and
+fp16x2 fused multiply-adds in inline PTX (_u8x4_f16, _iq2_lut): about one instruction a value
+where float32 arithmetic and conversions took four; the interpreter evaluates the same steps with
+integer and float32 operations. The kernels run unpipelined (num_stages=1): the pipeliner would
+stage the decoders' table lookups through shared memory.
 """
 
 from __future__ import annotations
@@ -33,9 +36,11 @@ import triton
 import triton.language as tl
 
 from .kernels.common import _INTERP, _dot16, _hi_lo, _ld_f16, _pow2_scale, _swiglu, _u8f
-from .kernels.decode import _iq2_grid_index
+from .kernels.decode import _iq2_grid_index, _iq2_lut
+from .kernels.decode_rows import _iq2_sign_nibbles
 
-_MAGIC = tl.constexpr(8388608.0)  # 2^23: an integer OR-ed into its mantissa is exact (see _u8f)
+_BYTE_SIGNS = tl.constexpr(-0x7F7F7F80)  # 0x80808080 as an int32: the sign bit of each byte
+_Q2_FIELDS = tl.constexpr(0x03030303)  # the low 2-bit field of each byte
 
 
 # ------------------------------------------------------------------------------------------------
@@ -43,16 +48,41 @@ _MAGIC = tl.constexpr(8388608.0)  # 2^23: an integer OR-ed into its mantissa is 
 
 
 @triton.jit
-def _fma(a, b, c):
-    """a·b + c rounded once. The decoders rely on it: a·b alone is not exact (2^23-sized a), the
-    fused result is a small integer. tl.fma does not broadcast (on the GPU it silently pairs
-    mismatched register layouts), so b and c are broadcast to a's shape first."""
-    b = tl.broadcast_to(b, a.shape)
-    c = tl.broadcast_to(c, a.shape)
-    if _INTERP:  # the interpreter rounds a·b before adding
-        return (a.to(tl.float64) * b.to(tl.float64) + c.to(tl.float64)).to(tl.float32)
+def _h2(v):
+    """v (float32, exact in fp16) as the bits of the fp16 pair (v, v)."""
+    b = v.to(tl.float16).to(tl.int16, bitcast=True).to(tl.int32) & 0xFFFF
+    return b | (b << 16)
+
+
+@triton.jit
+def _u8x4_f16(w, mul, OFFSET: tl.constexpr):
+    """The 4 bytes of w, unsigned integers u that stand for u − OFFSET, as the 4 fp16 values
+    mul·(u − OFFSET), exactly (mul and the results small integers: |mul·(u − OFFSET)| < 2^11).
+
+    On the GPU, two instructions per pair of values: a byte permute puts u under the exponent
+    bits of 1024 (0x64: fp16 1024 + u, exact for u < 1024), and one fused fp16x2 multiply-add
+    with −(1024 + OFFSET)·mul (exact in fp16 for the scales here) leaves mul·(u − OFFSET) with a
+    single rounding of an exact integer. The interpreter evaluates the same values in float32."""
+    if _INTERP:
+        off = mul * -OFFSET
+        return ((w & 0xFF).to(tl.float32) * mul + off).to(tl.float16), \
+            (((w >> 8) & 0xFF).to(tl.float32) * mul + off).to(tl.float16), \
+            (((w >> 16) & 0xFF).to(tl.float32) * mul + off).to(tl.float16), \
+            (((w >> 24) & 0xFF).to(tl.float32) * mul + off).to(tl.float16)
     else:
-        return tl.fma(a, b, c)
+        return tl.inline_asm_elementwise(
+            """{
+            .reg .b32 t0, t1, e;
+            mov.b32 e, 0x64646464;
+            prmt.b32 t0, $4, e, 0x4140;
+            prmt.b32 t1, $4, e, 0x4342;
+            fma.rn.f16x2 t0, t0, $5, $6;
+            fma.rn.f16x2 t1, t1, $5, $6;
+            mov.b32 {$0, $1}, t0;
+            mov.b32 {$2, $3}, t1;
+            }""",
+            "=h,=h,=h,=h,r,r,r", [w, _h2(mul), _h2(mul * -(1024.0 + OFFSET))],
+            dtype=(tl.float16, tl.float16, tl.float16, tl.float16), is_pure=True, pack=1)
 
 
 @triton.jit
@@ -109,41 +139,31 @@ def split16_kernel(x_ptr, sx, xh_ptr, xl_ptr, xi_ptr, gh_ptr, gl_ptr, R, K,
 
 
 @triton.jit
-def _s8q(w, mul, off):
-    """mul · (signed byte in the low 8 bits of w), exactly: the byte offset by 128 OR-ed into the
-    mantissa of 2^23 is 2^23 + 128 + b, and one fused multiply-add with off = −mul·(2^23 + 128)
-    leaves mul·b (the product itself would round)."""
-    return _fma(((w & 0xFF) ^ 0x4B000080).to(tl.float32, bitcast=True), mul, off)
-
-
-@triton.jit
-def _iq2_tile(wf, lv8, sg8, blk, g0, rmask, NG: tl.constexpr):
+def _iq2_tile(wf, nib, blk, g0, rmask, NG: tl.constexpr):
     """Groups [g0, g0 + NG) of the IQ2_XXS super-blocks blk [BN] (indices from wf, IQ2S quant
     words: layout.py) -> the integers q [BN, 32·NG] fp16 of W = d/8·q (d: _iq2_scale).
 
     Block: f16 d, then 8 groups of 32 values = 4 grid-index bytes + u32 aux (4 × 7 sign-index
-    bits, ls in the top 4). Per grid entry (8 values) one 64-bit lookup gives its 8 levels as bytes
-    (lv8) and one its 8 sign bytes (0xFF where negative, sg8); levels are >= 8, so ~v + 1 negates
-    each byte without a carry into the next. The signed bytes then become (2·ls + 1)·level·sign
-    with a shift, a mask-and-XOR and one fused multiply-add each (_s8q). A thread decodes whole
-    groups: its 32 values are contiguous in K. (The group axis leads the work tensors [NG, BN]: Triton then lays threads
-    along K first, and the tile reaches shared memory K-major, in 16-byte stores.)"""
+    bits, ls in the top 4). Per grid entry (8 values) one 32-bit lookup gives its 8 level codes
+    as nibbles (nib: 1 KB, 8 cache lines for a warp's scattered lookups); the signs are computed
+    (_iq2_sign_nibbles) and join the codes, and a byte permute per 4 values turns them into
+    128 ± level (_iq2_lut), which become (2·ls + 1)·level·sign in fp16 (_u8x4_f16). A thread
+    decodes whole groups: its 32 values are contiguous in K. (The group axis leads the work
+    tensors [NG, BN]: Triton then lays threads along K first, and the tile reaches shared memory
+    K-major, in 16-byte stores.)"""
     BN: tl.constexpr = blk.shape[0]
     m = rmask[None, :]
     gw = blk[None, :] * 16 + 2 * (g0 + tl.arange(0, NG))[:, None]  # [NG, BN]: a group is 2 words
     gq = tl.load(wf + gw, mask=m, other=0)
     aux = tl.load(wf + gw + 1, mask=m, other=0)
     mul = _u8f(2 * ((aux >> 28) & 15) + 1)[:, :, None, None]  # 2·ls + 1, per group
-    off = mul * -8388736.0  # exact: 5 × 17 significant bits
     gi = _join4(_iq2_grid_index(gq, 0), _iq2_grid_index(gq, 1), _iq2_grid_index(gq, 2),
                 _iq2_grid_index(gq, 3))  # [NG, BN, 2, 2]: the 4 entries
     si = _join4(aux & 127, (aux >> 7) & 127, (aux >> 14) & 127, (aux >> 21) & 127)
-    mk = tl.load(sg8 + si)
-    sv = (tl.load(lv8 + gi) ^ mk) + (mk & 0x0101010101010101)  # 8 signed level bytes
-    w0 = sv.to(tl.int32)
-    w1 = (sv >> 32).to(tl.int32)
-    q = _join8(_s8q(w0, mul, off), _s8q(w0 >> 8, mul, off), _s8q(w0 >> 16, mul, off), _s8q(w0 >> 24, mul, off),
-               _s8q(w1, mul, off), _s8q(w1 >> 8, mul, off), _s8q(w1 >> 16, mul, off), _s8q(w1 >> 24, mul, off))
+    sel = tl.load(nib + gi) | _iq2_sign_nibbles(si)
+    a0, a1, a2, a3 = _u8x4_f16(_iq2_lut(sel), mul, 128)  # values 0-3 of each entry
+    a4, a5, a6, a7 = _u8x4_f16(_iq2_lut(sel >> 16), mul, 128)
+    q = _join8(a0, a1, a2, a3, a4, a5, a6, a7)
     q = tl.permute(q, (1, 0, 2, 3, 4, 5, 6))  # [BN, NG, 2, 2, 2, 2, 2]: value 32·g + 8·entry + i
     return tl.reshape(q, [BN, 32 * NG]).to(tl.float16)
 
@@ -155,26 +175,20 @@ def _iq2_scale(wh, blk, rmask):
 
 
 @triton.jit
-def _q2_sc(w, sft):
-    """Sub-block scale (low nibble of the scale byte at bit sft of w) as float, and the offset
-    that removes 2^23·sc in _q2_val."""
-    sc = _u8f((w >> sft) & 15)
-    return sc, sc * -_MAGIC
-
-
-@triton.jit
-def _q2_val(w, sft: tl.constexpr, sc, off):
-    """sc·q for the 2-bit quant at bit sft of w, exactly (2^23 + q, then one fused multiply-add)."""
-    return _fma(((w >> sft) & 3 | 0x4B000000).to(tl.float32, bitcast=True), sc, off)
-
-
-@triton.jit
-def _q2_byte(w0, w1, w2, w3, w4, w5, w6, w7, sft: tl.constexpr, sc0, off0, sc1, off1):
-    """Byte sft/8 of the 8 qs words of a run (already shifted to the run's 2-bit field), as
-    [..., 2, 2, 2] in word order; words 0..3 lie in the run's first sub-block, 4..7 in its second."""
-    return _join8(_q2_val(w0, sft, sc0, off0), _q2_val(w1, sft, sc0, off0), _q2_val(w2, sft, sc0, off0),
-                  _q2_val(w3, sft, sc0, off0), _q2_val(w4, sft, sc1, off1), _q2_val(w5, sft, sc1, off1),
-                  _q2_val(w6, sft, sc1, off1), _q2_val(w7, sft, sc1, off1))
+def _q2_bytes(w0, w1, w2, w3, w4, w5, w6, w7, sc0, sc1):
+    """sc·q of the 8 qs words of a run (already shifted to the run's 2-bit field) -> 4 tensors,
+    one per byte of the words, each [..., 2, 2, 2] in word order; words 0..3 lie in the run's
+    first sub-block (scale sc0), 4..7 in its second (sc1)."""
+    a0, a1, a2, a3 = _u8x4_f16(w0 & _Q2_FIELDS, sc0, 0)
+    b0, b1, b2, b3 = _u8x4_f16(w1 & _Q2_FIELDS, sc0, 0)
+    c0, c1, c2, c3 = _u8x4_f16(w2 & _Q2_FIELDS, sc0, 0)
+    d0, d1, d2, d3 = _u8x4_f16(w3 & _Q2_FIELDS, sc0, 0)
+    e0, e1, e2, e3 = _u8x4_f16(w4 & _Q2_FIELDS, sc1, 0)
+    f0, f1, f2, f3 = _u8x4_f16(w5 & _Q2_FIELDS, sc1, 0)
+    g0, g1, g2, g3 = _u8x4_f16(w6 & _Q2_FIELDS, sc1, 0)
+    h0, h1, h2, h3 = _u8x4_f16(w7 & _Q2_FIELDS, sc1, 0)
+    return (_join8(a0, b0, c0, d0, e0, f0, g0, h0), _join8(a1, b1, c1, d1, e1, f1, g1, h1),
+            _join8(a2, b2, c2, d2, e2, f2, g2, h2), _join8(a3, b3, c3, d3, e3, f3, g3, h3))
 
 
 @triton.jit
@@ -197,8 +211,8 @@ def _q2k_tile(ww, ws, blk, r0, rmask, NR: tl.constexpr):
     # scale bytes 8h + 2·sh + (0, 1): word 2h + sh // 2 of the block's 4, bytes 2·(sh % 2) + (0, 1)
     scw = tl.load(ws + (blk * 4)[None, :] + 2 * h + (sh >> 1), mask=m, other=0)
     sft = 16 * (sh & 1)
-    sc0, off0 = _q2_sc(scw, sft)
-    sc1, off1 = _q2_sc(scw, sft + 8)
+    sc0 = _u8f((scw >> sft) & 15)  # the low nibbles: the sub-block scales
+    sc1 = _u8f((scw >> (sft + 8)) & 15)
     wq = bq + 8 * h  # qs word j = 0 of the half
     qsh = 2 * sh
     w0 = tl.load(ww + wq, mask=m, other=0) >> qsh
@@ -210,10 +224,8 @@ def _q2k_tile(ww, ws, blk, r0, rmask, NR: tl.constexpr):
     w6 = tl.load(ww + wq + 6, mask=m, other=0) >> qsh
     w7 = tl.load(ww + wq + 7, mask=m, other=0) >> qsh
     # value 4·j + b of the run: words (j) on the first three new axes, bytes (b) on the last two
-    a = _join4(_q2_byte(w0, w1, w2, w3, w4, w5, w6, w7, 0, sc0, off0, sc1, off1),
-               _q2_byte(w0, w1, w2, w3, w4, w5, w6, w7, 8, sc0, off0, sc1, off1),
-               _q2_byte(w0, w1, w2, w3, w4, w5, w6, w7, 16, sc0, off0, sc1, off1),
-               _q2_byte(w0, w1, w2, w3, w4, w5, w6, w7, 24, sc0, off0, sc1, off1))
+    b0, b1, b2, b3 = _q2_bytes(w0, w1, w2, w3, w4, w5, w6, w7, sc0, sc1)
+    a = _join4(b0, b1, b2, b3)
     a = tl.permute(a, (1, 0, 2, 3, 4, 5, 6))  # [BN, NR, 2, 2, 2, 2, 2]: value 32·run + 4·j + b
     return tl.reshape(a, [BN, 32 * NR]).to(tl.float16)
 
@@ -240,22 +252,27 @@ def _q2k_mins(ws, blk, rmask):
 
 @triton.jit
 def _tile_rows(tok_ptr, tile_e_ptr, tile_r0_ptr, tile_end_ptr, tile, BM: tl.constexpr, ROUTED: tl.constexpr):
-    """(expert e, assignments a [BM], their mask, their tokens) of a tile of the schedule: BM
-    expert-sorted (token, slot) assignments (ROUTED), or BM tokens of the shared expert. tok_ptr
-    is read only when ROUTED (the down kernel's rows are the sorted assignments themselves)."""
+    """(expert e, assignments a [BM], their mask, the rows of x they read) of a tile of the
+    schedule: BM expert-sorted (token, slot) assignments (ROUTED: the rows are their tokens), or
+    BM tokens of the shared expert. tok_ptr is read only when ROUTED (the down kernel's rows are
+    the sorted assignments themselves). A tile past its segment's end reads the segment's last
+    row again (every tile has one): its outputs are never stored, and the loads of x then need
+    no mask (no zero fill a K-step)."""
     e = tl.load(tile_e_ptr + tile)
     a = tl.load(tile_r0_ptr + tile) + tl.arange(0, BM)
-    am = a < tl.load(tile_end_ptr + tile)
+    end = tl.load(tile_end_ptr + tile)
+    am = a < end
+    ac = tl.minimum(a, end - 1)
     if ROUTED:
-        tok = tl.load(tok_ptr + a, mask=am, other=0).to(tl.int64)
+        tok = tl.load(tok_ptr + ac).to(tl.int64)
     else:
-        tok = a.to(tl.int64)
+        tok = ac.to(tl.int64)
     return e, a, am, tok
 
 
 @triton.jit
 def moe_gateup_mm16_kernel(xh_ptr, xl_ptr, xi_ptr, tok_ptr, wts_ptr, tile_e_ptr, tile_r0_ptr, tile_end_ptr,
-                           gh, uh, gf, uf, lv8, sg8, h_ptr, F, K, RB, EXP_BYTES, clamp,
+                           gh, uh, gf, uf, nib, h_ptr, F, K, RB, EXP_BYTES, clamp,
                            BM: tl.constexpr, BN: tl.constexpr, KS: tl.constexpr, ROUTED: tl.constexpr,
                            LO: tl.constexpr = True):
     """Prefill gate/up in IQ2_XXS for one tile of assignments and BN rows:
@@ -283,11 +300,11 @@ def moe_gateup_mm16_kernel(xh_ptr, xl_ptr, xi_ptr, tok_ptr, wts_ptr, tile_e_ptr,
             p_u = tl.zeros([BM, BN], tl.float32)
             for part in range(0, 256 // KS):
                 k0 = sb * 256 + part * KS
-                xh = tl.load(xh_ptr + xo + k0, mask=am[:, None], other=0.0)
-                xl = tl.load(xl_ptr + xo + k0, mask=am[:, None], other=0.0) if LO else xh
-                p_g = _dot16(xh, xl, _iq2_tile(gq, lv8, sg8, blk, part * (KS // 32), rmask, KS // 32), p_g, LO)
-                p_u = _dot16(xh, xl, _iq2_tile(uq, lv8, sg8, blk, part * (KS // 32), rmask, KS // 32), p_u, LO)
-            inv = tl.load(xi_ptr + tok * NS + sb, mask=am, other=0.0)[:, None]
+                xh = tl.load(xh_ptr + xo + k0)
+                xl = tl.load(xl_ptr + xo + k0) if LO else xh
+                p_g = _dot16(xh, xl, _iq2_tile(gq, nib, blk, part * (KS // 32), rmask, KS // 32), p_g, LO)
+                p_u = _dot16(xh, xl, _iq2_tile(uq, nib, blk, part * (KS // 32), rmask, KS // 32), p_u, LO)
+            inv = tl.load(xi_ptr + tok * NS + sb)[:, None]
             acc_g += p_g * (inv * _iq2_scale(ge, blk, rmask)[None, :])
             acc_u += p_u * (inv * _iq2_scale(ue, blk, rmask)[None, :])
         hv = _swiglu(acc_g, acc_u, clamp)
@@ -323,15 +340,15 @@ def moe_down_mm16_kernel(xh_ptr, xl_ptr, xi_ptr, gh_ptr, gl_ptr, tile_e_ptr, til
             p = tl.zeros([BM, BN], tl.float32)
             for part in range(0, 256 // KS):
                 k0 = sb * 256 + part * KS
-                xh = tl.load(xh_ptr + xo + k0, mask=am[:, None], other=0.0)
-                xl = tl.load(xl_ptr + xo + k0, mask=am[:, None], other=0.0) if LO else xh
+                xh = tl.load(xh_ptr + xo + k0)
+                xl = tl.load(xl_ptr + xo + k0) if LO else xh
                 p = _dot16(xh, xl, _q2k_tile(we, se, bo, part * (KS // 32), rmask, KS // 32), p, LO)
             # the min term: 16-value sums (/16, hence 16·dmin) times m, a K = 16 product
             go = a64[:, None] * (F // 16) + sb * 16 + tl.arange(0, 16)[None, :]
-            gh = tl.load(gh_ptr + go, mask=am[:, None], other=0.0)
-            gl = tl.load(gl_ptr + go, mask=am[:, None], other=0.0) if LO else gh
+            gh = tl.load(gh_ptr + go)
+            gl = tl.load(gl_ptr + go) if LO else gh
             pm = _dot16(gh, gl, _q2k_mins(se, bo, rmask), tl.zeros([BM, BN], tl.float32), LO)
             d, dmin = _q2k_scales(he, bo, rmask)
-            inv = tl.load(xi_ptr + a64 * NS + sb, mask=am, other=0.0)[:, None]
+            inv = tl.load(xi_ptr + a64 * NS + sb)[:, None]
             acc += (p * d[None, :] - pm * (16.0 * dmin)[None, :]) * inv
         tl.store(out_ptr + a64[:, None] * E + rows[None, :], acc, mask=am[:, None] & rmask[None, :])
