@@ -39,7 +39,6 @@ from .kernels.common import _INTERP, _dot16, _hi_lo, _ld_f16, _pow2_scale, _swig
 from .kernels.decode import _iq2_grid_index, _iq2_lut
 from .kernels.decode_rows import _iq2_sign_nibbles
 
-_BYTE_SIGNS = tl.constexpr(-0x7F7F7F80)  # 0x80808080 as an int32: the sign bit of each byte
 _Q2_FIELDS = tl.constexpr(0x03030303)  # the low 2-bit field of each byte
 
 
@@ -255,9 +254,9 @@ def _tile_rows(tok_ptr, tile_e_ptr, tile_r0_ptr, tile_end_ptr, tile, BM: tl.cons
     """(expert e, assignments a [BM], their mask, the rows of x they read) of a tile of the
     schedule: BM expert-sorted (token, slot) assignments (ROUTED: the rows are their tokens), or
     BM tokens of the shared expert. tok_ptr is read only when ROUTED (the down kernel's rows are
-    the sorted assignments themselves). A tile past its segment's end reads the segment's last
-    row again (every tile has one): its outputs are never stored, and the loads of x then need
-    no mask (no zero fill a K-step)."""
+    the sorted assignments themselves). The rows of a tile past its segment's end read the
+    segment's last row again (every tile holds one): their outputs are never stored, and the
+    loads of x then need no mask (no zero fill a K-step)."""
     e = tl.load(tile_e_ptr + tile)
     a = tl.load(tile_r0_ptr + tile) + tl.arange(0, BM)
     end = tl.load(tile_end_ptr + tile)
