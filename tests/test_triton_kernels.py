@@ -84,7 +84,7 @@ def test_linear_reads_every_block_format(ttype, K, rng):
 def test_q8c_prefill_products_on_two_fp16_planes(rng):
     """Q8C prefill products under bf16x3 (q8_hl): the weight split exactly into two fp16 planes
     (q8c_hl_kernel), three fp16 products against x in two terms (matmul_f16w_kernel WLO; four
-    with the low terms' product, hl_products). Against the float64 product of the numpy decode,
+    with the low terms' product, hl_products). Against the float64 product of gguf-py's decode,
     value by value within 2^-20 of Σ|x||w|: blocks whose scales span 2^-14..1 of their row's
     largest, x values from 1 down to 2^-24 of their row's largest, ragged tiles (19 tokens, 48
     rows), groups; and the same bound with q8_hl off (matmul_kernel). On a GPU the bound also
@@ -99,7 +99,7 @@ def test_q8c_prefill_products_on_two_fp16_planes(rng):
     raw = blocks.reshape(-1)
     w = tri.upload(Tensor("w", T.Q8_0, (K, N), raw))
     assert w.kt == Q8C and tri.prec == "bf16x3" and tri.q8_hl
-    dense = dequantize_rows(raw.reshape(N, row_bytes(T.Q8_0, K)), T.Q8_0, K).astype(np.float64)
+    dense = gq.dequantize(raw.reshape(N, row_bytes(T.Q8_0, K)), GGMLQuantizationType(int(T.Q8_0))).astype(np.float64)
 
     def x_of(n, width):
         mag = np.exp2(-rng.uniform(0, 24, (n, width)))
