@@ -58,8 +58,9 @@ def main() -> None:
     be.moe_int16 = True
     NE, n, k, F, E = a.experts, a.tokens, a.slots, a.ff, a.embd
     t0 = time.time()
+    shapes = ((T.IQ2_XXS, E, F), (T.IQ2_XXS, E, F), (T.Q2_K, F, E))  # gate, up, down: (type, K, N)
     raws, weights = [], []
-    for ttype, K, N in ((T.IQ2_XXS, E, F), (T.IQ2_XXS, E, F), (T.Q2_K, F, E)):
+    for ttype, K, N in shapes:
         raw = random_blocks(ttype, NE * N * K, rng, scale=0.05)
         raws.append(raw)
         weights.append(be.upload(Tensor("w", ttype, (K, N, NE), raw)))
@@ -82,8 +83,7 @@ def main() -> None:
     for t in np.linspace(0, n - 1, a.check).astype(int) if a.check else ():
         want, scale = np.zeros(E), np.zeros(E)
         for j in range(k):
-            G, U, D = (_dense(raw, tt, NE, ids[t, j], K, N) for raw, (tt, K, N) in
-                       zip(raws, ((T.IQ2_XXS, E, F), (T.IQ2_XXS, E, F), (T.Q2_K, F, E))))
+            G, U, D = (_dense(raw, tt, NE, ids[t, j], K, N) for raw, (tt, K, N) in zip(raws, shapes))
             g = np.minimum(G @ X[t], clamp)
             h = g / (1.0 + np.exp(-g)) * np.clip(U @ X[t], -clamp, clamp)
             want += wts[t, j] * (D @ h)
