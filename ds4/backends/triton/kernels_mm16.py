@@ -23,11 +23,13 @@ tensor-core products.
 Each program decodes the [BN, KS] integer tiles of a super-block once and reuses them for its BM
 assignments. The decoders are built from tl.join, so the 32 values a thread decodes (one IQ2_XXS
 group, one Q2_K run) are contiguous in K and leave the registers as 16-byte stores into the
-tensor cores' shared-memory tile. On the GPU the integers reach fp16 through byte permutes and
-fp16x2 fused multiply-adds in inline PTX (_u8x4_f16, _iq2_lut): about one instruction a value
-where float32 arithmetic and conversions took four; the interpreter evaluates the same steps with
-integer and float32 operations. The kernels run unpipelined (num_stages=1): the pipeliner would
-stage the decoders' table lookups through shared memory.
+tensor cores' shared-memory tile, in a column order free of bank conflicts (_tile_k). Rows past
+the weight's end decode its last row again, so no weight load needs a mask. On the GPU the
+integers reach fp16 through byte permutes and fp16x2 fused multiply-adds in inline PTX
+(_u8x4_f16, _iq2_lut): about one instruction a value where float32 arithmetic and conversions
+took four; the interpreter evaluates the same steps with integer and float32 operations. The
+kernels run unpipelined (num_stages=1): the pipeliner would stage the decoders' table lookups
+through shared memory.
 """
 
 from __future__ import annotations
@@ -35,11 +37,15 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from .kernels.common import _INTERP, _dot16, _hi_lo, _ld_f16, _pow2_scale, _swiglu, _u8f
+from .kernels.common import _INTERP, _dot16, _f16_lo, _hi_lo, _ld4, _opaque, _pow2_scale, _swiglu, _u8f
 from .kernels.decode import _iq2_grid_index, _iq2_lut
 from .kernels.decode_rows import _iq2_sign_nibbles
 
 _Q2_FIELDS = tl.constexpr(0x03030303)  # the low 2-bit field of each byte
+# the K bits that trade places in a 128-wide tile's columns (_tile_k) and their distance
+_TILE_BIT_A = tl.constexpr(16)
+_TILE_BIT_B = tl.constexpr(64)
+_TILE_BIT_GAP = tl.constexpr(2)
 
 
 # ------------------------------------------------------------------------------------------------
@@ -96,6 +102,38 @@ def _join8(v0, v1, v2, v3, v4, v5, v6, v7):
     return tl.join(tl.join(tl.join(v0, v4), tl.join(v2, v6)), tl.join(tl.join(v1, v5), tl.join(v3, v7)))
 
 
+@triton.jit
+def _tile_k(KS: tl.constexpr):
+    """The K offset (inside the K-step) of each column of a [BN, KS] integer tile, [KS] int32.
+
+    A thread decodes 32 values contiguous in K (an IQ2_XXS group, a Q2_K run) and stores them as
+    four 16-byte chunks; lanes 0-3 of a warp hold the K-step's four groups, lanes 4-7 the next
+    row. With KS = 128 the tile's rows are two 128-byte swizzle blocks (columns 0-63, 64-127),
+    and the 128-byte swizzle moves a chunk by the row's low bits only: groups g and g + 2 of a
+    row then fall on the same banks in the same store, a 2-way conflict in every quarter-warp.
+    So at KS = 128 the tile's columns hold K with bits 4 and 6 swapped (_TILE_BIT_A / _B): group
+    bit 1 moves inside the swizzle block, and a quarter-warp's eight 16-byte chunks (groups 0-3,
+    two rows) cover the eight bank groups. x is loaded in the same column order, so the product
+    is unchanged; other K-steps keep K in order."""
+    c = tl.arange(0, KS)
+    if KS == 128:
+        c = (c & ~(_TILE_BIT_A | _TILE_BIT_B)) | ((c & _TILE_BIT_A) << _TILE_BIT_GAP) \
+            | ((c & _TILE_BIT_B) >> _TILE_BIT_GAP)
+        c = tl.max_contiguous(tl.multiple_of(c, _TILE_BIT_A), _TILE_BIT_A)  # runs of 16 in K
+    return c
+
+
+@triton.jit
+def _tile_order(q, BN: tl.constexpr, NG: tl.constexpr):
+    """[BN, NG, 2, 2, 2, 2, 2] (group or run g, then the 5 bits of a value's place in it, top
+    first) -> the [BN, 32·NG] tile, columns in _tile_k's order: at NG = 4 the place's top bit
+    (K bit 4) and g's top bit (K bit 6) trade places."""
+    if NG == 4:
+        q = tl.reshape(q, [BN, 2, 2, 2, 2, 2, 2, 2])  # [BN, g1, g0, v4, v3, v2, v1, v0]
+        q = tl.permute(q, (0, 3, 2, 1, 4, 5, 6, 7))  # [BN, v4, g0, g1, v3, v2, v1, v0]
+    return tl.reshape(q, [BN, 32 * NG])
+
+
 # ------------------------------------------------------------------------------------------------
 # activations
 
@@ -138,9 +176,10 @@ def split16_kernel(x_ptr, sx, xh_ptr, xl_ptr, xi_ptr, gh_ptr, gl_ptr, R, K,
 
 
 @triton.jit
-def _iq2_tile(wf, nib, blk, g0, rmask, NG: tl.constexpr):
-    """Groups [g0, g0 + NG) of the IQ2_XXS super-blocks blk [BN] (indices from wf, IQ2S quant
-    words: layout.py) -> the integers q [BN, 32·NG] fp16 of W = d/8·q (d: _iq2_scale).
+def _iq2_tile(wf, nib, blk, g0, NG: tl.constexpr):
+    """Groups [g0, g0 + NG) of the IQ2_XXS super-blocks blk [BN] (indices from wf [BN], each
+    row's IQ2S quant words as 8-byte units: layout.py) -> the integers q [BN, 32·NG] fp16 of
+    W = d/8·q (d: _iq2_scale), columns in _tile_k's order.
 
     Block: f16 d, then 8 groups of 32 values = 4 grid-index bytes + u32 aux (4 × 7 sign-index
     bits, ls in the top 4). Per grid entry (8 values) one 32-bit lookup gives its 8 level codes
@@ -149,12 +188,12 @@ def _iq2_tile(wf, nib, blk, g0, rmask, NG: tl.constexpr):
     128 ± level (_iq2_lut), which become (2·ls + 1)·level·sign in fp16 (_u8x4_f16). A thread
     decodes whole groups: its 32 values are contiguous in K. (The group axis leads the work
     tensors [NG, BN]: Triton then lays threads along K first, and the tile reaches shared memory
-    K-major, in 16-byte stores.)"""
+    K-major, in 16-byte stores.) A group's grid-index and aux words come in one 8-byte load."""
     BN: tl.constexpr = blk.shape[0]
-    m = rmask[None, :]
-    gw = blk[None, :] * 16 + 2 * (g0 + tl.arange(0, NG))[:, None]  # [NG, BN]: a group is 2 words
-    gq = tl.load(wf + gw, mask=m, other=0)
-    aux = tl.load(wf + gw + 1, mask=m, other=0)
+    gw = blk[None, :].to(tl.int64) * 8 + (g0 + tl.arange(0, NG))[:, None]  # [NG, BN]: 8 bytes a group
+    ga = tl.load(wf[None, :] + _opaque(gw))  # (_opaque: the load keeps the tile's layout)
+    gq = ga.to(tl.int32)
+    aux = (ga >> 32).to(tl.int32)
     mul = _u8f(2 * ((aux >> 28) & 15) + 1)[:, :, None, None]  # 2·ls + 1, per group
     gi = _join4(_iq2_grid_index(gq, 0), _iq2_grid_index(gq, 1), _iq2_grid_index(gq, 2),
                 _iq2_grid_index(gq, 3))  # [NG, BN, 2, 2]: the 4 entries
@@ -164,13 +203,14 @@ def _iq2_tile(wf, nib, blk, g0, rmask, NG: tl.constexpr):
     a4, a5, a6, a7 = _u8x4_f16(_iq2_lut(sel >> 16), mul, 128)
     q = _join8(a0, a1, a2, a3, a4, a5, a6, a7)
     q = tl.permute(q, (1, 0, 2, 3, 4, 5, 6))  # [BN, NG, 2, 2, 2, 2, 2]: value 32·g + 8·entry + i
-    return tl.reshape(q, [BN, 32 * NG]).to(tl.float16)
+    return _tile_order(q, BN, NG).to(tl.float16)
 
 
 @triton.jit
-def _iq2_scale(wh, blk, rmask):
-    """d/8 of the IQ2_XXS super-blocks blk [BN] (indices from wh, IQ2S scales; W = d/8·q)."""
-    return _ld_f16(wh, 2 * blk, rmask) * 0.125
+def _iq2_scale(wh, blk):
+    """d/8 of the IQ2_XXS super-blocks blk [BN] (indices from wh [BN], each row's IQ2S scales;
+    W = d/8·q)."""
+    return tl.load(wh + blk).to(tl.float16, bitcast=True).to(tl.float32) * 0.125
 
 
 @triton.jit
@@ -191,7 +231,7 @@ def _q2_bytes(w0, w1, w2, w3, w4, w5, w6, w7, sc0, sc1):
 
 
 @triton.jit
-def _q2k_tile(ww, ws, blk, r0, rmask, NR: tl.constexpr):
+def _q2k_tile(ww, ws, blk, r0, NR: tl.constexpr):
     """Runs [r0, r0 + NR) of 32 values of the Q2_K super-blocks blk [BN] (Q2S, layout.py: quant
     words ww, scale words ws) -> a [BN, 32·NR] fp16 = sc·q; W = d·a − dmin·m (_q2k_scales,
     _q2k_mins).
@@ -200,47 +240,45 @@ def _q2k_tile(ww, ws, blk, r0, rmask, NR: tl.constexpr):
     r = 4h + sh holds values 128h + 32·sh + 4·j + b, which sit in qs word 8h + j, byte b, bits
     2·sh; value 4·j + b of the run lies in sub-block 8h + 2·sh + j // 4. A thread decodes a
     whole run (32 values contiguous in K) from the 8 words of its half; the 4 runs of a half read
-    the same words. (Runs lead the work tensors [NR, BN], as groups do in _iq2_tile.)"""
+    the same words, in two 16-byte loads. (Runs lead the work tensors [NR, BN], as groups do in
+    _iq2_tile.)"""
     BN: tl.constexpr = blk.shape[0]
     bq = (blk * 16)[None, :]  # the block's first quant word
-    m = rmask[None, :]
     r = r0 + tl.arange(0, NR)[:, None]
     h = r >> 2
     sh = r & 3
     # scale bytes 8h + 2·sh + (0, 1): word 2h + sh // 2 of the block's 4, bytes 2·(sh % 2) + (0, 1)
-    scw = tl.load(ws + (blk * 4)[None, :] + 2 * h + (sh >> 1), mask=m, other=0)
+    scw = tl.load(ws + (blk * 4)[None, :] + 2 * h + (sh >> 1))
     sft = 16 * (sh & 1)
     sc0 = _u8f((scw >> sft) & 15)  # the low nibbles: the sub-block scales
     sc1 = _u8f((scw >> (sft + 8)) & 15)
     wq = bq + 8 * h  # qs word j = 0 of the half
     qsh = 2 * sh
-    w0 = tl.load(ww + wq, mask=m, other=0) >> qsh
-    w1 = tl.load(ww + wq + 1, mask=m, other=0) >> qsh
-    w2 = tl.load(ww + wq + 2, mask=m, other=0) >> qsh
-    w3 = tl.load(ww + wq + 3, mask=m, other=0) >> qsh
-    w4 = tl.load(ww + wq + 4, mask=m, other=0) >> qsh
-    w5 = tl.load(ww + wq + 5, mask=m, other=0) >> qsh
-    w6 = tl.load(ww + wq + 6, mask=m, other=0) >> qsh
-    w7 = tl.load(ww + wq + 7, mask=m, other=0) >> qsh
+    w0, w1, w2, w3 = _ld4(ww + wq, INT=True)  # the half's 8 words: two 16-byte loads
+    w4, w5, w6, w7 = _ld4(ww + wq + 4, INT=True)
+    w0, w1, w2, w3 = w0 >> qsh, w1 >> qsh, w2 >> qsh, w3 >> qsh
+    w4, w5, w6, w7 = w4 >> qsh, w5 >> qsh, w6 >> qsh, w7 >> qsh
     # value 4·j + b of the run: words (j) on the first three new axes, bytes (b) on the last two
     b0, b1, b2, b3 = _q2_bytes(w0, w1, w2, w3, w4, w5, w6, w7, sc0, sc1)
     a = _join4(b0, b1, b2, b3)
     a = tl.permute(a, (1, 0, 2, 3, 4, 5, 6))  # [BN, NR, 2, 2, 2, 2, 2]: value 32·run + 4·j + b
-    return tl.reshape(a, [BN, 32 * NR]).to(tl.float16)
+    return _tile_order(a, BN, NR).to(tl.float16)
 
 
 @triton.jit
-def _q2k_scales(wh, blk, rmask):
-    """(d, dmin) of the Q2_K super-blocks blk [BN] (Q2S: wh the (d, dmin) halfwords)."""
-    return _ld_f16(wh, blk * 4, rmask), _ld_f16(wh, blk * 4 + 2, rmask)
+def _q2k_scales(wh, blk):
+    """(d, dmin) of the Q2_K super-blocks blk [BN] (Q2S: wh the (d, dmin) halfwords), from one
+    32-bit load: d in the low half, dmin in the high."""
+    dd = tl.load(wh.to(tl.pointer_type(tl.int32)) + blk)
+    return _f16_lo(dd), _f16_lo(dd >> 16)
 
 
 @triton.jit
-def _q2k_mins(ws, blk, rmask):
+def _q2k_mins(ws, blk):
     """m of the 16 sub-blocks of the Q2_K super-blocks blk [BN] (Q2S: ws the scale words),
     [BN, 16] fp16: the high nibbles of the block's 4 scale words."""
     BN: tl.constexpr = blk.shape[0]
-    sw = tl.load(ws + (blk * 4)[:, None] + tl.arange(0, 4)[None, :], mask=rmask[:, None], other=0)
+    sw = tl.load(ws + (blk * 4)[:, None] + tl.arange(0, 4)[None, :])
     mn = _join4((sw >> 4) & 15, (sw >> 12) & 15, (sw >> 20) & 15, (sw >> 28) & 15)
     return tl.reshape(_u8f(mn), [BN, 16]).to(tl.float16)
 
@@ -277,35 +315,36 @@ def moe_gateup_mm16_kernel(xh_ptr, xl_ptr, xi_ptr, tok_ptr, wts_ptr, tile_e_ptr,
     """Prefill gate/up in IQ2_XXS for one tile of assignments and BN rows:
     h[a, r] = w_a · swiglu(gate_e[r]·x[tok_a], up_e[r]·x[tok_a]), x given split by
     split16_kernel; gh / uh, gf / uf: the IQ2S scales and quant words of gate and up. Per super-block
-    the scales d/8 and 1/s combine once; its 256 values go in K-steps of KS (a divisor of 256)
-    through both weights, which share the x tiles."""
+    the scales d/8 and 1/s combine once; its 256 values go in K-steps of KS (a divisor of 256).
+    Gate's BN rows and up's are one [2·BN, KS] operand: each tensor-core product of N = 2·BN
+    reads the x tile from shared memory once for both weights, where two products of N = BN
+    read it twice."""
     tile = tl.program_id(0)
     pn = tl.program_id(1)
     e, a, am, tok = _tile_rows(tok_ptr, tile_e_ptr, tile_r0_ptr, tile_end_ptr, tile, BM, ROUTED)
     if e >= 0:
         rows = pn * BN + tl.arange(0, BN)
-        rmask = rows < F
+        rmask = rows < F  # rows past F decode row F - 1 again: the loads need no mask
         NS = K // 256
         eb = e.to(tl.int64) * (EXP_BYTES // 66)  # the expert's first block: its scales and quant words
-        ge, ue, gq, uq = gh + eb, uh + eb, gf + eb * 16, uf + eb * 16
-        rb = rows * NS  # the rows' first blocks inside the expert (32-bit)
-        xo = tok[:, None] * K + tl.arange(0, KS)[None, :]
-        acc_g = tl.zeros([BM, BN], tl.float32)
-        acc_u = tl.zeros([BM, BN], tl.float32)
+        up = tl.arange(0, 2 * BN) >= BN  # the operand's rows: gate's BN, then up's
+        wq = tl.where(up, uf + eb * 16, gf + eb * 16).to(tl.pointer_type(tl.int64))
+        ws = tl.where(up, uh + eb, gh + eb)
+        rb = tl.minimum(pn * BN + tl.arange(0, 2 * BN) % BN, F - 1) * NS  # first blocks (32-bit)
+        xo = tok[:, None] * K + _tile_k(KS)[None, :]
+        acc = tl.zeros([BM, 2 * BN], tl.float32)
         for sb in range(0, NS):
             blk = rb + sb
             # the super-block's integer products accumulate on the tensor cores; its scales once
-            p_g = tl.zeros([BM, BN], tl.float32)
-            p_u = tl.zeros([BM, BN], tl.float32)
+            p = tl.zeros([BM, 2 * BN], tl.float32)
             for part in range(0, 256 // KS):
                 k0 = sb * 256 + part * KS
                 xh = tl.load(xh_ptr + xo + k0)
                 xl = tl.load(xl_ptr + xo + k0) if LO else xh
-                p_g = _dot16(xh, xl, _iq2_tile(gq, nib, blk, part * (KS // 32), rmask, KS // 32), p_g, LO)
-                p_u = _dot16(xh, xl, _iq2_tile(uq, nib, blk, part * (KS // 32), rmask, KS // 32), p_u, LO)
+                p = _dot16(xh, xl, _iq2_tile(wq, nib, blk, part * (KS // 32), KS // 32), p, LO)
             inv = tl.load(xi_ptr + tok * NS + sb)[:, None]
-            acc_g += p_g * (inv * _iq2_scale(ge, blk, rmask)[None, :])
-            acc_u += p_u * (inv * _iq2_scale(ue, blk, rmask)[None, :])
+            acc += p * (inv * _iq2_scale(ws, blk)[None, :])
+        acc_g, acc_u = tl.split(tl.permute(tl.reshape(acc, [BM, 2, BN]), (0, 2, 1)))
         hv = _swiglu(acc_g, acc_u, clamp)
         if ROUTED:
             hv = hv * tl.load(wts_ptr + a, mask=am, other=0.0)[:, None]
@@ -325,14 +364,14 @@ def moe_down_mm16_kernel(xh_ptr, xl_ptr, xi_ptr, gh_ptr, gl_ptr, tile_e_ptr, til
     e, a, am, a64 = _tile_rows(tile_e_ptr, tile_e_ptr, tile_r0_ptr, tile_end_ptr, tile, BM, False)
     if e >= 0:
         rows = pn * BN + tl.arange(0, BN)
-        rmask = rows < E
+        rmask = rows < E  # rows past E decode row E - 1 again: the loads need no mask
         eb = e.to(tl.int64) * (EXP_BYTES // 84)  # the expert's first block
         we = ww + eb * 16  # its first quant word, scale word, (d, dmin) halfword
         se = ws + eb * 4
         he = wh + eb * 2
-        rb = rows * (RB // 84)  # the rows' first blocks inside the expert (32-bit)
+        rb = tl.minimum(rows, E - 1) * (RB // 84)  # the rows' first blocks inside the expert (32-bit)
         NS = F // 256
-        xo = a64[:, None] * F + tl.arange(0, KS)[None, :]
+        xo = a64[:, None] * F + _tile_k(KS)[None, :]
         acc = tl.zeros([BM, BN], tl.float32)
         for sb in range(0, NS):
             bo = rb + sb
@@ -341,13 +380,13 @@ def moe_down_mm16_kernel(xh_ptr, xl_ptr, xi_ptr, gh_ptr, gl_ptr, tile_e_ptr, til
                 k0 = sb * 256 + part * KS
                 xh = tl.load(xh_ptr + xo + k0)
                 xl = tl.load(xl_ptr + xo + k0) if LO else xh
-                p = _dot16(xh, xl, _q2k_tile(we, se, bo, part * (KS // 32), rmask, KS // 32), p, LO)
+                p = _dot16(xh, xl, _q2k_tile(we, se, bo, part * (KS // 32), KS // 32), p, LO)
             # the min term: 16-value sums (/16, hence 16·dmin) times m, a K = 16 product
             go = a64[:, None] * (F // 16) + sb * 16 + tl.arange(0, 16)[None, :]
             gh = tl.load(gh_ptr + go)
             gl = tl.load(gl_ptr + go) if LO else gh
-            pm = _dot16(gh, gl, _q2k_mins(se, bo, rmask), tl.zeros([BM, BN], tl.float32), LO)
-            d, dmin = _q2k_scales(he, bo, rmask)
+            pm = _dot16(gh, gl, _q2k_mins(se, bo), tl.zeros([BM, BN], tl.float32), LO)
+            d, dmin = _q2k_scales(he, bo)
             inv = tl.load(xi_ptr + a64 * NS + sb)[:, None]
             acc += (p * d[None, :] - pm * (16.0 * dmin)[None, :]) * inv
         tl.store(out_ptr + a64[:, None] * E + rows[None, :], acc, mask=am[:, None] & rmask[None, :])

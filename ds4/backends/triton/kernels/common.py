@@ -94,6 +94,12 @@ def _ld_f16(wh, byte_off, mask):
 
 
 @triton.jit
+def _f16_lo(w):
+    """The fp16 in the low 16 bits of the integer w (higher bits ignored), as float32."""
+    return (w & 0xFFFF).to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)
+
+
+@triton.jit
 def _ld4(p, INT: tl.constexpr = False, NC: tl.constexpr = True):
     """The 4 floats at p (16-byte aligned) as 4 tensors shaped like p: one 16-byte load per
     element instead of four 4-byte ones. In the routed decoders a warp's lanes walk different

@@ -7,7 +7,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from .common import _iq2_blk, _ld2, _ld4, _ld_f16, _opaque, _q2_blk, _u8f
+from .common import _f16_lo, _iq2_blk, _ld2, _ld4, _ld_f16, _opaque, _q2_blk, _u8f
 from .decode import _b2f, _dp4a, _iq2_grid_index, _iq2_lut, _join4, _popc, _q2k_unit, _split4
 
 
@@ -229,8 +229,8 @@ def _q2s_half_words(wb, wh, wf, B, h):
     qb0, qb1, qb2, qb3 = _ld4(wf + B * 16 + h * 8 + 4, True)
     s0, s1 = _ld2(wb.to(tl.pointer_type(tl.int32)) + B * 4 + h * 2)
     dd = tl.load(wh.to(tl.pointer_type(tl.int32)) + B)  # f16 d in the low half, f16 dmin in the high
-    d = (dd & 0xFFFF).to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)
-    dmin = (dd >> 16).to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)
+    d = _f16_lo(dd)
+    dmin = _f16_lo(dd >> 16)
     return (qa0, qa1, qa2, qa3), (qb0, qb1, qb2, qb3), (s0, s1), d, dmin
 
 
