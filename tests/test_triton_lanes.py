@@ -122,3 +122,24 @@ def test_hold_main_orders_lane_0_after_the_branch():
     assert main.log == [("event", ev)]
     _launch(ln, 0, b)  # a later read of b on lane 0 needs no second wait
     assert main.log == [("event", ev)]
+
+
+def test_follow_main_orders_a_branch_after_lane_0s_untracked_work():
+    """A buffer torch fills on lane 0 after a branch forked (the indexer's top-k buckets on the
+    first decode step) is not a launch the branch can wait for: follow_main makes the branch's
+    stream wait for lane 0's whole stream, and a branch that has not forked yet needs nothing
+    (its fork joins lane 0 anyway)."""
+    ln, main, s1, s2 = _lanes()
+    _launch(ln, 1)  # the branch forks: joins lane 0
+    assert s1.log == [("stream", main)]
+    _launch(ln, 0)  # lane 0 goes on (and torch fills a buffer there)
+    ln.lane = 1
+    ln.follow_main()
+    assert s1.log == [("stream", main), ("stream", main)]
+    assert ln.seen[1][0] == ln.count[0]  # lane 0's launches so far need no event waits later
+    ln.lane = 2
+    ln.follow_main()  # not forked yet
+    assert s2.log == []
+    ln.lane = 0
+    ln.follow_main()  # lane 0 itself
+    assert main.log == []

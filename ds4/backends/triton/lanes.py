@@ -86,6 +86,14 @@ class Lanes:
         if self.lane != 0 and self.count[self.lane]:
             self._wait(0, self.lane, self.count[self.lane])
 
+    def follow_main(self) -> None:
+        """The current lane's later launches wait for everything lane 0 has been given so far,
+        launches or not: a buffer allocated and filled by torch on lane 0 (the current torch
+        stream) after this lane forked is then ready before this lane's kernels touch it."""
+        if self.lane != 0 and self.forked[self.lane]:
+            self.streams[self.lane].wait_stream(self.streams[0])
+            self.seen[self.lane][0] = self.count[0]
+
     def tickets(self) -> torch.Tensor:
         return self.tickets_of[self.lane]
 

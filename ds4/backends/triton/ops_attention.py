@@ -122,7 +122,9 @@ class _AttentionOps:
         capb = self.topk_bucket
         nbkt = 2 * K.TOPK_BUCKETS.value * capb  # (keys, then rows)
         if hist and (self._topk_buckets is None or self._topk_buckets.numel() != nbkt):
+            # torch fills it on the main stream, and this branch's stream forked before that
             self._topk_buckets = torch.zeros(nbkt, dtype=torch.int32, device=self.dev)
+            self._follow_main()
         bkt = self._topk_buckets if hist else self._dummy_i
         if self.query_waits_index == "rope":
             self._hold_main()

@@ -56,6 +56,12 @@ class _DecodeSteps:
         if self._lanes is not None and self._lanes.active:
             self._lanes.hold_main()
 
+    def _follow_main(self) -> None:
+        """In a decode step with side streams: this branch's next launches wait for the main
+        stream's work so far (Lanes.follow_main), such as a buffer torch just filled there."""
+        if self._lanes is not None and self._lanes.active:
+            self._lanes.follow_main()
+
     def _end_lanes(self) -> None:
         if self._lanes is not None:
             self._lanes.end()
