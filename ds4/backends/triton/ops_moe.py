@@ -246,8 +246,10 @@ class _MoeOps:
                 torch.where(mine, weights, torch.zeros_like(weights)))
 
     def _swiglu(self, g, u, clamp: float):
-        """SwiGLU of gate and up products [n, F] (swiglu_kernel)."""
-        h = torch.empty_like(g)
+        """SwiGLU of gate and up products [n, F] (swiglu_kernel). h is a step buffer (_new): in a
+        decode step's branch a torch temporary would go back to the main stream's pool when this
+        returns, while the branch's stream may still be about to write and read it."""
+        h = self._new(g.shape, g.dtype)
         N = g.numel()
         self._launch(K.swiglu_kernel, (_cdiv(N, SWIGLU_BLOCK),), g, u, h, N, float(clamp), BLOCK=SWIGLU_BLOCK,
                      nbytes=12 * N)
