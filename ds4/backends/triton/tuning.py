@@ -69,8 +69,9 @@ class TritonTuning:
     moe_tile: Mapping = field(default_factory=lambda: {"gateup": (32, 8), "down": (64, 8), "shared": (128, 4)})
     # prefill experts in IQ2_XXS (gate/up) and Q2_K (down) under "bf16x3": exact integers on fp16
     # tensor cores (kernels_mm16.py). moe16_bm assignments per tile; per kernel: rows of W per
-    # program (gate/up: of each, one product of twice the rows), K-step (a divisor of 256), warps, pipeline stages (1: the pipeliner would stage the
-    # decoders' table lookups through shared memory)
+    # program (gate/up: of each, one product of twice the rows), K-step (a divisor of 256), warps,
+    # pipeline stages (1: the pipeliner would stage the decoders' table lookups through shared
+    # memory)
     moe_int16: bool = True
     moe16_bm: int = 64
     moe16_tile: Mapping = field(default_factory=lambda: {"gateup": (64, 128, 4, 1), "down": (64, 128, 4, 1)})
