@@ -156,7 +156,7 @@ def test_gateup_iq2xxs(tri, rng):
     h = torch.zeros((n * k, F), dtype=torch.float32, device=tri.dev)
     BN, KS, warps, stages = tri.moe16_tile["gateup"]
     clamp = 1.0e30
-    nib = tri._gridp[768:1024]
+    nib = tri._grid_nibbles
     tri._launch(K16.moe_gateup_mm16_kernel, (T_, _cdiv(F, BN)), xh, xl, xi, tok, wsort, te, tr0, tend,
                 gate.i16, up.i16, gate.f32, up.f32, nib, h, F, E, gate.RB, F * gate.RB, clamp,
                 BM=tri.moe16_bm, BN=BN, KS=KS, ROUTED=True, num_warps=warps, num_stages=stages)

@@ -55,9 +55,9 @@ from .ops_attention import TOPK_MAX_CHUNKS, _AttentionOps
 from .ops_hc import _HcOps
 from .ops_moe import _MoeOps
 from .plumbing import (
-    QWeight, ROW_UNIT, Selection, _AttnParts, _Combined, _Expanded, _GraphEntry, _HeadNormed, _IQ2_GROUPS,
-    _Lazy, _Normed, _Step, _Sum, _UNNORMED, _UNROLLED_VB, _VALUE_ROLES, _X16_ONLY, _cdiv, _grid_table,
-    _ksign_table, _largest_pow2_divisor, _max_shared, _pow2, check_config,
+    GRID_NIBBLES, QWeight, ROW_UNIT, Selection, _AttnParts, _Combined, _Expanded, _GraphEntry, _HeadNormed,
+    _IQ2_GROUPS, _Lazy, _Normed, _Step, _Sum, _UNNORMED, _UNROLLED_VB, _VALUE_ROLES, _X16_ONLY, _cdiv,
+    _grid_table, _ksign_table, _largest_pow2_divisor, _max_shared, _pow2, check_config,
 )
 from .steps import _DecodeSteps
 from .tuning import INTEGER_PRECISIONS, ONE_TERM, load_tuning
@@ -108,6 +108,7 @@ class TritonBackend(_LinearOps, _DecodeSteps, _HcOps, _AttentionOps, _MoeOps, Ba
         self.prec_f = ("ieee" if self.interpret else "tf32x3") if self.prec in INTEGER_PRECISIONS else self.prec
         d = self.dev
         self._gridp = torch.tensor(_grid_table(), dtype=torch.int32, device=d)
+        self._grid_nibbles = self._gridp[GRID_NIBBLES:]  # the entries' level codes as nibbles
         self._ksigns = torch.tensor(_ksign_table(), dtype=torch.int32, device=d)
         self._freq = torch.tensor(np.stack([layer_inv_freq(cfg, il) for il in range(cfg.n_layer)]),
                                   dtype=torch.float32, device=d)

@@ -180,7 +180,7 @@ class _MoeOps:
         if gu16:
             xh, xl, xi, _, _ = self._split16(x, sums=False)
             BN, KS, warps, stages = self.moe16_tile["gateup"]
-            nib = self._gridp[768:1024]  # the grid's level codes as nibbles
+            nib = self._grid_nibbles
             self._launch(K16.moe_gateup_mm16_kernel, (T, _cdiv(F, BN)), xh, xl, xi, tok_sorted, w_sorted,
                          tile_e, tile_r0, tile_end, gate.i16, up.i16, gate.f32, up.f32, nib, h, F, E,
                          gate.RB, F * gate.RB, float(clamp), BM=BM, BN=BN, KS=KS, ROUTED=True, LO=self._x_lo,

@@ -288,6 +288,9 @@ def _max_shared(dev: torch.device) -> int:
     return int(max_shared_mem(dev.index if dev.index is not None else torch.cuda.current_device()))
 
 
+GRID_NIBBLES = 768  # where _grid_table's nibble codes start
+
+
 def _grid_table() -> np.ndarray:
     """The IQ2_XXS grid for the kernels: [0, 256) the entries as two-bit level codes (the block
     decoder), then [256, 768) each entry's 8 levels as int8 bytes in two little-endian words,
@@ -296,7 +299,9 @@ def _grid_table() -> np.ndarray:
     words = (levels.astype(np.int64) << (8 * np.arange(4))).sum(axis=2).astype(np.uint32)
     codes = (_grid_codes().astype(np.int64)[:, None] >> (2 * np.arange(8))) & 3
     nibbles = (codes << (4 * np.arange(8))).sum(axis=1).astype(np.uint32)
-    return np.concatenate([_grid_codes(), words.reshape(-1).view(np.int32), nibbles.view(np.int32)])
+    head = np.concatenate([_grid_codes(), words.reshape(-1).view(np.int32)])
+    assert head.size == GRID_NIBBLES
+    return np.concatenate([head, nibbles.view(np.int32)])
 
 
 def _ksign_table() -> np.ndarray:
