@@ -29,6 +29,7 @@ from ds4.core.gguf_model import Tensor  # noqa: E402
 from ds4.core.quants import GGMLType as T  # noqa: E402
 from ds4.core.quants import dequantize_rows, random_blocks, row_bytes  # noqa: E402
 from ds4.core.rope import layer_inv_freq  # noqa: E402
+from ds4.core.state import FILL  # noqa: E402
 from triton_pair import DEVICE, _cfg, _check_xq, _rel, _states, _t  # noqa: E402
 from triton_pair import model, pair, rng  # noqa: E402,F401  (fixtures)
 
@@ -395,6 +396,44 @@ def test_indexer_select_failure_leaves_no_counts(pair, rng, monkeypatch):
     want = ref.indexer_select(rs, qr, a, W_r, 120, il)
     got = tri.indexer_select(ts, _t(tri, qr), _t(tri, a), W_t, 120, il)
     assert np.array_equal(got.mask(want.shape[1]), want)
+
+
+def test_indexer_rows_in_bf16_under_ds4_numerics(pair, rng, monkeypatch):
+    """Numerics "ds4" keeps the indexer's rows in bfloat16 (index_bf16): the rows its compressor
+    writes (Hadamard + FP4, then f16) are those float32 rows hold, bit for bit, and the
+    selection is the one float32 rows give. A state value bfloat16 cannot hold is refused,
+    naming the array and the value, where float32 rows take it."""
+    ref, wr, tri, wt = pair
+    cfg = ref.cfg
+    il = 2
+    rs, ts = _states(ref, tri, cfg, il, rng=rng)
+    assert ts["index"].dtype == (torch.bfloat16 if ref.ds4_numerics else torch.float32)
+    with monkeypatch.context() as mp:
+        mp.setattr(tri, "index_bf16", False)
+        ts32 = tri.alloc_state({k: v.shape for k, v in rs.items()}, FILL)
+    assert ts32["index"].dtype == torch.float32
+    for k in rs:
+        tri.state_from_numpy(ts32, k, rs[k])
+    W = wt.layers[il].indexer
+    p0, n = 60, 20  # windows close inside the chunk: the compressor appends rows
+    a = _t(tri, rng.standard_normal((n, cfg.n_embd)).astype(np.float32))
+    qr = _t(tri, rng.standard_normal((n, cfg.q_lora_rank)).astype(np.float32))
+    for st in (ts, ts32):
+        tri.compressor(st, a, W.compressor, p0, il, True)
+    rows = tri.state_to_numpy(ts, "index")
+    assert np.array_equal(rows, tri.state_to_numpy(ts32, "index"))
+    assert rows[p0 // cfg.ratio(il):(p0 + n) // cfg.ratio(il)].any()
+    got = tri.indexer_select(ts, qr, a, W, p0 + n, il)
+    want = tri.indexer_select(ts32, qr, a, W, p0 + n, il)
+    assert np.array_equal(tri.to_numpy(got), tri.to_numpy(want))
+    bad = rows.copy()
+    bad[3, 5] = np.float32(1 + 2 ** -12)  # 13 significant bits
+    if ref.ds4_numerics:
+        with pytest.raises(ValueError, match=r"state index: expected values exact in bfloat16.*1\.000244"):
+            tri.state_from_numpy(ts, "index", bad)
+    else:
+        tri.state_from_numpy(ts, "index", bad)
+        assert tri.state_to_numpy(ts, "index")[3, 5] == bad[3, 5]
 
 
 def test_scores_kernel_counts_keys_and_clears_tickets():

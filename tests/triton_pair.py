@@ -51,7 +51,8 @@ def _t(tri, x, dtype=torch.float32):
 
 
 def _states(ref, tri, cfg, il, ctx=128, rng=None):
-    """The same layer state on both backends, filled with random (f16-exact) values."""
+    """The same layer state on both backends, filled with random (f16-exact) values; the
+    indexer's rows under numerics "ds4" as that numerics makes them (Hadamard + FP4, then f16)."""
     layout = SessionLayout.create(cfg, ctx)
     shapes = layer_state_shapes(cfg, layout, il)
     rs = ref.alloc_state(shapes, FILL)
@@ -59,7 +60,8 @@ def _states(ref, tri, cfg, il, ctx=128, rng=None):
         for k, v in rs.items():
             if k.endswith("_score"):
                 continue
-            v[...] = nx.f16_round(rng.standard_normal(v.shape).astype(np.float32))
+            x = rng.standard_normal(v.shape).astype(np.float32)
+            v[...] = nx.f16_round(nx.indexer_qat(x) if k == "index" and ref.ds4_numerics else x)
     ts = tri.alloc_state(shapes, FILL)
     for k in rs:
         tri.state_from_numpy(ts, k, rs[k])

@@ -98,13 +98,17 @@ def decode_weight_bytes(eng) -> int:
 
 
 def fill_state(session, rng_seed: int = 0) -> None:
-    """Random rows in every state array (f16-exact cache rows, finite frontier scores)."""
+    """Random rows in every state array (f16-exact cache rows, finite frontier scores; the
+    indexer's rows exact in bfloat16 too, as numerics "ds4" makes them, so that index_bf16
+    variants read the same values)."""
     g = torch.Generator(device="cuda").manual_seed(rng_seed)
     for st in session.states.values():
         for name, t in st.items():
             x = torch.randn(t.shape, device="cuda", generator=g)
-            if name in ("raw", "comp", "index"):
+            if name in ("raw", "comp"):
                 x = x.half().float()
+            elif name == "index":
+                x = x.bfloat16().float()
             t.copy_(x)
 
 

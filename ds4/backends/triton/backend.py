@@ -3,8 +3,9 @@ only allocates, holds CUDA graphs and does the little glue of the prefill MoE gr
 
 Weights stay quantized on the device: GGUF blocks, with Q8_0 rows rearranged into 256-value chunks
 (layout.py); the kernels decode them in registers. Activations and
-the session state are float32 torch tensors laid out as ds4/core/state.py says, so
-state_to_numpy / state_from_numpy are exact copies and a session moves between backends.
+the session state are float32 torch tensors laid out as ds4/core/state.py says (the indexer's
+rows in bfloat16 under numerics "ds4", whose values it holds exactly), so state_to_numpy /
+state_from_numpy are exact copies and a session moves between backends.
 
 Four things are backend-internal and invisible to the graph:
 
@@ -186,17 +187,31 @@ class TritonBackend(_LinearOps, _DecodeSteps, _HcOps, _AttentionOps, _MoeOps, Ba
         return QWeight.place(tensor.name, tensor.type, tensor.dims, u8)
 
     def alloc_state(self, shapes, fill):
-        return {k: torch.full(s, float(fill[k]), dtype=torch.float32, device=self.dev)
+        return {k: torch.full(s, float(fill[k]), dtype=self._state_dtype(k), device=self.dev)
                 for k, s in shapes.items()}
 
+    def _state_dtype(self, name: str) -> torch.dtype:
+        """float32, but the indexer's rows in bfloat16 where their values are exact in it
+        (index_bf16 under numerics "ds4")."""
+        return torch.bfloat16 if name == "index" and self.index_bf16 and self.ds4_numerics else torch.float32
+
     def state_to_numpy(self, st, name):
-        return st[name].detach().cpu().numpy().copy()
+        return st[name].detach().float().cpu().numpy().copy()
 
     def state_from_numpy(self, st, name, value):
         value = np.asarray(value)
         if tuple(value.shape) != tuple(st[name].shape):
             raise ValueError(f"state {name}: expected shape {tuple(st[name].shape)}, got {value.shape}")
-        st[name].copy_(torch.from_numpy(np.ascontiguousarray(value, dtype=np.float32)))
+        t = torch.from_numpy(np.ascontiguousarray(value, dtype=np.float32))
+        if st[name].dtype != torch.float32:  # rows this session keeps narrower: only values they hold
+            narrow = t.to(st[name].dtype)
+            bad = (narrow.float() != t) & ~(torch.isnan(t))
+            if bool(bad.any()):
+                i = int(bad.reshape(-1).nonzero()[0])
+                raise ValueError(f"state {name}: expected values exact in {str(st[name].dtype)[6:]} "
+                                 f"(numerics 'ds4' rows), got {float(t.reshape(-1)[i])!r} at flat index {i}")
+            t = narrow
+        st[name].copy_(t)
 
     def from_numpy(self, x):
         return torch.from_numpy(np.ascontiguousarray(x, dtype=np.float32)).to(self.dev)

@@ -134,7 +134,8 @@ class _AttentionOps:
             self._launch(K.idx_score_kernel, (n, _cdiv(cs, BC)), iq, hw, st["index"], scores, self._pos,
                          self._topk_counts, bkt, m, IH, cs, top_k, float(np.float32(np.sqrt(ID * IH))), npr,
                          IHP=max(16, _pow2(IH)), ID=ID, BC=BC, EXACT=self.ds4_numerics, HIST=hist, CAPB=capb, IDP=_pad_dim(ID),
-                         num_warps=self.idx_score_warps, nbytes=4 * n * (cs * ID + IH * ID + cs))
+                         KB16=st["index"].dtype == torch.bfloat16, num_warps=self.idx_score_warps,
+                         nbytes=n * (cs * ID * st["index"].element_size() + 4 * (IH * ID + cs)))
             if self.query_waits_index == "score":
                 self._hold_main()
             idx = self._new((n, top_k), torch.int32)

@@ -101,6 +101,11 @@ class TritonTuning:
     # SwiGLU, instead of the fused gate/up kernel's bf16x3 Q8_0 path
     shared_hl: bool = True
     topk_reg_max: int = 16384  # indexer rows that top-k keeps in registers
+    # numerics "ds4": the indexer's compressed rows (Hadamard + FP4, then f16) and its QAT'd query
+    # hold at most 3 significant bits, so both are exact in bfloat16: the rows are kept in
+    # bfloat16 and the scores are one bf16 tensor-core product, reading half the bytes of
+    # float32 rows and two tf32 products (off: float32 rows, as under numerics "exact")
+    index_bf16: bool = True
     # one-query top-k (decode) from the key counts and buckets the scores kernel makes
     # (idx_score_kernel HIST, topk_one_kernel) instead of bisection passes in one program; the
     # keys a bucket keeps, rows and warps per top-k program

@@ -8,7 +8,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from .common import _dot_f32
+from .common import _INTERP, _dot_f32
 from .rules import rules
 
 
@@ -29,7 +29,8 @@ TOPK_CHUNKS = tl.constexpr(TOPK_START.value + 2)
 @triton.jit
 def idx_score_kernel(iq_ptr, hw_ptr, keys_ptr, out_ptr, pos_ptr, cnt_ptr, bkt_ptr, M, IH, CS, TOPK, hscale, NPT,
                      IHP: tl.constexpr, ID: tl.constexpr, BC: tl.constexpr, EXACT: tl.constexpr,
-                     HIST: tl.constexpr = False, CAPB: tl.constexpr = 1, IDP: tl.constexpr = 0):
+                     HIST: tl.constexpr = False, CAPB: tl.constexpr = 1, IDP: tl.constexpr = 0,
+                     KB16: tl.constexpr = False):
     """score[t, c] = Σ_h hw[t,h]·relu(iq[t,h]·k_c) over the rows c < (p0+t+1)//M.
     HIST (one query, more than TOPK rows visible): also count the scores' order-preserving keys
     by their top 8 bits and their top 14 in cnt_ptr (the layout above), and put (key, row) in
@@ -37,7 +38,10 @@ def idx_score_kernel(iq_ptr, hw_ptr, keys_ptr, out_ptr, pos_ptr, cnt_ptr, bkt_pt
     first CAPB of a bucket), for topk_one_kernel, which reads them and clears the counts; the
     first program clears the start ticket and the chunk counts of its NPT programs (the last
     top-k has ended before this kernel starts; this one's top-k starts after it).
-    IDP: ID padded to a power of two (0: ID is one), the pad zero in both operands."""
+    IDP: ID padded to a power of two (0: ID is one), the pad zero in both operands.
+    KB16: the rows are bfloat16 and the queries exact in it (numerics "ds4": QAT values of at most
+    3 significant bits), so one bf16 product is exact per term, summed in float32 as the tf32
+    pair sums it (the interpreter: its float32 product, as its bf16 one is unusable)."""
     t = tl.program_id(0)
     cb = tl.program_id(1)
     if HIST:
@@ -56,7 +60,14 @@ def idx_score_kernel(iq_ptr, hw_ptr, keys_ptr, out_ptr, pos_ptr, cnt_ptr, bkt_pt
         dm = d[None, :] < ID
         q = tl.load(iq_ptr + (t * IH + h[:, None]).to(tl.int64) * ID + d[None, :], mask=hm[:, None] & dm, other=0.0)
         k = tl.load(keys_ptr + c[:, None].to(tl.int64) * ID + d[None, :], mask=cm[:, None] & dm, other=0.0)
-        s = tl.maximum(_dot_f32(q, tl.trans(k), tl.zeros([IHP, BC], tl.float32), EXACT), 0.0)  # [IHP, BC]
+        s0 = tl.zeros([IHP, BC], tl.float32)
+        if KB16 and not _INTERP:
+            s = tl.dot(q.to(tl.bfloat16), tl.trans(k), s0)
+        elif KB16:
+            s = tl.dot(q, tl.trans(k.to(tl.float32)), s0, input_precision="ieee")
+        else:
+            s = _dot_f32(q, tl.trans(k), s0, EXACT)
+        s = tl.maximum(s, 0.0)  # [IHP, BC]
         hw = tl.load(hw_ptr + t * IH + h, mask=hm, other=0.0) / hscale
         sc = tl.sum(hw[:, None] * s, axis=0) + 0.0  # + 0.0: -0.0 ties +0.0 as in the reference
         tl.store(out_ptr + t.to(tl.int64) * CS + c, sc, mask=cm)
