@@ -8,7 +8,7 @@ import triton
 import triton.language as tl
 from triton.language.extra.cuda import gdc_launch_dependents
 
-from .common import _NEG, _cos, _dot16, _dot_f32, _f16_round, _fp8_rows, _hi_lo, _pow2_scale, _qat_rows, _sin
+from .common import _NEG, _cos_sin, _dot16, _dot_f32, _f16_round, _fp8_rows, _hi_lo, _pow2_scale, _qat_rows
 from .decode import _xq_store
 from .rules import rules
 
@@ -130,9 +130,8 @@ def comp_pool_kernel(kv_ptr, sc_ptr, ape_ptr, skv_ptr, ssc_ptr, nw_ptr, freq_ptr
         k = i - (D - NROT) // 2
         km = ((k >= 0) & im)[None, :]
         theta = (w * M).to(tl.float32) * tl.load(freq_ptr + k, mask=(k >= 0) & im, other=0.0)
-        c = _cos(theta)[None, :]
-        s = _sin(theta)[None, :]
-        ne, no = rules.rope_rotate(xe, xo, c, s)
+        c, s = _cos_sin(theta)
+        ne, no = rules.rope_rotate(xe, xo, c[None, :], s[None, :])
         ne = tl.where(km, ne, xe)
         no = tl.where(km, no, xo)
         y = tl.reshape(tl.join(ne, no), [1, 2 * HD])
@@ -327,9 +326,8 @@ def attn_combine_kernel(mo_ptr, lo_ptr, ao_ptr, sink_ptr, freq_ptr, pos_ptr, out
         km = (k >= 0) & im
         pos = tl.load(pos_ptr) + t
         theta = pos.to(tl.float32) * tl.load(freq_ptr + k, mask=km, other=0.0)
-        c = _cos(theta)
-        s = -_sin(theta)
-        ne, no = rules.rope_rotate(xe, xo, c, s)
+        c, s = _cos_sin(theta)
+        ne, no = rules.rope_rotate(xe, xo, c, -s)
         ne = tl.where(km, ne, xe)
         no = tl.where(km, no, xo)
         xe = ne

@@ -72,20 +72,32 @@ _NEG = tl.constexpr(-1.0e30)  # "minus infinity" for running maxima (exp(_NEG - 
 # small helpers
 
 
-@triton.jit
-def _cos(x):
-    if _INTERP:
-        return tl.cos(x)
-    else:  # accurate range reduction: θ = pos·freq reaches 10⁶ rad
-        return libdevice.cos(x)
+# libdevice's cosf / sinf reduce |x| up to here by a few fused multiply-adds, beyond it by the
+# slow path (Payne-Hanek over the bits of 2/π); RoPE angles pos·freq pass it past position 105615
+FAST_TRIG_LIMIT = tl.constexpr(105615.0)
+_TWO_PI = tl.constexpr(6.283185307179586)
+_INV_TWO_PI = tl.constexpr(0.15915494309189535)
 
 
 @triton.jit
-def _sin(x):
-    if _INTERP:
-        return tl.sin(x)
+def _cos_sin(x):
+    """(cos x, sin x) of float32 angles x (θ = pos·freq: up to 10⁶ rad at long contexts), with an
+    accurate range reduction. Where some |x| of the tensor passes FAST_TRIG_LIMIT the angles are
+    reduced by 2π in float64 (to ~1e-9 rad for |x| < 10⁷) and take float64 cos / sin
+    (libdevice's on a GPU) rounded to float32, instead of every lane waiting on float32's slow
+    path; the interpreter runs the same steps. Below it, float32 libdevice as before."""
+    if tl.max(tl.abs(x)) > FAST_TRIG_LIMIT:  # (the interpreter takes this path too)
+        xd = x.to(tl.float64)
+        r = xd - tl.floor(xd * _INV_TWO_PI + 0.5) * _TWO_PI
+        c = tl.cos(r).to(tl.float32)  # (float64: libdevice's cos / sin, not the approximations)
+        s = tl.sin(r).to(tl.float32)
+    elif _INTERP:
+        c = tl.cos(x)
+        s = tl.sin(x)
     else:
-        return libdevice.sin(x)
+        c = libdevice.cos(x)
+        s = libdevice.sin(x)
+    return c, s
 
 
 @triton.jit

@@ -8,7 +8,7 @@ import triton
 import triton.language as tl
 from triton.language.extra.cuda import gdc_launch_dependents
 
-from .common import T_F16, _cos, _dot_f32, _qat_rows, _sin, _swiglu, _wtile
+from .common import T_F16, _cos_sin, _dot_f32, _qat_rows, _swiglu, _wtile
 from .decode import _xq_store
 from .rules import rules
 
@@ -237,8 +237,9 @@ def rope_kernel(x_ptr, out_ptr, nw_ptr, freq_ptr, pos_ptr, ROWS, eps,
     km = (k >= 0) & im
     pos = tl.load(pos_ptr) + t
     theta = pos.to(tl.float32) * tl.load(freq_ptr + k, mask=km, other=0.0)
-    c = _cos(theta)[None, :]
-    s = _sin(theta)[None, :]
+    c, s = _cos_sin(theta)
+    c = c[None, :]
+    s = s[None, :]
     if INVERSE:
         s = -s
     ne, no = rules.rope_rotate(xe, xo, c, s)
