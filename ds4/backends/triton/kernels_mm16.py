@@ -37,7 +37,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from .kernels.common import _INTERP, _dot16, _f16_lo, _hi_lo, _ld4, _opaque, _pow2_scale, _swiglu, _u8f
+from .kernels.common import _INTERP, _dot16, _f16_lo, _hi_lo, _ld4, _ld_f16, _opaque, _pow2_scale, _swiglu, _u8f
 from .kernels.decode import _iq2_grid_index, _iq2_lut
 from .kernels.decode_rows import _iq2_sign_nibbles
 
@@ -210,7 +210,7 @@ def _iq2_tile(wf, nib, blk, g0, NG: tl.constexpr):
 def _iq2_scale(wh, blk):
     """d/8 of the IQ2_XXS super-blocks blk [BN] (indices from wh [BN], each row's IQ2S scales;
     W = d/8·q)."""
-    return tl.load(wh + blk).to(tl.float16, bitcast=True).to(tl.float32) * 0.125
+    return _ld_f16(wh, 2 * blk, True) * 0.125
 
 
 @triton.jit
