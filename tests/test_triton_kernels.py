@@ -438,6 +438,54 @@ def test_indexer_rows_in_bf16_under_ds4_numerics(pair, rng, monkeypatch):
         assert tri.state_to_numpy(ts, "index")[3, 5] == bad[3, 5]
 
 
+def test_cache_rows_in_f16_under_ds4_numerics(pair, rng, monkeypatch):
+    """Numerics "ds4" keeps the raw window's rows and the compressed attention rows in float16
+    (cache_f16): the rows kv_store and the compressor write are those float32 rows hold, bit for
+    bit, and attention over them gives float32 rows' output, bit for bit, on both product paths,
+    for a decode query and a chunk. A value float16 cannot hold is refused, naming the array and
+    the value, where float32 rows take it."""
+    ref, wr, tri, wt = pair
+    cfg = ref.cfg
+    il = 3  # an HCA layer: every compressed row is read
+    rs, ts = _states(ref, tri, cfg, il, rng=rng)
+    want_dtype = torch.float16 if ref.ds4_numerics else torch.float32
+    assert ts["raw"].dtype == want_dtype and ts["comp"].dtype == want_dtype
+    with monkeypatch.context() as mp:
+        mp.setattr(tri, "cache_f16", False)
+        ts32 = tri.alloc_state({k: v.shape for k, v in rs.items()}, FILL)
+    assert ts32["raw"].dtype == torch.float32 and ts32["comp"].dtype == torch.float32
+    for k in rs:
+        tri.state_from_numpy(ts32, k, rs[k])
+    m = cfg.ratio(il)
+    p0, n = 7 * m - 4, 12  # a window closes inside the chunk: the compressor appends a row
+    a = _t(tri, rng.standard_normal((n, cfg.n_embd)).astype(np.float32))
+    kv = _t(tri, rng.standard_normal((n, cfg.head_dim)).astype(np.float32) * 4)
+    for st in (ts, ts32):
+        tri.kv_store(st, kv, p0)
+        tri.compressor(st, a, wt.layers[il].compressor, p0, il, False)
+    for name in ("raw", "comp"):
+        assert np.array_equal(tri.state_to_numpy(ts, name), tri.state_to_numpy(ts32, name)), name
+    closed = (p0 + n) // m - 1
+    assert not np.array_equal(tri.state_to_numpy(ts, "comp")[closed], rs["comp"][closed])
+    sinks = wt.layers[il].attn_sinks
+    for f16 in (True, False) if ref.ds4_numerics else (False,):
+        monkeypatch.setattr(tri, "attn_f16", f16)
+        for rows in (1, 5):  # the chunk's last positions
+            p = p0 + n - rows
+            q = _t(tri, rng.standard_normal((rows, cfg.n_head, cfg.head_dim)).astype(np.float32) * 3)
+            got, want = (tri.to_numpy(tri.rope(tri.attention(q, st, sinks, p, il, None), p, il, inverse=True))
+                         for st in (ts, ts32))
+            assert np.array_equal(got, want), (f16, rows)
+    bad = tri.state_to_numpy(ts, "raw")
+    bad[3, 5] = np.float32(1 + 2 ** -12)  # 13 significant bits
+    if ref.ds4_numerics:
+        with pytest.raises(ValueError, match=r"state raw: expected values exact in float16.*1\.000244"):
+            tri.state_from_numpy(ts, "raw", bad)
+    else:
+        tri.state_from_numpy(ts, "raw", bad)
+        assert tri.state_to_numpy(ts, "raw")[3, 5] == bad[3, 5]
+
+
 def test_scores_kernel_counts_keys_and_clears_tickets():
     """idx_score_kernel HIST for one query: the scores against numpy, every visible row's key
     counted once by its top 8 bits and once by its top 14 (as _order_key here makes them), each

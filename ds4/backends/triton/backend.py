@@ -2,10 +2,10 @@
 only allocates, holds CUDA graphs and does the little glue of the prefill MoE grouping.
 
 Weights stay quantized on the device: GGUF blocks, with Q8_0 rows rearranged into 256-value chunks
-(layout.py); the kernels decode them in registers. Activations and
-the session state are float32 torch tensors laid out as ds4/core/state.py says (the indexer's
-rows in bfloat16 under numerics "ds4", whose values it holds exactly), so state_to_numpy /
-state_from_numpy are exact copies and a session moves between backends.
+(layout.py); the kernels decode them in registers. Activations and the session state are float32
+torch tensors laid out as ds4/core/state.py says (under numerics "ds4" the indexer's rows in
+bfloat16 and the attention cache rows in float16, which hold their values exactly), so
+state_to_numpy / state_from_numpy are exact copies and a session moves between backends.
 
 Four things are backend-internal and invisible to the graph:
 
@@ -191,9 +191,15 @@ class TritonBackend(_LinearOps, _DecodeSteps, _HcOps, _AttentionOps, _MoeOps, Ba
                 for k, s in shapes.items()}
 
     def _state_dtype(self, name: str) -> torch.dtype:
-        """float32, but the indexer's rows in bfloat16 where their values are exact in it
-        (index_bf16 under numerics "ds4")."""
-        return torch.bfloat16 if name == "index" and self.index_bf16 and self.ds4_numerics else torch.float32
+        """float32, but under numerics "ds4" the rows whose values a narrower type holds exactly:
+        the indexer's in bfloat16 (index_bf16), the raw and compressed attention rows in float16
+        (cache_f16)."""
+        if self.ds4_numerics:
+            if name == "index" and self.index_bf16:
+                return torch.bfloat16
+            if name in ("raw", "comp") and self.cache_f16:
+                return torch.float16
+        return torch.float32
 
     def state_to_numpy(self, st, name):
         return st[name].detach().float().cpu().numpy().copy()

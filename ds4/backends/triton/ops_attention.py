@@ -69,7 +69,7 @@ class _AttentionOps:
         n, D = kv.shape
         raw = st["raw"]
         self._launch(K.kv_store_kernel, (n,), kv, raw, self._pos, raw.shape[0], D=D, NN=self.cfg.n_nope,
-                     DS4=self.ds4_numerics, DP=_pow2(D), num_warps=4, nbytes=8 * n * D)
+                     DS4=self.ds4_numerics, DP=_pow2(D), num_warps=4, nbytes=(4 + raw.element_size()) * n * D)
 
     @_op
     def compressor(self, st, a, w, p0, il, indexer):
@@ -181,7 +181,8 @@ class _AttentionOps:
             self._launch(K.attn_kernel, (n, _cdiv(H, HBp), 1), *common, self._dummy_f, self._dummy_f, out,
                          H, W, raw.shape[0], max(m, 1), cfg.indexer_top_k, 1 << 30, qscale,
                          D=D, HB=HBp, BR=BR, COMP=comp, SEL=sel, SINGLE=True, KEXACT=self.ds4_numerics,
-                         F16=f16, DP=_pad_dim(D), num_warps=warps, num_stages=stages, nbytes=4 * n * (2 * H * D + (W + cfg.indexer_top_k) * D))
+                         F16=f16, DP=_pad_dim(D), num_warps=warps, num_stages=stages,
+                         nbytes=n * (8 * H * D + (W + cfg.indexer_top_k) * D * raw.element_size()))
             return out
         if self._step is not None:
             ncomp = (cfg.indexer_top_k if sel else st["comp"].shape[0]) if comp else 0
@@ -201,7 +202,8 @@ class _AttentionOps:
         self._launch(K.attn_kernel, (n, _cdiv(H, HB), S), *common, mo, lo, ao,
                      H, W, raw.shape[0], max(m, 1), cfg.indexer_top_k, RS, qscale,
                      D=D, HB=HB, BR=ATTN_STEP, COMP=comp, SEL=sel, SINGLE=False, KEXACT=self.ds4_numerics,
-                     F16=f16, DP=_pad_dim(D), num_warps=8, nbytes=4 * ((W + ncomp) * D * _cdiv(H, HB) + 2 * S * H * D))
+                     F16=f16, DP=_pad_dim(D), num_warps=8,
+                     nbytes=(W + ncomp) * D * _cdiv(H, HB) * raw.element_size() + 8 * S * H * D)
         return _AttnParts(mo, lo, ao, S, sinks, il, n, H, D)
 
     def _combine_pairs(self, D: int) -> int:

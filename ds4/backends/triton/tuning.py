@@ -106,6 +106,10 @@ class TritonTuning:
     # bfloat16 and the scores are one bf16 tensor-core product, reading half the bytes of
     # float32 rows and two tf32 products (off: float32 rows, as under numerics "exact")
     index_bf16: bool = True
+    # numerics "ds4": the raw window's rows and the compressed attention rows are f16 values (FP8
+    # simulated, then rounded to f16), so they are kept in float16: attention reads half the
+    # bytes of float32 rows (off: float32 rows, as under numerics "exact")
+    cache_f16: bool = True
     # one-query top-k (decode) from the key counts and buckets the scores kernel makes
     # (idx_score_kernel HIST, topk_one_kernel) instead of bisection passes in one program; the
     # keys a bucket keeps, rows and warps per top-k program

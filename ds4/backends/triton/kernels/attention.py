@@ -16,8 +16,9 @@ from .rules import rules
 @triton.jit
 def kv_store_kernel(kv_ptr, raw_ptr, pos_ptr, RAWCAP, D: tl.constexpr, NN: tl.constexpr, DS4: tl.constexpr,
                     DP: tl.constexpr):
-    """Push K=V rows into the raw ring at (p0 + t) % RAWCAP, FP8-simulated and f16-rounded (ds4).
-    DP: D padded to a power of two, the pad masked."""
+    """Push K=V rows into the raw ring at (p0 + t) % RAWCAP, FP8-simulated and f16-rounded (ds4;
+    the ring may be float16, the store's cast then exact). DP: D padded to a power of two, the
+    pad masked."""
     t = tl.program_id(0)
     c = tl.arange(0, DP)[None, :]
     cm = c < D
@@ -256,11 +257,12 @@ def attn_kernel(q_ptr, raw_ptr, comp_ptr, sel_ptr, cnt_ptr, pos_ptr, sink_ptr,
             rowp = tl.where(is_raw, raw_ptr + raw_row * D, comp_ptr + crow * D)
         else:
             rowp = raw_ptr + raw_row * D
-        k = tl.load(rowp[:, None] + d[None, :], mask=rm[:, None] & dm, other=0.0)
+        k = tl.load(rowp[:, None] + d[None, :], mask=rm[:, None] & dm, other=0.0)  # (float16 or float32 rows)
         if F16:
             k16 = k.to(tl.float16)  # exact: the rows are f16 values
             s = (_dot16(q_hi, q_lo, k16, tl.zeros([HB, BR], tl.float32)) * q_inv[:, None]) / qscale
         else:
+            k = k.to(tl.float32)
             s = _dot_f32(q, tl.trans(k), tl.zeros([HB, BR], tl.float32), KEXACT) / qscale
         s = tl.where(rm[None, :], s, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, axis=1))
