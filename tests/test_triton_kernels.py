@@ -639,12 +639,13 @@ def test_attention_splits_capped(pair, rng, monkeypatch):
     monkeypatch.setattr(tri, "attn_split_rows", 4)
     q = rng.standard_normal((1, cfg.n_head, cfg.head_dim)).astype(np.float32) * 3
     want = ref.attention(q, rs, sinks_r, p0, il, None)
-    for cap, splits in ((1 << 30, 6), (2, 2)):
+    for cap, splits, heads in ((1 << 30, 6, 16), (2, 2, 16), (2, 2, 32)):
         monkeypatch.setattr(tri, "attn_max_splits", cap)
+        monkeypatch.setattr(tri, "attn_decode_heads", heads)  # (heads a program: one group here)
         grids.clear()
         got = tri.to_numpy(tri.attention(_t(tri, q), ts, sinks_t, p0, il, None))
         assert [g[2] for name, g in grids if name == "attn_kernel"] == [splits]
-        assert _rel(got, want) < 1e-5, cap
+        assert _rel(got, want) < 1e-5, (cap, heads)
 
 
 def _check_attention(ref, wr, tri, wt, il, rng):

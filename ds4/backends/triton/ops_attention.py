@@ -168,7 +168,7 @@ class _AttentionOps:
         m = cfg.ratio(il)
         comp = m != 0
         sel = selected is not None
-        HB = 16
+        HB = self.attn_decode_heads
         common = (q, raw, st["comp"] if comp else raw,
                   selected.idx if sel else self._dummy_i, selected.count if sel else self._dummy_i,
                   self._pos, sinks.vec)

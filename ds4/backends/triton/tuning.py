@@ -162,6 +162,9 @@ class TritonTuning:
     # decode RoPE: heads per program (few, so that a token's heads spread over many programs)
     rope_rows_decode: int = 2
     attn_split_rows: int = 32  # decode attention: KV rows per program (attn_combine_kernel merges them)
+    # decode attention: heads per program (a power of two, at least 16 for the tensor cores'
+    # product); each head group reads every row once
+    attn_decode_heads: int = 16
     # decode attention: at most this many programs per head group (longer histories take more
     # rows a program); 20 is what the 640 rows of a CSA layer's top-k and window make at 32 rows
     attn_max_splits: int = 20
