@@ -9,11 +9,12 @@ state_to_numpy / state_from_numpy are exact copies and a session moves between b
 
 Four things are backend-internal and invisible to the graph:
 
-* Lazy ops. `rms_norm`, `head_norm`, `add`, `hc_post` and a decode `attention` return small
-  records instead of launching a kernel; the consumer fuses them (a matrix-vector product
-  normalises its input itself, RoPE normalises the rows it rotates, mHC-expand adds the two FFN
-  outputs, the next mHC collapse of a decode step computes the expand in its mixing kernel, the
-  inverse RoPE merges the attention splits). Anything else materialises them once.
+* Lazy ops. `rms_norm`, `head_norm`, `add`, `hc_post`, a decode `attention` and the RoPE of a
+  normed row return small records instead of launching a kernel; the consumer fuses them (a
+  matrix-vector product normalises its input itself, RoPE normalises the rows it rotates,
+  mHC-expand adds the two FFN outputs, the next mHC collapse of a decode step computes the expand
+  in its mixing kernel, the inverse RoPE merges the attention splits, the KV store rotates the
+  row it stores). Anything else materialises them once.
 * Positions live on the device. Kernels read the chunk's first position from a device scalar and
   decide windows, visibility and ring rows themselves; no op returns data to the host.
 * CUDA graphs. A one-token chunk that `forward_chunk` runs with logits is a decode step: the first
@@ -57,7 +58,7 @@ from .ops_hc import _HcOps
 from .ops_moe import _MoeOps
 from .plumbing import (
     GRID_NIBBLES, QWeight, ROW_UNIT, Selection, _AttnParts, _Combined, _Expanded, _GraphEntry, _HeadNormed,
-    _IQ2_GROUPS, _Lazy, _Normed, _Step, _Sum, _UNNORMED, _UNROLLED_VB, _VALUE_ROLES, _X16_ONLY, _cdiv,
+    _IQ2_GROUPS, _Lazy, _Normed, _Roped, _Step, _Sum, _UNNORMED, _UNROLLED_VB, _VALUE_ROLES, _X16_ONLY, _cdiv,
     _grid_table, _ksign_table, _largest_pow2_divisor, _max_shared, _pow2, check_config,
 )
 from .steps import _DecodeSteps
@@ -325,6 +326,9 @@ class TritonBackend(_LinearOps, _DecodeSteps, _HcOps, _AttentionOps, _MoeOps, Ba
             out = self._combine(x, rope_inverse=False)
         elif isinstance(x, _Combined):
             out = self._combine(x.parts, rope_inverse=True)
+        elif isinstance(x, _Roped):
+            self._set_pos(x.p0)
+            out = self._rope(x.x, x.il, inverse=False)
         elif isinstance(x, _Expanded):
             X = x.X
             n, HC, E = X.shape

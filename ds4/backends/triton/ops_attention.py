@@ -9,7 +9,7 @@ import torch
 from ...core.rules import visible_compressed_rows
 from . import kernels as K
 from .plumbing import (
-    MM_MIN, Selection, _AttnParts, _Combined, _HeadNormed, _Normed, _cdiv, _op, _pad_dim, _pow2,
+    MM_MIN, Selection, _AttnParts, _Combined, _HeadNormed, _Normed, _Roped, _cdiv, _op, _pad_dim, _pow2,
 )
 
 
@@ -23,7 +23,9 @@ TOPK_SUM_BLOCK = 256
 class _AttentionOps:
     """The attention ops of TritonBackend (a mixin: it uses the state TritonBackend.__init__ sets up)."""
 
-    def _rope(self, x, il: int, inverse: bool, qat: bool = False, rows_dim: tuple | None = None):
+    def _rope(self, x, il: int, inverse: bool, qat: bool = False, rows_dim: tuple | None = None, ring=None):
+        """The rotated rows, or with ring (the raw window of one-row x) stored into it as
+        kv_store stores them."""
         norm, nw = 0, self._dummy_f
         if isinstance(x, _HeadNormed) and x.val is None:
             src = self._val(x.x)
@@ -47,12 +49,16 @@ class _AttentionOps:
             else:
                 D = shape[-1]
                 ROWS = int(np.prod(shape[1:-1], dtype=np.int64)) if len(shape) > 2 else 1
-        out = self._new(shape)
+        if ring is not None and (ROWS, D) != (1, ring.shape[1]):
+            raise ValueError(f"rope into the raw window: expected rows of {ring.shape[1]} values, got {shape}")
+        out = self._new(shape) if ring is None else ring
         BR = min(_pow2(ROWS), 16 if n >= MM_MIN else self.rope_rows_decode)
         self._launch(K.rope_kernel, (n, _cdiv(ROWS, BR)), src, out, nw, self._freq[il], self._pos, ROWS,
                      self.cfg.rms_eps, D=D, NROT=self.cfg.n_rot, BR=BR, NORM=norm, INVERSE=inverse,
                      QAT=qat, QS=float(np.float32(1.0 / np.sqrt(D))), LOGD=max(0, D.bit_length() - 1),
-                     HDP=_pow2(D // 2), num_warps=max(1, min(4, BR * D // 256)), nbytes=8 * n * ROWS * D)
+                     HDP=_pow2(D // 2), RING=ring is not None, RAWCAP=1 if ring is None else ring.shape[0],
+                     NN=self.cfg.n_nope, DS4=self.ds4_numerics, num_warps=max(1, min(4, BR * D // 256)),
+                     nbytes=(4 + out.element_size()) * n * ROWS * D)
         return out
 
     @_op
@@ -60,14 +66,19 @@ class _AttentionOps:
         self._set_pos(p0)
         if inverse and isinstance(x, _AttnParts) and x.val is None:
             return _Combined(x)
+        if not inverse and self.fuse_kv_store and isinstance(x, _Normed) and x.val is None and len(x.shape) == 2:
+            return _Roped(x, il, p0)  # (the KV row: kv_store rotates and stores it in one launch)
         return self._rope(x, il, inverse)
 
     @_op
     def kv_store(self, st, kv, p0):
         self._set_pos(p0)
+        raw = st["raw"]
+        if isinstance(kv, _Roped) and kv.val is None and kv.p0 == p0:
+            self._rope(kv.x, kv.il, inverse=False, ring=raw)
+            return
         kv = self._val(kv)
         n, D = kv.shape
-        raw = st["raw"]
         self._launch(K.kv_store_kernel, (n,), kv, raw, self._pos, raw.shape[0], D=D, NN=self.cfg.n_nope,
                      DS4=self.ds4_numerics, DP=_pow2(D), num_warps=4, nbytes=(4 + raw.element_size()) * n * D)
 

@@ -177,6 +177,19 @@ class _Combined(_Lazy):
         return self.parts.shape
 
 
+class _Roped(_Lazy):
+    """A normed row's tail RoPE (rope_kernel), launched when read, or by kv_store, which rotates
+    and stores the KV row into the raw window in one launch."""
+    __slots__ = ("x", "il", "p0")
+
+    def __init__(self, x, il, p0):
+        self.x, self.il, self.p0, self.val = x, il, p0, None
+
+    @property
+    def shape(self):
+        return self.x.shape
+
+
 class _Quantized(_Lazy):
     """A result with its XQ8 form beside it (a product that stored both: matvec_xq_kernel's XQOUT)."""
     __slots__ = ("xq8",)

@@ -131,6 +131,9 @@ class TritonTuning:
     # mHC mixing projections: (the chunk size from which a program takes several tokens, tokens
     # per program); tl.dot needs 16 rows on a GPU
     hc_mix_bt: tuple = (16, 64)
+    # the KV row's RoPE stores it into the raw window itself (kv_store's FP8 and f16 rounding
+    # included) instead of a store kernel reading it back
+    fuse_kv_store: bool = True
     # decode: the mixing kernel of an mHC collapse computes the pending expand (hc_post) itself
     fuse_expand: bool = True
     # decode mHC: K parts of the mixing projections (programs per token), collapse values per

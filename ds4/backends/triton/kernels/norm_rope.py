@@ -8,7 +8,7 @@ import triton
 import triton.language as tl
 from triton.language.extra.cuda import gdc_launch_dependents
 
-from .common import T_F16, _cos_sin, _dot_f32, _qat_rows, _swiglu, _wtile
+from .common import T_F16, _cos_sin, _dot_f32, _f16_round, _fp8_rows, _qat_rows, _swiglu, _wtile
 from .decode import _xq_store
 from .rules import rules
 
@@ -208,12 +208,16 @@ def hc_post_kernel(y_ptr, y2_ptr, x_ptr, post_ptr, comb_ptr, out_ptr, E,
 def rope_kernel(x_ptr, out_ptr, nw_ptr, freq_ptr, pos_ptr, ROWS, eps,
                 D: tl.constexpr, NROT: tl.constexpr, BR: tl.constexpr,
                 NORM: tl.constexpr, INVERSE: tl.constexpr, QAT: tl.constexpr, QS: tl.constexpr,
-                LOGD: tl.constexpr, HDP: tl.constexpr):
+                LOGD: tl.constexpr, HDP: tl.constexpr,
+                RING: tl.constexpr = False, RAWCAP=1, NN: tl.constexpr = 0, DS4: tl.constexpr = False):
     """Tail RoPE (adjacent pairs of the last NROT dims) of rows [n, ROWS, D] at positions p0 + t,
     optionally after a per-row RMSNorm (NORM 1 weighted, 2 unweighted) and followed by the
     indexer's Hadamard + FP4 simulation (QAT: D a power of two). HDP: D / 2 pairs padded to a
     power of two (tl.arange's sizes), the pad masked. A row is loaded and stored whole, then split
-    into its even and odd dims in registers: loads of every other value took each sector twice."""
+    into its even and odd dims in registers: loads of every other value took each sector twice.
+    RING (ROWS 1): out_ptr is the raw window's ring and each row goes to its row (p0 + t) %
+    RAWCAP as kv_store_kernel stores it (DS4: FP8-simulated below NN, then f16-rounded): the KV
+    row's RoPE and store in one launch."""
     t = tl.program_id(0)
     rb = tl.program_id(1)
     HD: tl.constexpr = D // 2
@@ -245,7 +249,15 @@ def rope_kernel(x_ptr, out_ptr, nw_ptr, freq_ptr, pos_ptr, ROWS, eps,
     ne, no = rules.rope_rotate(xe, xo, c, s)
     ne = tl.where(km[None, :], ne, xe)
     no = tl.where(km[None, :], no, xo)
-    if QAT:
+    if RING:
+        y = tl.reshape(tl.join(ne, no), [BR, 2 * HDP])  # (the pad past D is zero)
+        if DS4:
+            if NN > 0:
+                y = _fp8_rows(y, NN)
+            y = _f16_round(y)
+        c = tl.arange(0, 2 * HDP)[None, :]
+        tl.store(out_ptr + (pos % RAWCAP).to(tl.int64) * D + c, y, mask=rm[:, None] & (c < D))
+    elif QAT:
         y = _qat_rows(tl.reshape(tl.join(ne, no), [BR, D]), QS, LOGD)
         tl.store(out_ptr + base[:, None] + tl.arange(0, D)[None, :], y, mask=rm[:, None])
     else:
