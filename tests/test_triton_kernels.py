@@ -471,12 +471,13 @@ def test_kv_row_rotated_into_the_ring(pair, rng, monkeypatch, n, p0):
 def test_cache_rows_in_f16_under_ds4_numerics(pair, rng, monkeypatch):
     """Numerics "ds4" keeps the raw window's rows and the compressed attention rows in float16
     (cache_f16): the rows kv_store and the compressor write are those float32 rows hold, bit for
-    bit, and attention over them gives float32 rows' output, bit for bit, on both product paths,
-    for a decode query and a chunk. A value float16 cannot hold is refused, naming the array and
-    the value, where float32 rows take it."""
+    bit, and attention over them gives float32 rows' output, for a decode query and a chunk: bit
+    for bit on the fp16 product path, within 1e-6 on the tf32 pairs. A value float16 cannot hold
+    is refused, naming the array and the value, where float32 rows take it."""
     ref, wr, tri, wt = pair
     cfg = ref.cfg
     il = 3  # an HCA layer: every compressed row is read
+    monkeypatch.setattr(tri, "cache_f16", True)
     rs, ts = _states(ref, tri, cfg, il, rng=rng)
     want_dtype = torch.float16 if ref.ds4_numerics else torch.float32
     assert ts["raw"].dtype == want_dtype and ts["comp"].dtype == want_dtype
@@ -505,7 +506,10 @@ def test_cache_rows_in_f16_under_ds4_numerics(pair, rng, monkeypatch):
             q = _t(tri, rng.standard_normal((rows, cfg.n_head, cfg.head_dim)).astype(np.float32) * 3)
             got, want = (tri.to_numpy(tri.rope(tri.attention(q, st, sinks, p, il, None), p, il, inverse=True))
                          for st in (ts, ts32))
-            assert np.array_equal(got, want), (f16, rows)
+            if f16:  # the same fp16 operands either way
+                assert np.array_equal(got, want), rows
+            else:  # (a GPU may order the tf32 pairs' sums apart for float16 and float32 loads)
+                assert _rel(got, want) < 1e-6, rows
     bad = tri.state_to_numpy(ts, "raw")
     bad[3, 5] = np.float32(1 + 2 ** -12)  # 13 significant bits
     if ref.ds4_numerics:
