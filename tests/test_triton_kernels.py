@@ -400,6 +400,19 @@ def test_indexer_select_failure_leaves_no_counts(pair, rng, monkeypatch):
     assert np.array_equal(got.mask(want.shape[1]), want)
 
 
+def _check_narrow_refused(tri, ts, name, dtype, narrow):
+    """A value of 13 significant bits into state `name`: refused naming the array, the type and
+    the value where its rows are narrow (`dtype`), taken as it is where they are float32."""
+    bad = tri.state_to_numpy(ts, name)
+    bad[3, 5] = np.float32(1 + 2 ** -12)
+    if narrow:
+        with pytest.raises(ValueError, match=rf"state {name}: expected values exact in {dtype}.*1\.000244"):
+            tri.state_from_numpy(ts, name, bad)
+    else:
+        tri.state_from_numpy(ts, name, bad)
+        assert tri.state_to_numpy(ts, name)[3, 5] == bad[3, 5]
+
+
 def test_indexer_rows_in_bf16_under_ds4_numerics(pair, rng, monkeypatch):
     """Numerics "ds4" keeps the indexer's rows in bfloat16 (index_bf16): the rows its compressor
     writes (Hadamard + FP4, then f16) are those float32 rows hold, bit for bit, and the
@@ -428,14 +441,7 @@ def test_indexer_rows_in_bf16_under_ds4_numerics(pair, rng, monkeypatch):
     got = tri.indexer_select(ts, qr, a, W, p0 + n, il)
     want = tri.indexer_select(ts32, qr, a, W, p0 + n, il)
     assert np.array_equal(tri.to_numpy(got), tri.to_numpy(want))
-    bad = rows.copy()
-    bad[3, 5] = np.float32(1 + 2 ** -12)  # 13 significant bits
-    if ref.ds4_numerics:
-        with pytest.raises(ValueError, match=r"state index: expected values exact in bfloat16.*1\.000244"):
-            tri.state_from_numpy(ts, "index", bad)
-    else:
-        tri.state_from_numpy(ts, "index", bad)
-        assert tri.state_to_numpy(ts, "index")[3, 5] == bad[3, 5]
+    _check_narrow_refused(tri, ts, "index", "bfloat16", ref.ds4_numerics)
 
 
 @pytest.mark.parametrize("n, p0", [(1, 37), (5, 126)], ids=["decode", "chunk-wrapping"])
@@ -510,14 +516,7 @@ def test_cache_rows_in_f16_under_ds4_numerics(pair, rng, monkeypatch):
                 assert np.array_equal(got, want), rows
             else:  # (a GPU may order the tf32 pairs' sums apart for float16 and float32 loads)
                 assert _rel(got, want) < 1e-6, rows
-    bad = tri.state_to_numpy(ts, "raw")
-    bad[3, 5] = np.float32(1 + 2 ** -12)  # 13 significant bits
-    if ref.ds4_numerics:
-        with pytest.raises(ValueError, match=r"state raw: expected values exact in float16.*1\.000244"):
-            tri.state_from_numpy(ts, "raw", bad)
-    else:
-        tri.state_from_numpy(ts, "raw", bad)
-        assert tri.state_to_numpy(ts, "raw")[3, 5] == bad[3, 5]
+    _check_narrow_refused(tri, ts, "raw", "float16", ref.ds4_numerics)
 
 
 def test_scores_kernel_counts_keys_and_clears_tickets():
