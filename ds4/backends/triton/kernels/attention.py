@@ -8,7 +8,7 @@ import triton
 import triton.language as tl
 from triton.language.extra.cuda import gdc_launch_dependents
 
-from .common import _NEG, _cos_sin, _dot16, _dot_f32, _f16_round, _fp8_rows, _hi_lo, _pow2_scale, _qat_rows
+from .common import _NEG, _cache_rows, _cos_sin, _dot16, _dot_f32, _f16_round, _hi_lo, _pow2_scale, _qat_rows
 from .decode import _xq_store
 from .rules import rules
 
@@ -24,9 +24,7 @@ def kv_store_kernel(kv_ptr, raw_ptr, pos_ptr, RAWCAP, D: tl.constexpr, NN: tl.co
     cm = c < D
     x = tl.load(kv_ptr + t.to(tl.int64) * D + c, mask=cm, other=0.0)
     if DS4:
-        if NN > 0:
-            x = _fp8_rows(x, NN)
-        x = _f16_round(x)
+        x = _cache_rows(x, NN)
     row = (tl.load(pos_ptr) + t) % RAWCAP
     tl.store(raw_ptr + row.to(tl.int64) * D + c, x, mask=cm)
 
@@ -137,9 +135,7 @@ def comp_pool_kernel(kv_ptr, sc_ptr, ape_ptr, skv_ptr, ssc_ptr, nw_ptr, freq_ptr
         no = tl.where(km, no, xo)
         y = tl.reshape(tl.join(ne, no), [1, 2 * HD])
         if MODE == 1:
-            if D - NROT > 0:
-                y = _fp8_rows(y, D - NROT)
-            y = _f16_round(y)
+            y = _cache_rows(y, D - NROT)
         elif MODE == 2:
             y = _f16_round(_qat_rows(y, QS, LOGD))
         c = tl.arange(0, 2 * HD)[None, :]

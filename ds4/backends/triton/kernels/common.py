@@ -249,6 +249,15 @@ def _fp8_rows(x, NN: tl.constexpr):
 
 
 @triton.jit
+def _cache_rows(x, NN: tl.constexpr):
+    """Attention cache rows x [R, D] as numerics "ds4" stores them: the FP8 round trip of dims
+    [0, NN), then every value rounded to f16 (spec §3.4 steps 5-6, §3.5)."""
+    if NN > 0:
+        x = _fp8_rows(x, NN)
+    return _f16_round(x)
+
+
+@triton.jit
 def _qat_rows(x, QS: tl.constexpr, LOGD: tl.constexpr):
     """Walsh–Hadamard (butterflies, then ×1/sqrt(d)) + FP4-E2M1 round trip per 32 (spec §3.6)."""
     R: tl.constexpr = x.shape[0]

@@ -8,7 +8,7 @@ import triton
 import triton.language as tl
 from triton.language.extra.cuda import gdc_launch_dependents
 
-from .common import T_F16, _cos_sin, _dot_f32, _f16_round, _fp8_rows, _qat_rows, _swiglu, _wtile
+from .common import T_F16, _cache_rows, _cos_sin, _dot_f32, _qat_rows, _swiglu, _wtile
 from .decode import _xq_store
 from .rules import rules
 
@@ -252,11 +252,9 @@ def rope_kernel(x_ptr, out_ptr, nw_ptr, freq_ptr, pos_ptr, ROWS, eps,
     if RING:
         y = tl.reshape(tl.join(ne, no), [BR, 2 * HDP])  # (the pad past D is zero)
         if DS4:
-            if NN > 0:
-                y = _fp8_rows(y, NN)
-            y = _f16_round(y)
-        c = tl.arange(0, 2 * HDP)[None, :]
-        tl.store(out_ptr + (pos % RAWCAP).to(tl.int64) * D + c, y, mask=rm[:, None] & (c < D))
+            y = _cache_rows(y, NN)
+        col = tl.arange(0, 2 * HDP)[None, :]
+        tl.store(out_ptr + (pos % RAWCAP).to(tl.int64) * D + col, y, mask=rm[:, None] & (col < D))
     elif QAT:
         y = _qat_rows(tl.reshape(tl.join(ne, no), [BR, D]), QS, LOGD)
         tl.store(out_ptr + base[:, None] + tl.arange(0, D)[None, :], y, mask=rm[:, None])
