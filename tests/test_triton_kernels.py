@@ -515,7 +515,7 @@ def test_cache_rows_in_f16_under_ds4_numerics(pair, rng, monkeypatch):
             if f16:  # the same fp16 operands either way
                 assert np.array_equal(got, want), rows
             else:  # (a GPU may order the tf32 pairs' sums apart for float16 and float32 loads)
-                assert _rel(got, want) < 1e-6, rows
+                assert _rel(got, want) < 1e-5, rows
     _check_narrow_refused(tri, ts, "raw", "float16", ref.ds4_numerics)
 
 
