@@ -478,7 +478,7 @@ def test_cache_rows_in_f16_under_ds4_numerics(pair, rng, monkeypatch):
     """Numerics "ds4" keeps the raw window's rows and the compressed attention rows in float16
     (cache_f16): the rows kv_store and the compressor write are those float32 rows hold, bit for
     bit, and attention over them gives float32 rows' output, for a decode query and a chunk: bit
-    for bit on the fp16 product path, within 1e-6 on the tf32 pairs. A value float16 cannot hold
+    for bit on the fp16 product path, within 1e-5 on the tf32 pairs. A value float16 cannot hold
     is refused, naming the array and the value, where float32 rows take it."""
     ref, wr, tri, wt = pair
     cfg = ref.cfg
