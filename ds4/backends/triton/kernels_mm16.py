@@ -181,15 +181,15 @@ def _iq2_tile(wf, nib, blk, g0, NG: tl.constexpr, tab=0, LUT_SMEM: tl.constexpr 
     W = d/8·q (d: _iq2_scale), columns in _tile_k's order.
 
     Block: f16 d, then 8 groups of 32 values = 4 grid-index bytes + u32 aux (4 × 7 sign-index
-    bits, interleaved in IQ2S; ls in the top 4). Per grid entry (8 values) one 32-bit lookup gives its 8 level codes
-    as nibbles (nib: 1 KB, 8 cache lines for a warp's scattered lookups); the signs are computed
-    (_iq2_signs) and join the codes, and a byte permute per 4 values turns them into
-    128 ± level (_iq2_lut), which become (2·ls + 1)·level·sign in fp16 (_u8x4_f16). A thread
-    decodes whole groups: its 32 values are contiguous in K. (The group axis leads the work
-    tensors [NG, BN]: Triton then lays threads along K first, and the tile reaches shared memory
-    K-major, in 16-byte stores.) A group's grid-index and aux words come in one 8-byte load.
-    LUT_SMEM: the lookups gather from tab (the 256 entries, loaded once per program) through shared
-    memory instead."""
+    bits, interleaved in IQ2S; ls in the top 4). Per grid entry (8 values) one 32-bit lookup
+    gives its 8 level codes as nibbles (nib: 1 KB, 8 cache lines for a warp's scattered lookups);
+    the signs are computed (_iq2_signs) and join the codes, and a byte permute per 4 values turns
+    them into 128 ± level (_iq2_lut), which become (2·ls + 1)·level·sign in fp16 (_u8x4_f16). A
+    thread decodes whole groups: its 32 values are contiguous in K. (The group axis leads the
+    work tensors [NG, BN]: Triton then lays threads along K first, and the tile reaches shared
+    memory K-major, in 16-byte stores.) A group's grid-index and aux words come in one 8-byte
+    load. LUT_SMEM: the lookups gather from tab (the 256 entries, loaded once per program)
+    through shared memory instead."""
     BN: tl.constexpr = blk.shape[0]
     gw = blk[None, :].to(tl.int64) * 8 + (g0 + tl.arange(0, NG))[:, None]  # [NG, BN]: 8 bytes a group
     ga = tl.load(wf[None, :] + _opaque(gw))  # (_opaque: the load keeps the tile's layout)
