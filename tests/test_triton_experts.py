@@ -22,7 +22,7 @@ from gguf.constants import GGMLQuantizationType  # noqa: E402
 
 from ds4.backends.reference.backend import ReferenceBackend  # noqa: E402
 from ds4.backends.triton.backend import TritonBackend, _grid_table  # noqa: E402
-from ds4.backends.triton.layout import Q8C, q8_chunks  # noqa: E402
+from ds4.backends.triton.layout import Q8C, iq2_split, q8_chunks  # noqa: E402
 from ds4.backends.triton.plumbing import MM_MIN  # noqa: E402
 from ds4.core.gguf_model import Tensor  # noqa: E402
 from ds4.core.quants import GGMLType as T  # noqa: E402
@@ -413,16 +413,8 @@ def test_weights_stay_quantized(pair, model):
         chunked = src.type == T.Q8_0 and src.dims[0] % 256 == 0
         assert got.kt == (Q8C if chunked else int(src.type)), name
         want = q8_chunks(raw, src.dims[0]) if chunked else raw
-        if src.type == T.IQ2_XXS:  # blocks d | qs[64] -> all qs (sign indices interleaved), then all d
-            blocks = raw.reshape(-1, 66)
-            qs = blocks[:, 2:].numpy().copy()
-            aux = qs.view(np.uint32)[:, 1::2].astype(np.int64)  # each group's u32 (after its grid word)
-            spread = aux & 0xF0000000  # the scale stays; bit 7·e + i of the signs goes to 4·i + e
-            for e in range(4):
-                for i in range(7):
-                    spread |= ((aux >> (7 * e + i)) & 1) << (4 * i + e)
-            qs.view(np.uint32)[:, 1::2] = spread.astype(np.uint32)
-            want = torch.cat([torch.from_numpy(qs).reshape(-1), blocks[:, :2].reshape(-1)])
+        if src.type == T.IQ2_XXS:  # all qs (sign indices interleaved), then all d: test_triton_layout's bytes
+            want = iq2_split(raw)
         if src.type == T.Q2_K:  # blocks scales[16] | qs[64] | d | dmin -> all qs, all scales, all (d, dmin)
             blocks = raw.reshape(-1, 84)
             want = torch.cat([blocks[:, 16:80].reshape(-1), blocks[:, :16].reshape(-1), blocks[:, 80:].reshape(-1)])
