@@ -253,7 +253,11 @@ def _route(logit_ptr, t, NE, bias_ptr, tid_ptr, tok_ptr, scale, KSEL: tl.constex
             key = tl.where(idx == i, _PICKED, key)
         w = tl.sum(tl.where(idx[None, :] == ids[:, None], p[None, :], 0.0), axis=1)
         w = tl.where(km, w, 0.0)
-    tot = tl.sum(w, axis=0)
+    # the selected scores' sum in slot order, so that every program shape (a one-warp router_kernel,
+    # a gate/up program of several warps) adds them alike (each term extracted exactly)
+    tot = tl.sum(tl.where(kk == 0, w, 0.0), axis=0)
+    for j in tl.static_range(1, KSEL):
+        tot += tl.sum(tl.where(kk == j, w, 0.0), axis=0)
     return ids, rules.router_scale(w, tot, scale)
 
 
