@@ -53,17 +53,20 @@ def test_router_hash_and_topk(pair, rng):
             assert _rel(tri.to_numpy(tw), w) < 1e-5
 
 
-@pytest.mark.parametrize("n", [1, 3], ids=["decode", "few"])
+@pytest.mark.parametrize("n", [1, 2], ids=["decode", "few"])
 def test_gateup_routes_itself(pair, n, rng):
     """A router op held back (decode) and the routed experts behind it: the gate/up routes each
     token itself from the logits (moe_gateup_mv_kernel ROUTE; no router_kernel launch) and stores
-    the ids and weights that the down reads. Hash layer 0 and top-k layer 4 (with bias): the
-    output against the reference's router and experts, and the stored ids and weights against
-    the reference's and bit for bit against router_kernel's (route_in_gateup off)."""
+    the ids and weights that the down reads. Hash layer 0 and top-k layer 4 (with bias) for one
+    token, the top-k layer for two: the output against the reference's router and experts, and
+    the stored ids and weights against the reference's and bit for bit against router_kernel's
+    (route_in_gateup off)."""
     ref, wr, tri, wt = pair
+    if n > 1 and not ref.ds4_numerics:
+        pytest.skip("the routing is the same under both numerics; one token covers 'exact'")
     cfg = ref.cfg
     tokens = rng.integers(0, cfg.n_vocab, n)
-    for il in (0, 4):
+    for il in ((0, 4) if n == 1 else (4,)):
         L_r, L_t = wr.layers[il], wt.layers[il]
         f = rng.standard_normal((n, cfg.n_embd)).astype(np.float32)
         ids, w = ref.router(f, L_r.ffn_gate_inp, L_r.exp_probs_b, L_r.tid2eid, tokens, il)
