@@ -331,7 +331,7 @@ class TritonBackend(_LinearOps, _DecodeSteps, _HcOps, _AttentionOps, _MoeOps, Ba
             out = self._rope(x.x, x.il, inverse=False)
         elif isinstance(x, _Routed):
             self._route(x.routing)
-            return x.val
+            out = x.buf
         elif isinstance(x, _Expanded):
             X = x.X
             n, HC, E = X.shape

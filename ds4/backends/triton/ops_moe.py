@@ -103,9 +103,8 @@ class _MoeOps:
         (_xq), h from the gate/up's own tiles. ids and weights still held back by the router op
         (_Routed) are computed by the gate/up itself."""
         E, F = gate.K, gate.N
-        route = ids.routing if isinstance(ids, _Routed) and ids.val is None else None
-        if route is not None and (wts is not route.parts[1] or route.ids.shape != (n, k)):
-            route = None
+        # (fused only when both halves of one held-back router op come here together)
+        route = ids.routing if isinstance(ids, _Routed) and ids.val is None and wts is ids.routing.parts[1] else None
         ids, wts = (route.ids, route.weights) if route is not None else (self._val(ids), self._val(wts))
         cg = self._mv_cfg(gate.kt, F, E, n * k, kind="gateup", xq=E % 32 == 0 and up.kt == gate.kt)
         xq = self._xq(f) if cg["TYPE"] == Decoder.IQ2_GROUPS_XQ else None  # (before _val: the norm's kernel writes both)
