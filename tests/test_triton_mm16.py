@@ -139,11 +139,9 @@ def test_split_is_exact_to_float32(tri, rng):
     assert not xh[0].any() and not xl[0].any()
 
 
-@pytest.mark.parametrize("lut_smem", [False, True])
-def test_gateup_iq2xxs(tri, rng, lut_smem):
+def test_gateup_iq2xxs(tri, rng):
     """h[a] = w_a·swiglu(gate_e·x[t], up_e·x[t]) for expert-sorted assignments, F not a multiple
-    of the row block; a huge clamp so the products themselves are compared. lut_smem: the grid
-    lookups through the L1 or from shared memory (moe16_lut_smem)."""
+    of the row block; a huge clamp so the products themselves are compared."""
     NE, F, E, n, k = 4, 96, 512, 33, 3
     gate, G = _experts(tri, T.IQ2_XXS, E, F, NE, rng)
     up, U = _experts(tri, T.IQ2_XXS, E, F, NE, rng)
@@ -161,7 +159,7 @@ def test_gateup_iq2xxs(tri, rng, lut_smem):
     nib = tri._grid_nibbles
     tri._launch(K16.moe_gateup_mm16_kernel, (T_, _cdiv(F, BN)), xh, xl, xi, tok, wsort, te, tr0, tend,
                 gate.i16, up.i16, gate.f32, up.f32, nib, h, F, E, gate.RB, F * gate.RB, clamp,
-                BM=tri.moe16_bm, BN=BN, KS=KS, ROUTED=True, LUT_SMEM=lut_smem, num_warps=warps, num_stages=stages)
+                BM=tri.moe16_bm, BN=BN, KS=KS, ROUTED=True, num_warps=warps, num_stages=stages)
     t, e = order // k, ids.reshape(-1)[order]
     x64 = x.astype(np.float64)[t]
     g = np.einsum("afk,ak->af", G[e], x64)

@@ -175,21 +175,19 @@ def split16_kernel(x_ptr, sx, xh_ptr, xl_ptr, xi_ptr, gh_ptr, gl_ptr, R, K,
 
 
 @triton.jit
-def _iq2_tile(wf, nib, blk, g0, NG: tl.constexpr, tab=0, LUT_SMEM: tl.constexpr = False):
+def _iq2_tile(wf, nib, blk, g0, NG: tl.constexpr):
     """Groups [g0, g0 + NG) of the IQ2_XXS super-blocks blk [BN] (indices from wf [BN], each
     row's IQ2S quant words as 8-byte units: layout.py) -> the integers q [BN, 32·NG] fp16 of
     W = d/8·q (d: _iq2_scale), columns in _tile_k's order.
 
     Block: f16 d, then 8 groups of 32 values = 4 grid-index bytes + u32 aux (4 × 7 sign-index
-    bits, interleaved in IQ2S; ls in the top 4). Per grid entry (8 values) one 32-bit lookup
-    gives its 8 level codes as nibbles (nib: 1 KB, 8 cache lines for a warp's scattered lookups);
-    the signs are computed (_iq2_signs) and join the codes, and a byte permute per 4 values turns
-    them into 128 ± level (_iq2_lut), which become (2·ls + 1)·level·sign in fp16 (_u8x4_f16). A
-    thread decodes whole groups: its 32 values are contiguous in K. (The group axis leads the
-    work tensors [NG, BN]: Triton then lays threads along K first, and the tile reaches shared
-    memory K-major, in 16-byte stores.) A group's grid-index and aux words come in one 8-byte
-    load. LUT_SMEM: the lookups gather from tab (the 256 entries, loaded once per program)
-    through shared memory instead."""
+    bits, interleaved in IQ2S; ls in the top 4). Per grid entry (8 values) one 32-bit lookup gives its 8 level codes
+    as nibbles (nib: 1 KB, 8 cache lines for a warp's scattered lookups); the signs are computed
+    (_iq2_signs) and join the codes, and a byte permute per 4 values turns them into
+    128 ± level (_iq2_lut), which become (2·ls + 1)·level·sign in fp16 (_u8x4_f16). A thread
+    decodes whole groups: its 32 values are contiguous in K. (The group axis leads the work
+    tensors [NG, BN]: Triton then lays threads along K first, and the tile reaches shared memory
+    K-major, in 16-byte stores.) A group's grid-index and aux words come in one 8-byte load."""
     BN: tl.constexpr = blk.shape[0]
     gw = blk[None, :].to(tl.int64) * 8 + (g0 + tl.arange(0, NG))[:, None]  # [NG, BN]: 8 bytes a group
     ga = tl.load(wf[None, :] + _opaque(gw))  # (_opaque: the load keeps the tile's layout)
@@ -198,11 +196,7 @@ def _iq2_tile(wf, nib, blk, g0, NG: tl.constexpr, tab=0, LUT_SMEM: tl.constexpr 
     mul = _u8f(2 * ((aux >> 28) & 15) + 1)[:, :, None, None]  # 2·ls + 1, per group
     gi = _join4(_iq2_grid_index(gq, 0), _iq2_grid_index(gq, 1), _iq2_grid_index(gq, 2),
                 _iq2_grid_index(gq, 3))  # [NG, BN, 2, 2]: the 4 entries
-    if LUT_SMEM:  # one gather from the table in shared memory (its 4 B entries: ~3-way bank conflicts)
-        lv = tl.reshape(tl.gather(tab, tl.reshape(gi, [NG * BN * 4]), 0), [NG, BN, 2, 2])
-    else:  # through the L1: a warp's lookups touch up to 8 of the table's lines
-        lv = tl.load(nib + gi)
-    sel = lv | _join4(_iq2_signs(aux, 0), _iq2_signs(aux, 1), _iq2_signs(aux, 2), _iq2_signs(aux, 3))
+    sel = tl.load(nib + gi) | _join4(_iq2_signs(aux, 0), _iq2_signs(aux, 1), _iq2_signs(aux, 2), _iq2_signs(aux, 3))
     a0, a1, a2, a3 = _u8x4_f16(_iq2_lut(sel), mul, 128)  # values 0-3 of each entry
     a4, a5, a6, a7 = _u8x4_f16(_iq2_lut(sel >> 16), mul, 128)
     q = _join8(a0, a1, a2, a3, a4, a5, a6, a7)
@@ -315,14 +309,14 @@ def _tile_rows(tok_ptr, tile_e_ptr, tile_r0_ptr, tile_end_ptr, tile, BM: tl.cons
 def moe_gateup_mm16_kernel(xh_ptr, xl_ptr, xi_ptr, tok_ptr, wts_ptr, tile_e_ptr, tile_r0_ptr, tile_end_ptr,
                            gh, uh, gf, uf, nib, h_ptr, F, K, RB, EXP_BYTES, clamp,
                            BM: tl.constexpr, BN: tl.constexpr, KS: tl.constexpr, ROUTED: tl.constexpr,
-                           LO: tl.constexpr = True, LUT_SMEM: tl.constexpr = False):
+                           LO: tl.constexpr = True):
     """Prefill gate/up in IQ2_XXS for one tile of assignments and BN rows:
     h[a, r] = w_a · swiglu(gate_e[r]·x[tok_a], up_e[r]·x[tok_a]), x given split by
     split16_kernel; gh / uh, gf / uf: the IQ2S scales and quant words of gate and up. Per super-block
     the scales d/8 and 1/s combine once; its 256 values go in K-steps of KS (a divisor of 256).
     Gate's BN rows and up's are one [2·BN, KS] operand: each tensor-core product of N = 2·BN
     reads the x tile from shared memory once for both weights, where two products of N = BN
-    read it twice. LUT_SMEM: the grid lookups from shared memory (_iq2_tile)."""
+    read it twice."""
     tile = tl.program_id(0)
     pn = tl.program_id(1)
     e, a, am, tok = _tile_rows(tok_ptr, tile_e_ptr, tile_r0_ptr, tile_end_ptr, tile, BM, ROUTED)
@@ -336,7 +330,6 @@ def moe_gateup_mm16_kernel(xh_ptr, xl_ptr, xi_ptr, tok_ptr, wts_ptr, tile_e_ptr,
         ws = tl.where(up, uh + eb, gh + eb)
         rb = tl.minimum(pn * BN + tl.arange(0, 2 * BN) % BN, F - 1) * NS  # first blocks (32-bit)
         xo = tok[:, None] * K + _tile_k(KS)[None, :]
-        tab = tl.load(nib + tl.arange(0, 256)) if LUT_SMEM else 0
         acc = tl.zeros([BM, 2 * BN], tl.float32)
         for sb in range(0, NS):
             blk = rb + sb
@@ -346,7 +339,7 @@ def moe_gateup_mm16_kernel(xh_ptr, xl_ptr, xi_ptr, tok_ptr, wts_ptr, tile_e_ptr,
                 k0 = sb * 256 + part * KS
                 xh = tl.load(xh_ptr + xo + k0)
                 xl = tl.load(xl_ptr + xo + k0) if LO else xh
-                p = _dot16(xh, xl, _iq2_tile(wq, nib, blk, part * (KS // 32), KS // 32, tab, LUT_SMEM), p, LO)
+                p = _dot16(xh, xl, _iq2_tile(wq, nib, blk, part * (KS // 32), KS // 32), p, LO)
             inv = tl.load(xi_ptr + tok * NS + sb)[:, None]
             acc += p * (inv * _iq2_scale(ws, blk)[None, :])
         acc_g, acc_u = tl.split(tl.permute(tl.reshape(acc, [BM, 2, BN]), (0, 2, 1)))

@@ -212,7 +212,7 @@ class _MoeOps:
             self._launch(K16.moe_gateup_mm16_kernel, (T, _cdiv(F, BN)), xh, xl, xi, tok_sorted, w_sorted,
                          tile_e, tile_r0, tile_end, gate.i16, up.i16, gate.f32, up.f32, nib, h, F, E,
                          gate.RB, F * gate.RB, float(clamp), BM=BM, BN=BN, KS=KS, ROUTED=True, LO=self._x_lo,
-                         LUT_SMEM=self.moe16_lut_smem, num_warps=warps, num_stages=stages,
+                         num_warps=warps, num_stages=stages,
                          flops=4 * n * k * F * E, nbytes=2 * gate.nbytes + 4 * n * k * (E + F))
         else:
             BN, warps = self.moe_tile["gateup"]

@@ -75,8 +75,6 @@ class TritonTuning:
     moe_int16: bool = True
     moe16_bm: int = 64
     moe16_tile: Mapping = field(default_factory=lambda: {"gateup": (64, 128, 4, 1), "down": (64, 128, 4, 1)})
-    # the gate/up's IQ2_XXS grid lookups gathered from shared memory (off: loads through the L1)
-    moe16_lut_smem: bool = False
     # "f16" precision, Q8C and F16 linears: x in fp16 once per product (x16_kernel) and the Q8C
     # weights folded to fp16 as they load (matmul_f16w_kernel), one float32 accumulator over K.
     # Rows of x, rows of W, K-step (a divisor of 256), row tiles of x per W tile, warps, stages;
