@@ -21,7 +21,7 @@ from ds4.core.atomic import atomic_file, signals_unwind
 
 from .tp import (DEFAULT_GATE_TIMEOUT_MS, DEFAULT_TP_WAIT_S, DebugHashOption, GateTimeoutOption,
                  TpLeader, TpListenOption, TpTransportOption, TpWaitOption)
-from .wire_options import AuthTokenFileOption
+from .wire_options import AuthTokenFileOption, TlsCaOption, TlsCertOption, TlsKeyOption
 from .common import (CLIError, check_prefill_cap, err, fail, human_bytes, library_errors, open_engine, out,
                      progress_callback, resolve_model)
 from .options import BackendName, ModelOption, NumericsOption, PrefillCapOption, check_range
@@ -92,6 +92,9 @@ def bench(
     debug_hash: DebugHashOption = False,
     tp_wait: TpWaitOption = DEFAULT_TP_WAIT_S,
     auth_token_file: AuthTokenFileOption = None,
+    tls_cert: TlsCertOption = None,
+    tls_key: TlsKeyOption = None,
+    tls_ca: TlsCaOption = None,
 ) -> None:
     from ds4 import bench as lib
     from ds4.bench_plot import group_rows, plot_bench
@@ -156,7 +159,7 @@ def bench(
         sink.flush()
         tp = TpLeader.of(tp_listen, tp_transport, gate_timeout_ms, debug_hash, tp_wait)
         runs = _run_all(names, model, numerics, ctx_max, gen_tokens, points, prefill_cap, warmup,
-                        repeat, sink, table_console, tp, auth_token_file)
+                        repeat, sink, table_console, tp, auth_token_file, (tls_cert, tls_key, tls_ca))
 
     if len(runs) > 1:
         _print_ratios(table_console, names, runs)
@@ -169,7 +172,8 @@ def bench(
 
 
 def _run_all(names, model, numerics, ctx_max, gen_tokens, points, prefill_cap, warmup, repeat,
-             sink, table_console, tp: TpLeader | None = None, auth_token_file=None) -> list[list]:
+             sink, table_console, tp: TpLeader | None = None, auth_token_file=None,
+             tls_files: tuple = (None, None, None)) -> list[list]:
     """Each backend in turn, a CSV row written as soon as it is measured. `tp`: run the one
     backend as rank 0 of a tensor-parallel pair."""
     from ds4 import bench as lib
@@ -177,7 +181,8 @@ def _run_all(names, model, numerics, ctx_max, gen_tokens, points, prefill_cap, w
     runs: list[list] = []
     for name in names:
         if tp is not None:
-            eng = tp.open(model, name, numerics, ctx=ctx_max + gen_tokens, auth_token_file=auth_token_file)
+            eng = tp.open(model, name, numerics, ctx=ctx_max + gen_tokens, auth_token_file=auth_token_file,
+                          tls_files=tls_files)
         else:
             eng = open_engine(model, name, numerics)
         with library_errors():

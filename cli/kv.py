@@ -23,14 +23,13 @@ from .tp import (DEFAULT_GATE_TIMEOUT_MS, DEFAULT_TP_WAIT_S, DebugHashOption, Ga
                  TpLeader, TpListenOption, TpTransportOption, TpWaitOption)
 from .common import (CLIError, check_prefill_cap, err, human_bytes, library_errors, open_engine, out, rate,
                      resolve_model, stream_reply)
-from .wire_options import (AuthTokenFileOption, AuthTokenOption, IoTimeoutOption, TlsCaOption,
-                           TlsCertOption, TlsKeyOption, client_tls, server_tls, warn, warn_exposed,
-                           wire_token)
+from .wire_options import (DEFAULT_IO_TIMEOUT, AuthTokenFileOption, AuthTokenOption, IoTimeoutOption,
+                           TlsCaOption, TlsCertOption, TlsKeyOption, client_tls, server_tls, warn,
+                           warn_exposed, wire_token)
 from .options import (MAX_SEED, BackendOption, CtxOption, MinPOption, ModelOption, NoThinkOption,
                       NumericsOption, PrefillCapOption, SeedOption, SystemOption, TempOption, TokensOption,
                       TopKOption, TopPOption, check_range)
 
-DEFAULT_IO_TIMEOUT = 120.0
 KV_TEMP_PREFIX = "ds4-kv-"  # a received or to-be-sent payload waits in such a temporary directory
 
 # ---- options ------------------------------------------------------------------------------------
@@ -146,7 +145,8 @@ def prefill(
             prompt = sys.stdin.read()
     tp = TpLeader.of(tp_listen, tp_transport, gate_timeout_ms, debug_hash, tp_wait)
     eng = (tp.open(model, backend, numerics, ctx=ctx, auth_token=auth_token, auth_token_file=auth_token_file,
-                   io_timeout=io_timeout) if tp else open_engine(model, backend, numerics))
+                   io_timeout=io_timeout, tls_files=(tls_cert, tls_key, tls_ca))
+           if tp else open_engine(model, backend, numerics))
     with library_errors():
         if ctx > eng.config.context_length:
             raise CLIError(f"--ctx {ctx} is more than the model's context_length "
@@ -246,7 +246,8 @@ def decode(
         tls = server_tls(tls_cert, tls_key, tls_ca) if recv_kv is not None else None
     tp = TpLeader.of(tp_listen, tp_transport, gate_timeout_ms, debug_hash, tp_wait)
     eng = (tp.open(model, backend, numerics, ctx=ctx, auth_token=auth_token, auth_token_file=auth_token_file,
-                   io_timeout=io_timeout) if tp else open_engine(model, backend, numerics))
+                   io_timeout=io_timeout, tls_files=(tls_cert, tls_key, tls_ca))
+           if tp else open_engine(model, backend, numerics))
     tok = eng.tokenizer
     from ds4.core.atomic import temp_dir
 

@@ -29,7 +29,7 @@ from . import bench, chat, kv, pipe, serve, tp
 from .pipe import LayersOption, SplitNextOption, open_split_engine
 from .tp import (DEFAULT_GATE_TIMEOUT_MS, DEFAULT_TP_WAIT_S, DebugHashOption, GateTimeoutOption,
                  TpLeader, TpListenOption, TpTransportOption, TpWaitOption)
-from .wire_options import (AuthTokenFileOption, AuthTokenOption, IoTimeoutOption, TlsCaOption,
+from .wire_options import (DEFAULT_IO_TIMEOUT, AuthTokenFileOption, AuthTokenOption, IoTimeoutOption, TlsCaOption,
                            TlsCertOption, TlsKeyOption)
 from .common import (CLIError, rate, stream_reply, err, human_bytes, library_errors, open_engine, out, print_error,
                      print_field, progress_callback, resolve_model, check_prefill_cap)
@@ -257,7 +257,7 @@ def generate(
     layers: LayersOption = None,
     auth_token_file: AuthTokenFileOption = None,
     auth_token: AuthTokenOption = None,
-    io_timeout: IoTimeoutOption = 120.0,
+    io_timeout: IoTimeoutOption = DEFAULT_IO_TIMEOUT,
     tls_cert: TlsCertOption = None,
     tls_key: TlsKeyOption = None,
     tls_ca: TlsCaOption = None,

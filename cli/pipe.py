@@ -22,7 +22,7 @@ import typer
 
 from .common import CLIError, choose_backend, library_errors, resolve_model
 from .options import BackendOption, CtxOption, ModelOption, NumericsOption, check_range
-from .wire_options import (AuthTokenFileOption, AuthTokenOption, IoTimeoutOption, TlsCaOption,
+from .wire_options import (DEFAULT_IO_TIMEOUT, AuthTokenFileOption, AuthTokenOption, IoTimeoutOption, TlsCaOption,
                            TlsCertOption, TlsKeyOption, client_tls, server_tls, warn_exposed,
                            wire_token)
 
@@ -45,7 +45,7 @@ MaxConnsOption = Annotated[int, typer.Option(
 def open_split_engine(model: Path | None, backend: str, numerics: str, split_next: str,
                       layers: str | None, *, ctx: int | None = None, slots: int = 1,
                       snapshots: int = 0, sampling=None, auth_token: str | None = None,
-                      auth_token_file: Path | None = None, io_timeout: float = 120.0,
+                      auth_token_file: Path | None = None, io_timeout: float = DEFAULT_IO_TIMEOUT,
                       tls_files: tuple = (None, None, None), connect: bool = True,
                       announce: bool = True):
     """The head of a pipeline split, for `generate --split-next HOST:PORT --layers 0:A`.
@@ -109,7 +109,7 @@ def pipe_worker(
     next_stage: Annotated[Optional[str], typer.Option(
         "--next", metavar="HOST:PORT", show_default=False,
         help="The next stage (required unless B is the model's layer count).")] = None,
-    io_timeout: IoTimeoutOption = 120.0,
+    io_timeout: IoTimeoutOption = DEFAULT_IO_TIMEOUT,
     idle_timeout: Annotated[float, typer.Option(
         "--idle-timeout", metavar="SECONDS", callback=check_range(0.0, lo_open=True),
         help="Close a client connection that sends no frame for this long.")] = 3600.0,

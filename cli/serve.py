@@ -27,7 +27,8 @@ from .options import BackendOption, CtxOption, ModelOption, NumericsOption, Pref
 from .pipe import LayersOption, SplitNextOption, open_split_engine
 from .tp import (DEFAULT_GATE_TIMEOUT_MS, DEFAULT_TP_WAIT_S, DebugHashOption, GateTimeoutOption,
                  TpLeader, TpListenOption, TpTransportOption, TpWaitOption)
-from .wire_options import AuthTokenFileOption, AuthTokenOption
+from .wire_options import (DEFAULT_IO_TIMEOUT, AuthTokenFileOption, AuthTokenOption, IoTimeoutOption, TlsCaOption,
+                           TlsCertOption, TlsKeyOption)
 
 API_KEY_ENV = "DS4_API_KEY"
 DEFAULT_PORT = 8000
@@ -122,6 +123,10 @@ def serve(
     layers: LayersOption = None,
     auth_token: AuthTokenOption = None,
     auth_token_file: AuthTokenFileOption = None,
+    io_timeout: IoTimeoutOption = DEFAULT_IO_TIMEOUT,
+    tls_cert: TlsCertOption = None,
+    tls_key: TlsKeyOption = None,
+    tls_ca: TlsCaOption = None,
     verbose: Annotated[bool, typer.Option("--verbose", "-v", help="Log every request.")] = False,
     tp_listen: TpListenOption = None,
     tp_transport: TpTransportOption = "tcp",
@@ -153,11 +158,13 @@ def serve(
             raise CLIError("--split-next and --tp-listen do not combine: choose one split")
         if split_next:
             eng = open_split_engine(model, backend, numerics, split_next, layers, ctx=ctx,
-                                    auth_token=auth_token, auth_token_file=auth_token_file)
+                                    auth_token=auth_token, auth_token_file=auth_token_file,
+                                    io_timeout=io_timeout, tls_files=(tls_cert, tls_key, tls_ca))
         elif tp:
             # (a worker that dies is an error on the request under way and 503 on /health until
             # a `ds4 tp-worker --rejoin` is back; the next request waits up to --tp-wait for it)
-            eng = tp.open(model, backend, numerics, ctx=ctx, auth_token=auth_token, auth_token_file=auth_token_file)
+            eng = tp.open(model, backend, numerics, ctx=ctx, auth_token=auth_token, auth_token_file=auth_token_file,
+                          io_timeout=io_timeout, tls_files=(tls_cert, tls_key, tls_ca))
         elif layers:
             raise CLIError("--layers is only used with --split-next")
         else:

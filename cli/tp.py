@@ -20,7 +20,7 @@ from rich.text import Text
 
 from .common import CLIError, choose_backend, err, library_errors, resolve_model
 from .options import BackendOption, ModelOption, NumericsOption, check_range
-from .wire_options import (AuthTokenFileOption, AuthTokenOption, IoTimeoutOption, TlsCaOption,
+from .wire_options import (DEFAULT_IO_TIMEOUT, AuthTokenFileOption, AuthTokenOption, IoTimeoutOption, TlsCaOption,
                            TlsCertOption, TlsKeyOption, client_tls, server_tls, warn_exposed,
                            wire_token)
 
@@ -92,7 +92,7 @@ def open_tp_engine(model: Path | None, backend: str, numerics: str, listen: str,
                    transport: str = "tcp", gate_timeout_ms: int = DEFAULT_GATE_TIMEOUT_MS,
                    debug_hash: bool = False, wait_s: float = DEFAULT_TP_WAIT_S,
                    auth_token: str | None = None, auth_token_file: Path | None = None,
-                   io_timeout: float = 120.0, tls_files: tuple = (None, None, None),
+                   io_timeout: float = DEFAULT_IO_TIMEOUT, tls_files: tuple = (None, None, None),
                    announce: bool = True):
     """The leader's engine (`ds4.tp.TPEngine`), once its worker has joined: a visible wait line,
     a timeout, and one `error:` line for any failure (a refused hello names the field)."""
@@ -146,7 +146,7 @@ def tp_worker(
         help="How long to keep trying to reach the leader.")] = 60.0,
     auth_token_file: AuthTokenFileOption = None,
     auth_token: AuthTokenOption = None,
-    io_timeout: IoTimeoutOption = 120.0,
+    io_timeout: IoTimeoutOption = DEFAULT_IO_TIMEOUT,
     tls_cert: TlsCertOption = None,
     tls_key: TlsKeyOption = None,
     tls_ca: TlsCaOption = None,

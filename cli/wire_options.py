@@ -42,6 +42,8 @@ TlsCaOption = Annotated[Optional[Path], typer.Option(
     help="CA certificates (PEM) to trust: a client checks the server's certificate and host "
          "against them; a server then requires client certificates signed by them.")]
 
+DEFAULT_IO_TIMEOUT = 120.0  # seconds: --io-timeout's default on every networked command
+
 IoTimeoutOption = Annotated[float, typer.Option(
     "--io-timeout", metavar="SECONDS", callback=check_range(0.0, lo_open=True),
     help="Longest wait for a peer's bytes; a hello and a frame must also finish within it "

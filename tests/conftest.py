@@ -12,6 +12,8 @@ derandomized, and `--hypothesis-profile=explore` draws new examples each run.
 import importlib.util
 import os
 
+import pytest
+
 if importlib.util.find_spec("torch") is not None:
     import torch
 
@@ -28,3 +30,19 @@ if importlib.util.find_spec("hypothesis") is not None:
     settings.register_profile("ds4", derandomize=True, database=None)
     settings.register_profile("explore", derandomize=False)
     settings.load_profile("ds4")
+
+
+@pytest.fixture(scope="session")
+def certs(tmp_path_factory):
+    """A self-signed certificate for 127.0.0.1 (its own CA), made with the openssl tool."""
+    import shutil
+    import subprocess
+
+    if shutil.which("openssl") is None:
+        pytest.skip("the openssl command is not installed")
+    d = tmp_path_factory.mktemp("tls")
+    subprocess.run(["openssl", "req", "-x509", "-newkey", "ec", "-pkeyopt",
+                    "ec_paramgen_curve:prime256v1", "-nodes", "-keyout", str(d / "key.pem"),
+                    "-out", str(d / "cert.pem"), "-days", "2", "-subj", "/CN=127.0.0.1",
+                    "-addext", "subjectAltName=IP:127.0.0.1"], check=True, capture_output=True)
+    return d

@@ -1,6 +1,7 @@
 """`ds4 serve --split-next`: the HTTP head of a pipeline, and what it does when its worker dies
 mid-stream (an error event ends the stream, 503 while the worker is away, served again once it
-is back, with no restart of the server). Driven by the official openai client."""
+is back, with no restart of the server). Driven by the official openai client. Both run over TLS
+(the server's TLS options reach its link to the other process)."""
 
 from __future__ import annotations
 
@@ -13,12 +14,14 @@ from serve_helpers import Proc
 N = 3
 
 
-def test_split_worker_dies_and_returns(tmp_path):
-    worker = Proc(["pipe-worker", "0", "3:6", "--backend", "reference", "--ctx", "1024"],
-                  tmp_path / "worker.log").wait_listening()
+def test_split_worker_dies_and_returns(tmp_path, certs):
+    stage = ["3:6", "--backend", "reference", "--ctx", "1024",
+             "--tls-cert", str(certs / "cert.pem"), "--tls-key", str(certs / "key.pem")]
+    worker = Proc(["pipe-worker", "0", *stage], tmp_path / "worker.log").wait_listening()
     port = worker.port
     server = Proc(["serve", "--port", "0", "--backend", "reference", "--ctx", "1024",
-                   "--split-next", f"127.0.0.1:{port}", "--layers", "0:3"], tmp_path / "serve.log")
+                   "--split-next", f"127.0.0.1:{port}", "--layers", "0:3", "--tls-ca", str(certs / "cert.pem")],
+                  tmp_path / "serve.log")
     try:
         server.wait_listening().wait_healthy()
         oa = openai.OpenAI(base_url=f"{server.url}/v1", api_key="-", max_retries=0, timeout=120)
@@ -40,8 +43,7 @@ def test_split_worker_dies_and_returns(tmp_path):
         assert e.value.status_code == 503
         assert httpx.get(f"{server.url}/health").status_code == 503
 
-        worker = Proc(["pipe-worker", str(port), "3:6", "--backend", "reference", "--ctx", "1024"],
-                      tmp_path / "worker2.log").wait_listening()
+        worker = Proc(["pipe-worker", str(port), *stage], tmp_path / "worker2.log").wait_listening()
         assert httpx.get(f"{server.url}/health").status_code == 200  # it reached the worker again
         again = oa.chat.completions.create(**kw)
         assert again.choices[0].message.content == first
@@ -50,7 +52,7 @@ def test_split_worker_dies_and_returns(tmp_path):
         worker.kill()
 
 
-def test_tensor_parallel_worker_dies_and_rejoins(tmp_path):
+def test_tensor_parallel_worker_dies_and_rejoins(tmp_path, certs):
     """`ds4 serve --tp-listen`: the same promises with a `ds4 tp-worker` as the other rank."""
     import socket
 
@@ -59,8 +61,10 @@ def test_tensor_parallel_worker_dies_and_rejoins(tmp_path):
         port = s.getsockname()[1]
     tp = ["--backend", "reference", "--numerics", "exact"]
     server = Proc(["serve", "--port", "0", "--ctx", "1024", *tp, "--tp-listen", f"127.0.0.1:{port}",
-                   "--tp-wait", "5", "--gate-timeout-ms", "5000"], tmp_path / "serve.log")
-    worker = Proc(["tp-worker", "--leader", f"127.0.0.1:{port}", *tp], tmp_path / "worker.log")
+                   "--tp-wait", "5", "--gate-timeout-ms", "5000",
+                   "--tls-cert", str(certs / "cert.pem"), "--tls-key", str(certs / "key.pem")], tmp_path / "serve.log")
+    tp_worker = ["tp-worker", "--leader", f"127.0.0.1:{port}", *tp, "--tls-ca", str(certs / "cert.pem")]
+    worker = Proc(tp_worker, tmp_path / "worker.log")
     try:
         server.wait_listening().wait_healthy()
         oa = openai.OpenAI(base_url=f"{server.url}/v1", api_key="-", max_retries=0, timeout=120)
@@ -82,7 +86,7 @@ def test_tensor_parallel_worker_dies_and_rejoins(tmp_path):
         assert e.value.status_code == 503
         assert httpx.get(f"{server.url}/health").status_code == 503
 
-        worker = Proc(["tp-worker", "--leader", f"127.0.0.1:{port}", *tp], tmp_path / "worker2.log")
+        worker = Proc(tp_worker, tmp_path / "worker2.log")
         server.wait_healthy()  # the probe took the worker back
         again = oa.chat.completions.create(**kw)
         assert again.choices[0].message.content == first

@@ -87,15 +87,21 @@ def test_generate_on_two_ranks_prints_the_one_rank_reply(tmp_path, model):
     assert "joined the leader" in err and "the leader stopped" in err
 
 
-def test_a_payload_prefilled_on_two_ranks_decodes_on_one(tmp_path, model):
+def tls_leader(certs: Path) -> list:
+    return ["--tls-cert", certs / "cert.pem", "--tls-key", certs / "key.pem"]
+
+
+def test_a_payload_prefilled_on_two_ranks_decodes_on_one(tmp_path, model, certs):
+    """Over TLS: a worker that trusts only the leader's certificate joins (the TLS options reach
+    the leader of `prefill --tp-listen`, which once ignored them)."""
     kv_one, kv_two = tmp_path / "one.dsv4", tmp_path / "two.dsv4"
     r = run("prefill", "-m", model, "-p", "What is a token?", "--save-kv", kv_one, "--ctx", "256",
             "--numerics", "exact", "--backend", "reference")
     assert r.exit_code == 0, r.output
     port = free_port()
-    w = worker(tmp_path, model, port)
+    w = worker(tmp_path, model, port, "--tls-ca", certs / "cert.pem")
     r = run("prefill", "-m", model, "-p", "What is a token?", "--save-kv", kv_two, "--ctx", "256",
-            "--numerics", "exact", "--backend", "reference", *leader_args(port))
+            "--numerics", "exact", "--backend", "reference", *leader_args(port), *tls_leader(certs))
     code, err = finish(w)
     assert r.exit_code == 0 and code == 0, (r.output, err)
     replies = []
@@ -107,7 +113,8 @@ def test_a_payload_prefilled_on_two_ranks_decodes_on_one(tmp_path, model):
     assert replies[0] == replies[1] and replies[0].strip()
 
 
-def test_a_payload_prefilled_on_one_rank_decodes_on_two(tmp_path, model):
+def test_a_payload_prefilled_on_one_rank_decodes_on_two(tmp_path, model, certs):
+    """Over TLS, as the test above, for `decode --tp-listen`."""
     kv = tmp_path / "one.dsv4"
     r = run("prefill", "-m", model, "-p", "Count to ten", "--save-kv", kv, "--ctx", "256",
             "--numerics", "exact", "--backend", "reference")
@@ -115,9 +122,9 @@ def test_a_payload_prefilled_on_one_rank_decodes_on_two(tmp_path, model):
     one = run("decode", "-m", model, "--load-kv", kv, "-n", "12", "--temp", "0",
               "--numerics", "exact", "--backend", "reference")
     port = free_port()
-    w = worker(tmp_path, model, port)
+    w = worker(tmp_path, model, port, "--tls-ca", certs / "cert.pem")
     two = run("decode", "-m", model, "--load-kv", kv, "-n", "12", "--temp", "0",
-              "--numerics", "exact", "--backend", "reference", *leader_args(port))
+              "--numerics", "exact", "--backend", "reference", *leader_args(port), *tls_leader(certs))
     code, err = finish(w)
     assert one.exit_code == 0 and two.exit_code == 0 and code == 0, (one.output, two.output, err)
     assert two.stdout == one.stdout and one.stdout.strip()
@@ -145,14 +152,16 @@ def test_help_explains_the_tensor_parallel_options():
     for command in ("generate", "prefill", "decode", "bench", "serve"):
         h = run(command, "--help")
         assert h.exit_code == 0 and "--tp-listen" in h.stdout and "--gate-timeout-ms" in h.stdout
+        assert "--tls-cert" in h.stdout and "--tls-ca" in h.stdout, command
 
 
-def test_bench_on_two_ranks_labels_the_pair(tmp_path, model):
+def test_bench_on_two_ranks_labels_the_pair(tmp_path, model, certs):
+    """Over TLS, as the payload tests above."""
     port = free_port()
-    w = worker(tmp_path, model, port)
+    w = worker(tmp_path, model, port, "--tls-ca", certs / "cert.pem")
     csv = tmp_path / "tp.csv"
     r = run("bench", "-m", model, "--backend", "reference", "--numerics", "exact", "--ctx-start", "16",
-            "--ctx-max", "32", "-n", "4", "--csv", csv, *leader_args(port))
+            "--ctx-max", "32", "-n", "4", "--csv", csv, *leader_args(port), *tls_leader(certs))
     code, err = finish(w)
     assert r.exit_code == 0 and code == 0, (r.output, err)
     rows = csv.read_text().splitlines()

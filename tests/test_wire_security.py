@@ -576,20 +576,7 @@ def test_max_conns_closes_the_rest(model_path):
 # ---- TLS -------------------------------------------------------------------------------------------
 
 
-@pytest.fixture(scope="module")
-def certs(tmp_path_factory):
-    """A self-signed certificate for 127.0.0.1 (its own CA), made with the openssl tool."""
-    import shutil
-    import subprocess
-
-    if shutil.which("openssl") is None:
-        pytest.skip("the openssl command is not installed")
-    d = tmp_path_factory.mktemp("tls")
-    subprocess.run(["openssl", "req", "-x509", "-newkey", "ec", "-pkeyopt",
-                    "ec_paramgen_curve:prime256v1", "-nodes", "-keyout", str(d / "key.pem"),
-                    "-out", str(d / "cert.pem"), "-days", "2", "-subj", "/CN=127.0.0.1",
-                    "-addext", "subjectAltName=IP:127.0.0.1"], check=True, capture_output=True)
-    return d
+# (the `certs` fixture: conftest.py)
 
 
 def test_qkp_and_ds4k_over_tls(certs, model_path, head_engine, payload, tmp_path):
