@@ -161,8 +161,9 @@ def serve(
                                     auth_token=auth_token, auth_token_file=auth_token_file,
                                     io_timeout=io_timeout, tls_files=(tls_cert, tls_key, tls_ca))
         elif tp:
-            # (a worker that dies is an error on the request under way and 503 on /health until
-            # a `ds4 tp-worker --rejoin` is back; the next request waits up to --tp-wait for it)
+            # (a worker that dies is an error on the request under way, and then 503 on /health
+            # and on every request until a `ds4 tp-worker --rejoin` is back; --tp-wait is the
+            # wait for the first worker only)
             eng = tp.open(model, backend, numerics, ctx=ctx, auth_token=auth_token, auth_token_file=auth_token_file,
                           io_timeout=io_timeout, tls_files=(tls_cert, tls_key, tls_ca))
         elif layers:

@@ -61,7 +61,7 @@ def test_tensor_parallel_worker_dies_and_rejoins(tmp_path, certs):
         port = s.getsockname()[1]
     tp = ["--backend", "reference", "--numerics", "exact"]
     server = Proc(["serve", "--port", "0", "--ctx", "1024", *tp, "--tp-listen", f"127.0.0.1:{port}",
-                   "--tp-wait", "5", "--gate-timeout-ms", "5000",
+                   "--tp-wait", "60", "--gate-timeout-ms", "5000",
                    "--tls-cert", str(certs / "cert.pem"), "--tls-key", str(certs / "key.pem")], tmp_path / "serve.log")
     tp_worker = ["tp-worker", "--leader", f"127.0.0.1:{port}", *tp, "--tls-ca", str(certs / "cert.pem")]
     worker = Proc(tp_worker, tmp_path / "worker.log")
@@ -81,8 +81,9 @@ def test_tensor_parallel_worker_dies_and_rejoins(tmp_path, certs):
                 pass
         assert "tensor parallel failed during decode" in str(e.value.message)
 
-        with pytest.raises(openai.InternalServerError) as e:  # no worker within --tp-wait
-            oa.chat.completions.create(**kw)
+        quick = oa.with_options(timeout=20)  # well under --tp-wait: a 503 at once, no wait for a worker
+        with pytest.raises(openai.InternalServerError) as e:
+            quick.chat.completions.create(**kw)
         assert e.value.status_code == 503
         assert httpx.get(f"{server.url}/health").status_code == 503
 
@@ -90,6 +91,15 @@ def test_tensor_parallel_worker_dies_and_rejoins(tmp_path, certs):
         server.wait_healthy()  # the probe took the worker back
         again = oa.chat.completions.create(**kw)
         assert again.choices[0].message.content == first
+
+        worker.kill()  # now while no request runs: /health and the next request see it
+        assert httpx.get(f"{server.url}/health", timeout=20).status_code == 503
+        with pytest.raises(openai.InternalServerError) as e:
+            quick.chat.completions.create(**kw)
+        assert e.value.status_code == 503 and "away" in str(e.value.message)
+        worker = Proc(tp_worker, tmp_path / "worker3.log")
+        server.wait_healthy()
+        assert oa.chat.completions.create(**kw).choices[0].message.content == first
     finally:
         server.kill()
         worker.kill()

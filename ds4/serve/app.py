@@ -128,7 +128,7 @@ def create_app(driver: Driver, *, model_id: str, max_tokens_limit: int, api_key:
 
     @app.get("/health")
     async def health():
-        if driver.remote and not driver.available and not await asyncio.to_thread(driver.probe):
+        if driver.remote and not await asyncio.to_thread(driver.probe):
             return JSONResponse({"status": "unavailable", "reason": "the pipeline's next stage or "
                                  "the tensor-parallel worker is away"},
                                 status_code=503)

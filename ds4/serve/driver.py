@@ -157,14 +157,28 @@ class Driver:
         self.metrics.queue_depth.set(self._inflight - self._running)
 
     def probe(self) -> bool:
-        """For /health while a pipeline's next stage or the tensor-parallel worker is away: try
-        to reach it again (the engine's lock keeps this apart from a generation)."""
-        if self.remote and not self.available:
-            try:
-                self.engine.connect()
-                self.available = True
-            except _unavailable_errors():
-                pass
+        """For /health: whether the pipeline's next stage or the tensor-parallel worker is there.
+        A worker that left while no request ran counts as away (checked only then: during a
+        command its replies would read as a close); one that is away is tried again within the
+        engine's probe wait (its lock keeps this apart from a generation)."""
+        if not self.remote:
+            return True
+        with self._lock:  # (no job starts while the worker's connection is looked at)
+            if self.available and self._running == 0 and self._worker_gone():
+                self.available = False
+        return self.available or self._reconnect()
+
+    def _worker_gone(self) -> bool:
+        """Whether a tensor-parallel worker left while idle (call between commands only)."""
+        present = getattr(self.engine, "worker_present", None)
+        return present is not None and not present()
+
+    def _reconnect(self) -> bool:
+        try:
+            self.engine.connect()
+            self.available = True
+        except _unavailable_errors():
+            self.available = False
         return self.available
 
     def close(self) -> None:
@@ -218,6 +232,11 @@ class Driver:
         n_prompt = len(req.prompt)
         cached = len(prev) if len(prev) <= n_prompt and req.prompt[:len(prev)] == prev else 0
         unavailable = _unavailable_errors()
+        if self.remote and (not self.available or self._worker_gone()) and not self._reconnect():
+            # 503 at once, not after the engine's wait for a worker (--tp-wait: minutes)
+            job.put(Failed(503, "the pipeline's next stage or the tensor-parallel worker is away; "
+                                "/health says when it is back"))
+            return
         try:
             if self.split:
                 s.sampling = req.params  # how many candidates the last stage sends back

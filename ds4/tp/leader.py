@@ -118,10 +118,7 @@ class TPEngine(EngineFront):
     def ensure_worker(self, wait_s: float | None = None) -> Pair:
         """The pair, once a worker has joined (waiting up to wait_s, default the engine's)."""
         with self._joining:  # (ds4 serve's health probe runs beside its generation thread)
-            if self.pair is not None and _closed_by_peer(self.pair.control.sock):
-                log.warning("tensor parallel: the worker left while idle")
-                self.pair.close()
-                self.pair, self.engine.partner = None, None
+            self._drop_if_left()
             if self.pair is None:
                 if self.on_wait is not None:
                     self.on_wait(self.address)
@@ -132,6 +129,19 @@ class TPEngine(EngineFront):
                 self.generation += 1
                 log.info("tensor parallel: worker joined (pair %d)", self.generation)
             return self.pair
+
+    def worker_present(self) -> bool:
+        """Whether a worker is joined, dropping one that left while idle. Only between commands:
+        during one, the worker's replies would read as its end of stream."""
+        with self._joining:
+            self._drop_if_left()
+            return self.pair is not None
+
+    def _drop_if_left(self) -> None:
+        if self.pair is not None and _closed_by_peer(self.pair.control.sock):
+            log.warning("tensor parallel: the worker left while idle")
+            self.pair.close()
+            self.pair, self.engine.partner = None, None
 
     def connect(self, wait_s: float = PROBE_WAIT_S) -> None:
         """Take a worker that is waiting to join, within wait_s (ds4 serve's /health probe)."""
