@@ -112,8 +112,9 @@ def serve(
         "--max-body", metavar="BYTES", callback=check_range(1024),
         help="Largest request body (413 above it).")] = DEFAULT_MAX_BODY,
     model_id: Annotated[Optional[str], typer.Option(
-        "--model-id", metavar="NAME", show_default="the model file's name",
-        help="The model name /v1/models lists and replies carry.")] = None,
+        "--model-id", metavar="NAME", show_default="the model file's name; ds4-default for the embedded model",
+        help="The model name /v1/models lists; a reply carries the request's model, or this one "
+             "where the request names none.")] = None,
     snapshots: Annotated[bool, typer.Option(
         "--prompt-snapshots/--no-prompt-snapshots",
         help="Keep a host copy of the session at each prompt (less its last token), so that a "
