@@ -102,6 +102,13 @@ def test_models_health_metrics(server, oa):
                  "ds4_generated_tokens_total", "ds4_prefill_tokens_per_second",
                  "ds4_decode_tokens_per_second"):
         assert name in text
+    # a path the server does not serve is counted, under one label: clients cannot add series
+    for junk in ("/v1/nonexistent", "/v1/x1", "/v1/x2"):
+        assert httpx.get(f"{server.url}{junk}", headers=AUTH).status_code == 404
+    text = httpx.get(f"{server.url}/metrics", headers=AUTH).text
+    assert "nonexistent" not in text and "/v1/x1" not in text
+    assert metric(server.url, 'ds4_requests_total{endpoint="other",status="404"}', AUTH) >= 3
+    assert metric(server.url, 'ds4_requests_total{endpoint="/v1/models",status="200"}', AUTH) >= 1
 
 
 def test_stream_equals_nonstream_and_usage(oa, engine):

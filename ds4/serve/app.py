@@ -29,6 +29,7 @@ from .metrics import CONTENT_TYPE_LATEST
 from .shared import APIError, ServerState
 
 OPEN_PATHS = ("/health",)
+OTHER_ENDPOINT = "other"  # the request counter's label for a path the server does not serve
 _ANTHROPIC_KINDS = {400: "invalid_request_error", 401: "authentication_error",
                     403: "permission_error", 404: "not_found_error", 411: "invalid_request_error",
                     413: "request_too_large", 429: "rate_limit_error", 503: "overloaded_error"}
@@ -54,8 +55,9 @@ def error_response(path: str, status: int, message: str, param: str | None = Non
 class Guard:
     """ASGI middleware: API key, body size, and the request counter."""
 
-    def __init__(self, app, *, api_key: str | None, max_body: int, metrics):
+    def __init__(self, app, *, api_key: str | None, max_body: int, metrics, endpoints: frozenset):
         self.app = app
+        self.endpoints = endpoints  # the counter's endpoint labels; any other path counts as OTHER
         self.key = api_key.encode() if api_key else None
         self.max_body = max_body
         self.metrics = metrics
@@ -97,7 +99,8 @@ class Guard:
             return await self.app(scope, receive, counting_send)
         finally:
             if path.startswith("/v1/"):
-                self.metrics.requests.labels(path, str(status_box[0])).inc()
+                label = path if path in self.endpoints else OTHER_ENDPOINT  # (a client cannot add series)
+                self.metrics.requests.labels(label, str(status_box[0])).inc()
 
 
 def create_app(driver: Driver, *, model_id: str, max_tokens_limit: int, api_key: str | None = None,
@@ -140,5 +143,6 @@ def create_app(driver: Driver, *, model_id: str, max_tokens_limit: int, api_key:
 
     openai_api.register(app, state)
     anthropic_api.register(app, state)
-    app.add_middleware(Guard, api_key=api_key, max_body=max_body, metrics=driver.metrics)
+    app.add_middleware(Guard, api_key=api_key, max_body=max_body, metrics=driver.metrics,
+                       endpoints=frozenset(route.path for route in app.routes))
     return app
