@@ -119,6 +119,6 @@ SeedOption = Annotated[Optional[int], typer.Option(
 
 
 TokensOption = Annotated[int, typer.Option(
-    "--tokens", "-n", metavar="N", min=0,
+    "--tokens", "-n", metavar="N", callback=check_range(0),
     help="Generate at most N tokens (fewer if the model emits end-of-sentence or the "
          "context fills).")]

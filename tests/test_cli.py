@@ -263,7 +263,7 @@ def test_generate_prompt_from_stdin(model_path):
 def test_generate_bad_option(model_path, args, option):
     r = run("generate", "-m", model_path, "-p", "hi", *args)
     assert r.exit_code == 2
-    assert option in r.stderr
+    assert option in r.stderr and args[-1] in r.stderr  # the option and the value it got
     assert "Traceback" not in r.output and r.stdout == ""
 
 

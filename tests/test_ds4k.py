@@ -363,7 +363,7 @@ def test_sender_errors(eng, payload):
         port = s.getsockname()[1]
     with pytest.raises(DS4KError, match="cannot connect"):
         send_payload(payload, "127.0.0.1", port, timeout=1.0, connect_timeout=0.3)
-    with pytest.raises(ValueError, match="unsupported session payload version"):
+    with pytest.raises(ValueError, match="unsupported session payload version.*expected 0x34565344, version 1 or 2"):
         send_payload(b"not a payload at all, but long enough to have a header......", "127.0.0.1", port)
     assert ds4k.parse_hostport("[::1]:7000") == ("::1", 7000)
     assert ds4k.parse_hostport(":7000") == ("127.0.0.1", 7000)

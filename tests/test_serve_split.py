@@ -40,7 +40,7 @@ def test_split_worker_dies_and_returns(tmp_path, certs):
 
         with pytest.raises(openai.InternalServerError) as e:
             oa.chat.completions.create(**kw)
-        assert e.value.status_code == 503
+        assert e.value.status_code == 503 and e.value.type == "api_error"  # (an OpenAI type)
         assert httpx.get(f"{server.url}/health").status_code == 503
 
         worker = Proc(["pipe-worker", str(port), *stage], tmp_path / "worker2.log").wait_listening()

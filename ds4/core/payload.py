@@ -45,6 +45,7 @@ from .state import SessionLayout, host_layer_state, layer_from_host
 MAGIC = 0x34565344  # b"DSV4"
 VERSION = 2  # written
 VERSIONS = (1, 2)  # read
+_EXPECTED_VERSION = f"expected {MAGIC:#010x}, version {' or '.join(map(str, VERSIONS))}"
 HEADER = struct.Struct("<13I")
 HEADER_BYTES = HEADER.size  # 52
 MTP_TAIL = struct.Struct("<IdI")  # u32 mtp_accept_gate_skip, f64 mtp_accept_ewma, u32 samples
@@ -237,8 +238,7 @@ def check_header(h: Header, cfg: ModelConfig, layout: SessionLayout | None = Non
     """ds4's header checks, in ds4's order. Without a layout, the payload is checked against
     itself (as a receiver with a model but no session does)."""
     if h.magic != MAGIC or h.version not in VERSIONS:
-        raise _fail(E_VERSION, f"magic {h.magic:#010x}, version {h.version} (expected "
-                               f"{MAGIC:#010x}, version 1 or 2)")
+        raise _fail(E_VERSION, f"magic {h.magic:#010x}, version {h.version} ({_EXPECTED_VERSION})")
     if h.n_tokens == 0:
         raise _fail(E_EMPTY, "n_tokens is 0 (a session is saved after at least one token)")
     ctx = layout.ctx if layout is not None else min(h.ctx, cfg.context_length)
@@ -349,7 +349,7 @@ def check_payload(src, cfg: ModelConfig | None = None, nbytes: int | None = None
         if cfg is None:
             h = Header.unpack(s.read(HEADER_BYTES, "the header"))
             if h.magic != MAGIC or h.version not in VERSIONS:
-                raise _fail(E_VERSION, f"magic {h.magic:#010x}, version {h.version}")
+                raise _fail(E_VERSION, f"magic {h.magic:#010x}, version {h.version} ({_EXPECTED_VERSION})")
             return h
         h, _, _, n_comp, n_index = _read_prefix(s, cfg, None)
         want = payload_bytes(cfg, h.n_tokens, h.raw_live, n_comp, n_index)

@@ -101,8 +101,9 @@ async def first_event(job: Job, request):
     if ev is None:
         raise APIError(499, "the client closed the request")
     if isinstance(ev, Failed):
-        kind = "overloaded_error" if ev.status == 503 else "api_error"
-        raise APIError(ev.status, ev.message, None, kind)
+        # (503: each API's own type, which error_response picks; Anthropic's overloaded_error
+        # is no OpenAI type)
+        raise APIError(ev.status, ev.message, None, None if ev.status == 503 else "api_error")
     assert isinstance(ev, Started), ev
     return ev
 

@@ -104,11 +104,11 @@ def listen(host: str, port: int) -> socket.socket:
 
 
 def _accept_one(listener: socket.socket, deadline: float, opts: Options, mine: ds4t.Hello,
-                what: str) -> tuple[socket.socket, ds4t.Hello, int]:
+                what: str, wait_s: float) -> tuple[socket.socket, ds4t.Hello, int]:
     while True:
         left = deadline - time.monotonic()
         if left <= 0:
-            raise TPError(f"no worker joined within the wait ({what} connection)")
+            raise TPError(f"no worker joined within the wait of {wait_s:g} s ({what} connection)")
         listener.settimeout(left)
         try:
             sock, addr = listener.accept()
@@ -134,9 +134,9 @@ def accept_worker(listener: socket.socket, model, ctx: int, opts: Options,
     """The leader's side: wait (up to wait_s) for a worker's control and data connections."""
     mine = _hello(model, ds4t.Role.LEADER, ctx, opts, backend, numerics)
     deadline = time.monotonic() + wait_s
-    control, peer, agreed = _accept_one(listener, deadline, opts, mine, "control")
+    control, peer, agreed = _accept_one(listener, deadline, opts, mine, "control", wait_s)
     try:
-        data, _, _ = _accept_one(listener, deadline, opts, mine, "data")
+        data, _, _ = _accept_one(listener, deadline, opts, mine, "data", wait_s)
     except BaseException:
         control.close()
         raise
