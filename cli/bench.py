@@ -138,6 +138,10 @@ def bench(
             names = [_resolve(n) for n in names]
         else:
             names = [_resolve(backend or "auto")]
+            try:  # before the CSV header is written: a run that cannot start prints nothing
+                lib.check_backends(names)
+            except (ValueError, RuntimeError) as e:
+                raise CLIError(f"--backend {names[0]}: {e}") from None
         if tp_listen and compare is not None:
             raise CLIError("--tp-listen benchmarks one pair: leave out --compare")
 

@@ -49,7 +49,8 @@ def _connect(host: str, port: int, timeout: float, connect_timeout: float,
             break
         except (ConnectionRefusedError, ConnectionResetError) as e:
             if time.monotonic() >= deadline:
-                raise DS4KError(f"cannot connect to {host}:{port}: {e.strerror or e}") from None
+                raise DS4KError(f"cannot connect to {host}:{port}: {e.strerror or e} (retried for "
+                                f"{connect_timeout:g} s)") from None
             time.sleep(0.05)
         except OSError as e:
             raise DS4KError(f"cannot connect to {host}:{port}: {e.strerror or e}") from None
