@@ -443,7 +443,7 @@ def test_embed_and_output_head(pair, rng):
 def test_weights_stay_quantized(pair, model):
     """Every uploaded tensor holds its GGUF bytes (no dequantized copy): as they are, for Q8_0
     rows of a multiple of 256 values the same bytes rearranged into Q8C chunks, and for IQ2_XXS
-    its blocks' quant bytes and scales in two arrays (IQ2S)."""
+    its blocks' quant bytes and scales in two arrays (IQ2S, the groups' sign bits interleaved)."""
     _, _, tri, wt = pair
     for name in ("blk.3.ffn_down_exps.weight", "blk.2.attn_q_b.weight", "output.weight", "blk.3.ffn_gate_exps.weight"):
         src = model.tensor(name)
@@ -455,9 +455,8 @@ def test_weights_stay_quantized(pair, model):
         chunked = src.type == T.Q8_0 and src.dims[0] % 256 == 0
         assert got.kt == (Q8C if chunked else int(src.type)), name
         want = q8_chunks(raw, src.dims[0]) if chunked else raw
-        if src.type == T.IQ2_XXS:  # blocks d | qs[64] -> all qs, then all d
-            blocks = raw.reshape(-1, 66)
-            want = torch.cat([blocks[:, 2:].reshape(-1), blocks[:, :2].reshape(-1)])
+        if src.type == T.IQ2_XXS:  # all qs (sign indices interleaved), then all d: test_triton_layout's bytes
+            want = iq2_split(raw)
         if src.type == T.Q2_K:  # blocks scales[16] | qs[64] | d | dmin -> all qs, all scales, all (d, dmin)
             blocks = raw.reshape(-1, 84)
             want = torch.cat([blocks[:, 16:80].reshape(-1), blocks[:, :16].reshape(-1), blocks[:, 80:].reshape(-1)])

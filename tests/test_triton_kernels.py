@@ -25,6 +25,7 @@ from gguf.constants import GGMLQuantizationType  # noqa: E402
 from ds4.backends.reference.backend import rope_tail  # noqa: E402
 from ds4.backends.triton import kernels as K  # noqa: E402
 from ds4.backends.triton.backend import TritonBackend  # noqa: E402
+from ds4.backends.triton.kernels.common import _iq2_sign_index, _iq2_signs  # noqa: E402
 from ds4.backends.triton.layout import Q8C  # noqa: E402
 from ds4.core import numerics as nx  # noqa: E402
 from ds4.core.gguf_model import Tensor  # noqa: E402
@@ -519,6 +520,39 @@ def test_cache_rows_in_f16_under_ds4_numerics(pair, rng, monkeypatch):
             else:  # (a GPU may order the tf32 pairs' sums apart for float16 and float32 loads)
                 assert _rel(got, want) < 1e-5, rows
     _check_narrow_refused(tri, ts, "raw", "float16", ref.ds4_numerics)
+
+
+@triton.jit
+def _iq2_signs_probe(aux_ptr, sig_ptr, idx_ptr, SUB: tl.constexpr):
+    i = tl.arange(0, 128)
+    a = tl.load(aux_ptr + i)
+    tl.store(sig_ptr + i, _iq2_signs(a, SUB))
+    tl.store(idx_ptr + i, _iq2_sign_index(a, SUB))
+
+
+@pytest.mark.parametrize("sub", range(4))
+def test_iq2_signs_from_interleaved_words(sub):
+    """_iq2_signs and _iq2_sign_index on IQ2S group words (layout.py: bit i of entry e's 7-bit
+    sign index at bit 4·i + e, the scale in bits 28-31): for every index of entry sub, with the
+    other entries' bits and the scale random, the 8 signs at bit 2 of nibbles 0-7 (the 8th the
+    parity of the 7: ggml's even sign patterns, as gguf-py's IQ2_XXS dequantizer reads them) and
+    the index back as GGUF packs it."""
+    gen = np.random.default_rng(5 + sub)
+    s7 = np.arange(128, dtype=np.int64)
+    words = gen.integers(0, 1 << 32, 128, dtype=np.int64)
+    for i in range(7):  # entry sub's bits replaced by the index under test
+        words = (words & ~(1 << (4 * i + sub))) | (((s7 >> i) & 1) << (4 * i + sub))
+    aux = torch.from_numpy(words.astype(np.uint32).view(np.int32)).to(DEVICE)
+    sig = torch.zeros(128, dtype=torch.int32, device=DEVICE)
+    idx = torch.zeros(128, dtype=torch.int32, device=DEVICE)
+    _iq2_signs_probe[(1,)](aux, sig, idx, SUB=sub)
+    want = np.zeros(128, dtype=np.int64)
+    for i in range(7):
+        want |= ((s7 >> i) & 1) << (4 * i + 2)
+    parity = np.array([bin(int(v)).count("1") & 1 for v in s7])
+    want |= parity.astype(np.int64) << 30
+    assert np.array_equal(sig.cpu().numpy().view(np.uint32).astype(np.int64), want)
+    assert np.array_equal(idx.cpu().numpy(), s7)
 
 
 def test_scores_kernel_counts_keys_and_clears_tickets():

@@ -59,8 +59,20 @@ def test_which_tensors_are_chunked_and_bad_input():
         q8_chunks(t[:271], 256)
 
 
+def _interleaved_by_hand(aux: int) -> int:
+    """A group's u32 as IQ2S keeps it, bit by bit from the spec: the scale nibble (bits 28-31)
+    stays; bit i of entry e's 7-bit sign index, GGUF bit 7·e + i, goes to bit 4·i + e."""
+    out = aux & 0xF0000000
+    for e in range(4):
+        for i in range(7):
+            if aux >> (7 * e + i) & 1:
+                out |= 1 << (4 * i + e)
+    return out
+
+
 def test_iq2_split_byte_layout():
-    """IQ2S: every block's 64 quant bytes in block order, then every block's 2-byte scale."""
+    """IQ2S: every block's 64 quant bytes in block order (each group's grid-index word as it is,
+    its u32 with the sign indices interleaved), then every block's 2-byte scale."""
     rng = np.random.default_rng(2)
     nblk = 5
     d = rng.uniform(0.01, 1, nblk).astype(np.float16)
@@ -69,8 +81,14 @@ def test_iq2_split_byte_layout():
     got = iq2_split(torch.from_numpy(raw.copy())).numpy()
     assert got.size == raw.size == 66 * nblk
     for b in range(nblk):
-        assert got[64 * b: 64 * b + 64].tobytes() == qs[b].tobytes()
+        for g in range(8):
+            assert got[64 * b + 8 * g: 64 * b + 8 * g + 4].tobytes() == qs[b, 8 * g: 8 * g + 4].tobytes()
+            aux = int.from_bytes(qs[b, 8 * g + 4: 8 * g + 8].tobytes(), "little")
+            want = _interleaved_by_hand(aux)
+            assert int.from_bytes(got[64 * b + 8 * g + 4: 64 * b + 8 * g + 8].tobytes(), "little") == want, (b, g)
         assert got[64 * nblk + 2 * b: 64 * nblk + 2 * b + 2].tobytes() == d[b].tobytes()
+    # one word by hand: entry 0's index 0b1000001 (bits 0, 6), entry 3's 0b0000001 (bit 21), scale 0xA
+    assert _interleaved_by_hand(0xA0000000 | 0b1000001 | (1 << 21)) == 0xA0000000 | (1 << 0) | (1 << 24) | (1 << 3)
     words, scales = iq2_views(torch.from_numpy(got.copy()))
     assert words.dtype == torch.int32 and words.numel() == 16 * nblk
     assert scales.dtype == torch.int16 and scales.numel() == nblk

@@ -37,9 +37,8 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from .kernels.common import _INTERP, _dot16, _f16_lo, _hi_lo, _ld4, _ld_f16, _opaque, _pow2_scale, _swiglu, _u8f
+from .kernels.common import _INTERP, _dot16, _f16_lo, _hi_lo, _iq2_signs, _ld4, _ld_f16, _opaque, _pow2_scale, _swiglu, _u8f
 from .kernels.decode import _iq2_grid_index, _iq2_lut
-from .kernels.decode_rows import _iq2_sign_nibbles
 
 _Q2_FIELDS = tl.constexpr(0x03030303)  # the low 2-bit field of each byte
 # the K bits that trade places in a 128-wide tile's columns (_tile_k) and their distance
@@ -182,9 +181,9 @@ def _iq2_tile(wf, nib, blk, g0, NG: tl.constexpr):
     W = d/8·q (d: _iq2_scale), columns in _tile_k's order.
 
     Block: f16 d, then 8 groups of 32 values = 4 grid-index bytes + u32 aux (4 × 7 sign-index
-    bits, ls in the top 4). Per grid entry (8 values) one 32-bit lookup gives its 8 level codes
+    bits, interleaved in IQ2S; ls in the top 4). Per grid entry (8 values) one 32-bit lookup gives its 8 level codes
     as nibbles (nib: 1 KB, 8 cache lines for a warp's scattered lookups); the signs are computed
-    (_iq2_sign_nibbles) and join the codes, and a byte permute per 4 values turns them into
+    (_iq2_signs) and join the codes, and a byte permute per 4 values turns them into
     128 ± level (_iq2_lut), which become (2·ls + 1)·level·sign in fp16 (_u8x4_f16). A thread
     decodes whole groups: its 32 values are contiguous in K. (The group axis leads the work
     tensors [NG, BN]: Triton then lays threads along K first, and the tile reaches shared memory
@@ -197,8 +196,7 @@ def _iq2_tile(wf, nib, blk, g0, NG: tl.constexpr):
     mul = _u8f(2 * ((aux >> 28) & 15) + 1)[:, :, None, None]  # 2·ls + 1, per group
     gi = _join4(_iq2_grid_index(gq, 0), _iq2_grid_index(gq, 1), _iq2_grid_index(gq, 2),
                 _iq2_grid_index(gq, 3))  # [NG, BN, 2, 2]: the 4 entries
-    si = _join4(aux & 127, (aux >> 7) & 127, (aux >> 14) & 127, (aux >> 21) & 127)
-    sel = tl.load(nib + gi) | _iq2_sign_nibbles(si)
+    sel = tl.load(nib + gi) | _join4(_iq2_signs(aux, 0), _iq2_signs(aux, 1), _iq2_signs(aux, 2), _iq2_signs(aux, 3))
     a0, a1, a2, a3 = _u8x4_f16(_iq2_lut(sel), mul, 128)  # values 0-3 of each entry
     a4, a5, a6, a7 = _u8x4_f16(_iq2_lut(sel >> 16), mul, 128)
     q = _join8(a0, a1, a2, a3, a4, a5, a6, a7)

@@ -21,7 +21,12 @@ IQ2S: an IQ2_XXS tensor's bytes become, in block order (GGUF's: row by row, K wi
 so group g of block B (4 grid-index bytes, then the u32 of signs and scale) is the two 32-bit
 words 16·B + 2·g and 16·B + 2·g + 1. Why: GGUF's 66-byte blocks keep the groups only 2-byte
 aligned, so a decoder takes a group in four 2-byte loads (and the block scale in a fifth) that
-a warp repeats for the same L1 sectors; split, a group is one aligned 8-byte load. A row
+a warp repeats for the same L1 sectors; split, a group is one aligned 8-byte load.
+The u32 keeps its scale in bits 28-31, but its four 7-bit sign indices are interleaved: bit i of
+grid entry e's index (GGUF: bit 7·e + i) is bit 4·i + e. Why: a decoder wants entry e's 8 signs
+at one bit of each of 8 nibbles (the byte-permute selectors of its 8 levels); interleaved, one
+shift and one mask put the 7 stored ones there and one multiply adds their parity (the 8th),
+where GGUF's packing took a population count and three shift-mask steps per entry. A row
 starts at block R·K/256 of both arrays; the kernels get the quant words and the scales as two
 views (QWeight.f32 and QWeight.i16) and find a row's first block as its GGUF byte offset / 66.
 Every IQ2_XXS row is whole blocks, so every IQ2_XXS tensor goes to the device this way (the
@@ -80,14 +85,41 @@ def q8_chunks(u8: torch.Tensor, K: int) -> torch.Tensor:
 IQ2_BLOCK = 66  # bytes of a GGUF IQ2_XXS block: f16 d, then 64 quant bytes (256 values)
 
 
+IQ2_ENTRIES = 4  # grid entries (8 values each) of a 32-value group
+IQ2_SIGN_BITS = 7  # stored signs of an entry (the 8th is their parity)
+IQ2_SCALE_MASK = 0xF0000000  # the group's 4-bit scale in its u32
+IQ2_CHUNK_WORDS = 1 << 24  # u32 words rearranged at a time (bounds the temporaries)
+
+
+def _iq2_spread_table(device) -> torch.Tensor:
+    """[128] int64: a 7-bit sign index with bit i moved to bit 4·i."""
+    v = torch.arange(1 << IQ2_SIGN_BITS, dtype=torch.int64, device=device)
+    return sum(((v >> i) & 1) << (4 * i) for i in range(IQ2_SIGN_BITS))
+
+
+def iq2_interleave_signs(aux: torch.Tensor) -> torch.Tensor:
+    """The u32 words of IQ2_XXS groups (int32, any shape) with their sign indices interleaved
+    (bit 7·e + i -> 4·i + e, the scale bits kept): a new tensor."""
+    a = aux.to(torch.int64) & 0xFFFFFFFF
+    spread = _iq2_spread_table(aux.device)
+    out = a & IQ2_SCALE_MASK
+    for e in range(IQ2_ENTRIES):
+        out |= spread[(a >> (IQ2_SIGN_BITS * e)) & ((1 << IQ2_SIGN_BITS) - 1)] << e
+    return (out - ((out >> 31) << 32)).to(torch.int32)  # back to two's complement
+
+
 def iq2_split(u8: torch.Tensor) -> torch.Tensor:
-    """GGUF IQ2_XXS blocks (bytes, any number) -> IQ2S: every block's 64 quant bytes, then every
-    block's f16 scale, in block order."""
+    """GGUF IQ2_XXS blocks (bytes, any number) -> IQ2S: every block's 64 quant bytes (each
+    group's sign indices interleaved), then every block's f16 scale, in block order."""
     if u8.dtype != torch.uint8 or u8.numel() % IQ2_BLOCK:
         raise ValueError(f"IQ2S: expected uint8 IQ2_XXS blocks of {IQ2_BLOCK} bytes, got {u8.numel()} "
                          f"{u8.dtype} values")
     b = u8.reshape(-1, IQ2_BLOCK)
-    return torch.cat([b[:, 2:].reshape(-1), b[:, :2].reshape(-1)])
+    out = torch.cat([b[:, 2:].reshape(-1), b[:, :2].reshape(-1)])
+    aux = out[:b.shape[0] * (IQ2_BLOCK - 2)].view(torch.int32)[1::2]  # (grid word, u32) pairs
+    for i in range(0, aux.numel(), IQ2_CHUNK_WORDS):
+        aux[i:i + IQ2_CHUNK_WORDS] = iq2_interleave_signs(aux[i:i + IQ2_CHUNK_WORDS])
+    return out
 
 
 def iq2_views(u8: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

@@ -23,8 +23,9 @@ int32 words); for the split layouts below, views of their separate arrays (QWeig
 
 Three formats are rearranged at upload, not decoded (`ds4.backends.triton.layout`). IQ2_XXS blocks
 are split into their quant words and their scales (layout IQ2S: a group is one aligned 8-byte
-load; `_iq2_blk`); Q2_K blocks into their quant words, scale bytes and (d, dmin) pairs (layout
-Q2S: half a block's quants are two aligned 16-byte loads; `_q2_blk`). Q8_0 rows whose length is a multiple of 256 are stored as 256-value chunks
+load, its sign indices interleaved for `_iq2_signs`; `_iq2_blk`); Q2_K blocks into their quant
+words, scale bytes and (d, dmin) pairs (layout Q2S: half a block's quants are two aligned 16-byte
+loads; `_q2_blk`). Q8_0 rows whose length is a multiple of 256 are stored as 256-value chunks
 (layout Q8C): the chunk's 8 f16 scales (16 bytes), then its 256 quants as bytes q + 128, the 32 of
 each block ordered so that byte j of the block's word w holds value 8j + w. The bytes of a row and
 their count are the same (34 per 32 values); every quant word is 4-byte aligned and each chunk

@@ -170,6 +170,37 @@ def _q2_blk(row_off):
     return row_off // 84
 
 
+_IQ2_SIGN_FIELD = tl.constexpr(0x01111111)  # an entry's 7 stored signs, interleaved (layout.py): bit 4·i
+_IQ2_NIBBLE_SUM = tl.constexpr(0x11111111)  # × this sums the nibbles into the top one
+_IQ2_SIGN_AT2 = tl.constexpr(0x04444444)  # the 7 stored signs at bit 2 of nibbles 0-6
+_IQ2_PARITY_AT2 = tl.constexpr(0x40000000)  # the 8th sign, at bit 2 of nibble 7
+
+
+@triton.jit
+def _iq2_signs(aux, sub: tl.constexpr):
+    """The 8 signs of grid entry sub of an IQ2_XXS group at bit 2 of 8 nibbles (the sign bit of
+    the level selectors _iq2_lut takes), from the group's u32 in IQ2S (layout.py: its 7 stored
+    signs at bits 4·i + sub; the 8th is their parity). One shift and a mask put the 7 at bits
+    4·i + 2; multiplying by 0x11111111 sums the nibbles into the top one: 4 × (the number of
+    signs set), plus at most 1 carried up from the partial sums below, so that nibble's bit 2 is
+    the parity, already in its place."""
+    if sub <= 2:
+        m = (aux << (2 - sub)) & _IQ2_SIGN_AT2
+    else:
+        m = (aux >> (sub - 2)) & _IQ2_SIGN_AT2
+    return m | ((m * _IQ2_NIBBLE_SUM) & _IQ2_PARITY_AT2)
+
+
+@triton.jit
+def _iq2_sign_index(aux, sub: tl.constexpr):
+    """GGUF's 7-bit sign index of grid entry sub (the ksigns tables' row) from the group's u32 in
+    IQ2S, its bits gathered back from 4·i (for the generic decoders)."""
+    m = (aux >> sub) & _IQ2_SIGN_FIELD
+    m = (m | (m >> 3)) & 0x03030303
+    m = (m | (m >> 6)) & 0x000F000F
+    return (m | (m >> 12)) & 0x7F
+
+
 @triton.jit
 def _iq2_blk(row_off):
     """The index in the tensor of the first IQ2_XXS block of the rows at GGUF byte offsets row_off:
@@ -418,7 +449,7 @@ def _wtile(wb, wh, wf, gridp, ksigns, row_off, rmask, u0,
         db = d * (0.5 + ((aux >> 28) & 15).to(tl.float32)) * 0.25
         gi = (tl.load(wf + gw, mask=m, other=0) >> (8 * sub)) & 255
         gp = tl.load(gridp + gi)  # 8 two-bit level codes of grid entry gi
-        ks = tl.load(ksigns + ((aux >> (7 * sub)) & 127))
+        ks = tl.load(ksigns + _iq2_sign_index(aux, sub))
         code = (gp >> (2 * iv)) & 3
         lvl = (8 + 17 * code + (code >> 1)).to(tl.float32)  # codes 0,1,2 -> 8, 25, 43
         mag = db * lvl

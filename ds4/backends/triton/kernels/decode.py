@@ -7,7 +7,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from .common import D_IQ2_UNROLLED, D_Q2_K_UNROLLED, _INTERP, _iq2_blk, _ld4, _ld_f16, _q2_blk, _s8f, _u8f, _wtile
+from .common import D_IQ2_UNROLLED, D_Q2_K_UNROLLED, _INTERP, _iq2_blk, _iq2_sign_index, _ld4, _ld_f16, _q2_blk, _s8f, _u8f, _wtile
 
 
 @triton.jit
@@ -29,7 +29,7 @@ def _mv_step(xb, k0, wb, wh, wf, gridp, ksigns, row_off, rmask, rs, nw_ptr,
         part = tl.zeros(d.shape, tl.float32)
         for sub in tl.static_range(4):
             gi = _iq2_grid_index(gq, sub)
-            si = (aux >> (7 * sub)) & 127
+            si = _iq2_sign_index(aux, sub)
             for h in tl.static_range(2):
                 # 4 levels as int8 bytes, negated bytewise where the sign mask byte is 0xFF
                 # (levels are >= 8, so ~v + 1 never carries into the next byte)
@@ -124,18 +124,6 @@ def _split4(v, BN: tl.constexpr):
 @triton.jit
 def _join4(y0, y1, y2, y3, BN: tl.constexpr):
     return tl.reshape(tl.join(tl.join(y0, y1), tl.join(y2, y3)), [BN])
-
-
-@triton.jit
-def _popc(v):
-    """Set bits of each int32 (the interpreter: of its low 8 bits, all that the callers pass)."""
-    if _INTERP:
-        p = v & 255
-        p = (p & 0x55) + ((p >> 1) & 0x55)
-        p = (p & 0x33) + ((p >> 2) & 0x33)
-        return (p & 0x0F) + (p >> 4)
-    else:
-        return tl.inline_asm_elementwise("popc.b32 $0, $1;", "=r,r", [v], dtype=tl.int32, is_pure=True, pack=1)
 
 
 _LVL_POS = tl.constexpr(0x00AB9988)  # bytes 128 + 8, 128 + 25, 128 + 43: the biased IQ2_XXS levels

@@ -7,18 +7,8 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from .common import _f16_lo, _iq2_blk, _ld2, _ld4, _ld_f16, _opaque, _q2_blk, _u8f
-from .decode import _b2f, _dp4a, _iq2_grid_index, _iq2_lut, _join4, _popc, _q2k_unit, _split4
-
-
-@triton.jit
-def _iq2_sign_nibbles(s7):
-    """The 8 signs of sign index s7 (the 8th is the parity of the 7) at bit 2 of 8 nibbles."""
-    s8 = s7 | ((_popc(s7) & 1) << 7)
-    p = (s8 | (s8 << 12)) & 0x000F000F
-    q = (p | (p << 6)) & 0x03030303
-    r = (q | (q << 3)) & 0x11111111
-    return r << 2
+from .common import _f16_lo, _iq2_blk, _iq2_signs, _ld2, _ld4, _ld_f16, _opaque, _q2_blk, _u8f
+from .decode import _b2f, _dp4a, _iq2_grid_index, _iq2_lut, _join4, _q2k_unit, _split4
 
 
 @triton.jit
@@ -99,7 +89,7 @@ def _iq2_group_step(xu, wh, wf, gridp, rb, m, u, tab, SMEM: tl.constexpr = False
                 lv = sels[4 * sub + r]
             else:
                 lv = tl.load(gridp + 768 + _iq2_grid_index(gq, sub))
-            sel = lv | _iq2_sign_nibbles((aux >> (7 * sub)) & 127)
+            sel = lv | _iq2_signs(aux, sub)
             for h in tl.static_range(2):
                 qx = _iq2_lut(sel >> (16 * h))
                 for j in tl.static_range(4):
@@ -173,7 +163,7 @@ def _iq2_int_step(xw, gs, tab):
         nh = ()
         nl = ()
         for r in tl.static_range(4):
-            sel = sels[4 * sub + r] | _iq2_sign_nibbles((gs[r][1] >> (7 * sub)) & 127)
+            sel = sels[4 * sub + r] | _iq2_signs(gs[r][1], sub)
             q0 = _iq2_lut(sel, True)
             q1 = _iq2_lut(sel >> 16, True)
             nh = nh + (_dp4a(q1, h1, _dp4a(q0, h0, ah[r])),)
