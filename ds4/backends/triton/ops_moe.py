@@ -10,7 +10,7 @@ import torch
 from . import kernels as K
 from . import kernels_mm16 as K16
 from .formats import Decoder, KernelType
-from .plumbing import MM_MIN, QWeight, _Combined, _Normed, _Routed, _Routing, _cdiv, _op, _pow2, _x16
+from .plumbing import MM_MIN, QWeight, _Combined, _Normed, _cdiv, _op, _pow2, _x16
 from .tuning import INTEGER_PRECISIONS
 
 SWIGLU_BLOCK = 1024  # values per program of swiglu_kernel
@@ -25,34 +25,19 @@ class _MoeOps:
         logits = self._linear(f, gate_inp)
         n, NE = logits.shape
         k = cfg.n_expert_used
-        r = _Routing(logits, bias, tid2eid, self._tokens_dev(tokens), self._new((n, k), torch.int32),
-                     self._new((n, k)))
-        if self.route_in_gateup and n < MM_MIN:  # the decode gate/up may route the tokens itself
-            return r.parts
-        self._route(r)
-        return r.ids, r.weights
-
-    def _route_args(self, r: _Routing) -> tuple[tuple, dict]:
-        """The routing arguments of router_kernel and of moe_gateup_mv_kernel ROUTE."""
-        NE = r.logits.shape[1]
-        k = r.ids.shape[1]
-        args = (r.logits, NE, r.bias.vec if r.bias is not None else self._dummy_f,
-                r.tid2eid.i32 if r.tid2eid is not None else self._dummy_i, r.tokens)
-        return args, dict(KSEL=k, KP=_pow2(k), BE=_pow2(NE), HAS_BIAS=r.bias is not None, HASH=r.tid2eid is not None)
-
-    def _route(self, r: _Routing) -> None:
-        """ids and weights of a held-back router op, from router_kernel."""
-        n, NE = r.logits.shape
-        args, kw = self._route_args(r)
-        self._launch(K.router_kernel, (n,), *args, r.ids, r.weights, float(self.cfg.expert_weights_scale),
-                     **kw, num_warps=1, nbytes=8 * n * NE)  # one warp: its reductions need no barrier
-        r.done()
+        ids = self._new((n, k), torch.int32)
+        wts = self._new((n, k))
+        self._launch(K.router_kernel, (n,), logits, NE, bias.vec if bias is not None else self._dummy_f,
+                     tid2eid.i32 if tid2eid is not None else self._dummy_i, self._tokens_dev(tokens), ids, wts,
+                     float(cfg.expert_weights_scale), KSEL=k, KP=_pow2(k), BE=_pow2(NE),
+                     HAS_BIAS=bias is not None, HASH=tid2eid is not None,
+                     num_warps=1, nbytes=8 * n * NE)  # one warp: its reductions need no barrier
+        return ids, wts
 
     def _gateup_mv(self, x, gate: QWeight, up: QWeight, ids, wts, slots: int, kslots: int, clamp: float,
-                   c: dict | None = None, xq=None, hq=None, route: _Routing | None = None):
+                   c: dict | None = None, xq=None, hq=None):
         """Decode gate/up products -> h [slots, F]. c: the launch parameters (_mv_cfg), xq: x in
-        XQ form where c's decoder reads it (418), hq: buffers (_xq_new) that also get h in XQ form,
-        route: a held-back router op whose ids and weights the kernel computes and stores."""
+        XQ form where c's decoder reads it (418), hq: buffers (_xq_new) that also get h in XQ form."""
         E, F = gate.K, gate.N
         h = self._new((slots, F))
         routed = ids is not None
@@ -65,20 +50,12 @@ class _MoeOps:
         self._tiles_ok(_cdiv(F, c["BN"]) * slots, S)
         hq = hq if qout else (self._dummy_i, self._dummy_f, self._dummy_f)
         xw, xs = (xq[0], xq[1]) if c["TYPE"] in (Decoder.IQ2_GROUPS_XQ, Decoder.Q8C_XQ8) else (self._dummy_i, self._dummy_f)
-        if route is not None:
-            rargs, rkw = self._route_args(route)
-            rargs, rkw = rargs + (float(self.cfg.expert_weights_scale),), dict(rkw, ROUTE=True)
-        else:
-            rargs, rkw = (self._dummy_f, 1, self._dummy_f, self._dummy_i, self._dummy_i, 1.0), {}
         self._launch(K.moe_gateup_mv_kernel, (_cdiv(F, c["BN"]), slots, S), x, x.stride(0),
                      ids if routed else self._dummy_i, wts if routed else self._dummy_f,
                      gate.b8, gate.i16, gate.f32, up.b8, up.i16, up.f32, self._gridp, self._ksigns, h,
                      self._new((slots, S, 2, F)) if S > 1 else self._dummy_f, self._tickets(),
-                     xw, xs, *hq, F, E, gate.RB, F * gate.RB, kslots, float(clamp), *rargs,
-                     ROUTED=routed, QOUT=qout, **c, **rkw,
+                     xw, xs, *hq, F, E, gate.RB, F * gate.RB, kslots, float(clamp), ROUTED=routed, QOUT=qout, **c,
                      nbytes=slots * (2 * F * gate.RB + 4 * (E + F)))
-        if route is not None:
-            route.done()
         return h
 
     def _down_mv(self, h, ids, down: QWeight, n: int, k: int, c: dict | None = None, hq=None):
@@ -100,12 +77,8 @@ class _MoeOps:
     def _routed_mv(self, f, gate: QWeight, up: QWeight, down: QWeight, ids, wts, n: int, k: int, clamp: float):
         """The routed experts of a decode step. With the integer decoders (418 for the gate/up,
         113 or 111 for the down) x and h go to them in XQ form: x from the norm's kernel
-        (_xq), h from the gate/up's own tiles. ids and weights still held back by the router op
-        (_Routed) are computed by the gate/up itself."""
+        (_xq), h from the gate/up's own tiles."""
         E, F = gate.K, gate.N
-        # (fused only when both halves of one held-back router op come here together)
-        route = ids.routing if isinstance(ids, _Routed) and ids.val is None and wts is ids.routing.parts[1] else None
-        ids, wts = (route.ids, route.weights) if route is not None else (self._val(ids), self._val(wts))
         cg = self._mv_cfg(gate.kt, F, E, n * k, kind="gateup", xq=E % 32 == 0 and up.kt == gate.kt)
         xq = self._xq(f) if cg["TYPE"] == Decoder.IQ2_GROUPS_XQ else None  # (before _val: the norm's kernel writes both)
         x = self._val(f)
@@ -114,7 +87,7 @@ class _MoeOps:
         # the down's decoder: 111 and 113 read h in XQ form, which the gate/up then also stores
         cd = self._mv_cfg(down.kt, E, F, n, kind="down", xq=F % 32 == 0)
         hq = self._xq_new(n * k, F) if cd["TYPE"] in (Decoder.Q2_K_XQ, Decoder.Q2S_HALVES_XQ) else None
-        h = self._gateup_mv(x, gate, up, ids, wts, n * k, k, clamp, c=cg, xq=xq, hq=hq, route=route)
+        h = self._gateup_mv(x, gate, up, ids, wts, n * k, k, clamp, c=cg, xq=xq, hq=hq)
         if hq is None:  # a float decoder of h: its own alignment check
             cd = self._mv_cfg(down.kt, E, F, n, kind="down", x16=_x16(h, F))
         return self._down_mv(h, ids, down, n, k, c=cd, hq=hq)
@@ -186,7 +159,6 @@ class _MoeOps:
         clamp = cfg.swiglu_clamp[il]
         if n < MM_MIN:
             return self._routed_mv(f, gate, up, down, ids, weights, n, k, clamp)
-        ids, weights = self._val(ids), self._val(weights)
         # prefill: group the (token, slot) assignments by expert
         NE = gate.n_exp
         flat = ids.reshape(-1).to(torch.int64)
@@ -269,7 +241,6 @@ class _MoeOps:
 
     @_op
     def expert_part(self, ids, weights, first, count):
-        ids, weights = self._val(ids), self._val(weights)
         mine = (ids >= first) & (ids < first + count)
         return (torch.where(mine, ids - first, torch.zeros_like(ids)),
                 torch.where(mine, weights, torch.zeros_like(weights)))

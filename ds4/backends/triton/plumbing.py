@@ -215,35 +215,6 @@ class _Expanded(_Lazy):
         return tuple(self.X.shape)
 
 
-class _Routing:
-    """A router op's launch, held back (decode): the routed gate/up can route each token itself
-    from the logits (moe_gateup_mv_kernel ROUTE) and store ids and weights for the down; any other
-    reader of either gets them from router_kernel first (TritonBackend._val)."""
-    __slots__ = ("logits", "bias", "tid2eid", "tokens", "ids", "weights", "parts")
-
-    def __init__(self, logits, bias, tid2eid, tokens, ids, weights):
-        self.logits, self.bias, self.tid2eid, self.tokens = logits, bias, tid2eid, tokens
-        self.ids, self.weights = ids, weights
-        self.parts = (_Routed(self, ids), _Routed(self, weights))
-
-    def done(self) -> None:
-        """ids and weights are (or are about to be, in stream order) written."""
-        for part in self.parts:
-            part.val = part.buf
-
-
-class _Routed(_Lazy):
-    """The ids or the weights of a _Routing."""
-    __slots__ = ("routing", "buf")
-
-    def __init__(self, routing, buf):
-        self.routing, self.buf, self.val = routing, buf, None
-
-    @property
-    def shape(self):
-        return tuple(self.buf.shape)
-
-
 class Selection:
     """Indexer top-k of each query: the kept compressed rows in increasing order, and how many."""
 

@@ -175,9 +175,6 @@ class TritonTuning:
     # included) takes the generic block decoder
     mv_types: Mapping = field(default_factory=lambda: {
         KernelType.Q8C: _D.Q8C_FLOAT, KernelType.IQ2_XXS: _D.IQ2_GROUPS_XQ, KernelType.Q2_K: _D.Q2S_HALVES_XQ})
-    # decode: the routed gate/up routes each token itself from the router's logits (every program
-    # a top-k of the scores) instead of waiting for router_kernel (moe_gateup_mv_kernel ROUTE)
-    route_in_gateup: bool = True
     # IQ2_GROUPS_XQ issues each K-step's group loads one step ahead (kernels._iq2_group_rows PF)
     mv_prefetch: bool = True
     # decode: a Q8C product whose result the next one reads in XQ8 form stores that form too

@@ -14,20 +14,15 @@ from .mmvq import _mv_rows, _q8c_xq_rows, _split_last, _split_reset, _split_stor
 from .mmq import _mm_rows
 from .rules import rules
 
-_PICKED = tl.constexpr(-(1 << 63))  # _route: a key below every score's
-
 
 @triton.jit
 def moe_gateup_mv_kernel(x_ptr, sx_t, ids_ptr, wts_ptr,
                          gb, gh, gf, ub, uh, uf, gridp, ksigns, h_ptr, ws_ptr, cnt_ptr,
                          xw_ptr, xs_ptr, hw_ptr, hs_ptr, hsum_ptr,
                          F, K, RB, EXP_BYTES, KSLOTS, clamp,
-                         logit_ptr, NE, bias_ptr, tid_ptr, tok_ptr, rscale,
                          TYPE: tl.constexpr, BN: tl.constexpr, NB: tl.constexpr, VB: tl.constexpr,
                          VA: tl.constexpr, ROUTED: tl.constexpr, S: tl.constexpr = 1,
-                         QOUT: tl.constexpr = False, PF: tl.constexpr = False,
-                         ROUTE: tl.constexpr = False, KSEL: tl.constexpr = 1, KP: tl.constexpr = 1,
-                         BE: tl.constexpr = 1, HAS_BIAS: tl.constexpr = False, HASH: tl.constexpr = False):
+                         QOUT: tl.constexpr = False, PF: tl.constexpr = False):
     """h[s, r] = w_s · swiglu(gate_e[r]·x, up_e[r]·x) for slot s = t·KSLOTS + j of expert
     e = ids[s] (ROUTED), or the shared expert (e = 0, no weight); K split in S parts as in
     matvec_kernel (the last program of a tile adds the partial gate and up sums, then applies
@@ -35,27 +30,13 @@ def moe_gateup_mv_kernel(x_ptr, sx_t, ids_ptr, wts_ptr,
     309 (Q8C, the shared expert) in XQ8 form;
     QOUT also stores h in XQ form (hw_ptr, hs_ptr, hsum_ptr) for the down decoder 111: a tile's
     BN rows (a multiple of 32) are whole blocks. PF: 418 issues each K-step's group loads one step
-    ahead (_iq2_group_rows). ROUTE (with ROUTED): every program routes its token from the router's
-    logits itself (_route, KSEL = KSLOTS) instead of reading ids and weights, and the first
-    program of each slot stores them there for the down: a launch and its wait fewer on the
-    decode step's critical chain, for a top-k of NE scores in each program."""
+    ahead (_iq2_group_rows)."""
     pid = tl.program_id(0)
     s = tl.program_id(1)
     sk = tl.program_id(2)
     t = s // KSLOTS
-    wt = 1.0
-    if ROUTE:
-        rid, rw = _route(logit_ptr, t, NE, bias_ptr, tid_ptr, tok_ptr, rscale, KSEL, KP, BE, HAS_BIAS, HASH)
-        hit = tl.arange(0, KP) == s - t * KSLOTS
-        e32 = tl.sum(tl.where(hit, rid, 0), axis=0)
-        wt = tl.sum(tl.where(hit, rw, 0.0), axis=0)
-        if (pid == 0) & (sk == 0):
-            tl.store(ids_ptr + s, e32)
-            tl.store(wts_ptr + s, wt)
-        e = e32.to(tl.int64)
-    elif ROUTED:
+    if ROUTED:
         e = tl.load(ids_ptr + s).to(tl.int64)
-        wt = tl.load(wts_ptr + s)
     else:
         e = 0
     rows = pid * BN + tl.arange(0, BN)
@@ -89,7 +70,7 @@ def moe_gateup_mv_kernel(x_ptr, sx_t, ids_ptr, wts_ptr,
     if done:
         h = _swiglu(g, u, clamp)
         if ROUTED:
-            h = h * wt
+            h = h * tl.load(wts_ptr + s)
         tl.store(h_ptr + s * F + rows, h, mask=rmask)
         if QOUT:
             NBLK: tl.constexpr = BN // 32
@@ -215,11 +196,12 @@ def moe_reduce_kernel(src_ptr, inv_ptr, out_ptr, E, KSLOTS: tl.constexpr, BE: tl
 
 
 @triton.jit
-def _route(logit_ptr, t, NE, bias_ptr, tid_ptr, tok_ptr, scale, KSEL: tl.constexpr, KP: tl.constexpr,
-           BE: tl.constexpr, HAS_BIAS: tl.constexpr, HASH: tl.constexpr):
-    """Token t's routing (spec §3.7), as [KP] vectors of expert ids and weights (the first KSEL
-    valid): p = sqrt(softplus(logits)); ids = the hash table's row or the top-k of p + bias
-    (ties: lower id); weights = the core's router_scale of p[ids] and their sum."""
+def router_kernel(logit_ptr, NE, bias_ptr, tid_ptr, tok_ptr, ids_ptr, w_ptr, scale,
+                  KSEL: tl.constexpr, KP: tl.constexpr, BE: tl.constexpr,
+                  HAS_BIAS: tl.constexpr, HASH: tl.constexpr):
+    """p = sqrt(softplus(logits)); ids = hash table row or top-k of p + bias (ties: lower id);
+    weights = the core's router_scale of p[ids] and their sum (spec §3.7)."""
+    t = tl.program_id(0)
     idx = tl.arange(0, BE)
     em = idx < NE
     x = tl.load(logit_ptr + t * NE + idx, mask=em, other=0.0)
@@ -239,38 +221,20 @@ def _route(logit_ptr, t, NE, bias_ptr, tid_ptr, tok_ptr, scale, KSEL: tl.constex
         sel = p
         if HAS_BIAS:
             sel = sel + tl.load(bias_ptr + idx, mask=em, other=0.0)
-        sel = tl.where(em, tl.where(sel == 0.0, 0.0, sel), float("-inf"))  # (-0 ties +0, as in the reference)
-        # one max a pick (a reduction, where a max, a min and a sum took three): each score's
-        # float order as a signed integer, above the complement of its id, so that the largest
-        # key is the best score and, of equal ones, the lowest id
-        bits = sel.to(tl.int32, bitcast=True)
-        order = bits ^ ((bits >> 31) & 0x7FFFFFFF)
-        key = (order.to(tl.int64) << 32) | (BE - 1 - idx).to(tl.int64)
+        sel = tl.where(em, sel, float("-inf"))
         ids = tl.zeros([KP], tl.int32)
+        w = tl.zeros([KP], tl.float32)
         for j in tl.static_range(KSEL):
-            i = BE - 1 - (tl.max(key, axis=0) & 0xFFFFFFFF).to(tl.int32)
+            # the best score, then the lowest id holding it (-0 equals +0 here, as in the reference)
+            mx = tl.max(sel, axis=0)
+            i = tl.min(tl.where(sel == mx, idx, BE), axis=0)
             ids = tl.where(kk == j, i, ids)
-            key = tl.where(idx == i, _PICKED, key)
-        w = tl.sum(tl.where(idx[None, :] == ids[:, None], p[None, :], 0.0), axis=1)
-        w = tl.where(km, w, 0.0)
-    # the selected scores' sum in slot order, so that every program shape (a one-warp router_kernel,
-    # a gate/up program of several warps) adds them alike (each term extracted exactly)
-    tot = tl.sum(tl.where(kk == 0, w, 0.0), axis=0)
-    for j in tl.static_range(1, KSEL):
-        tot += tl.sum(tl.where(kk == j, w, 0.0), axis=0)
-    return ids, rules.router_scale(w, tot, scale)
-
-
-@triton.jit
-def router_kernel(logit_ptr, NE, bias_ptr, tid_ptr, tok_ptr, ids_ptr, w_ptr, scale,
-                  KSEL: tl.constexpr, KP: tl.constexpr, BE: tl.constexpr,
-                  HAS_BIAS: tl.constexpr, HASH: tl.constexpr):
-    """ids, weights [n, KSEL] of each token's routing (_route); a program per token."""
-    t = tl.program_id(0)
-    ids, w = _route(logit_ptr, t, NE, bias_ptr, tid_ptr, tok_ptr, scale, KSEL, KP, BE, HAS_BIAS, HASH)
-    kk = tl.arange(0, KP)
-    tl.store(ids_ptr + t * KSEL + kk, ids, mask=kk < KSEL)
-    tl.store(w_ptr + t * KSEL + kk, w, mask=kk < KSEL)
+            w = tl.where(kk == j, tl.sum(tl.where(idx == i, p, 0.0), axis=0), w)
+            sel = tl.where(idx == i, float("-inf"), sel)
+    tot = tl.sum(w, axis=0)
+    w = rules.router_scale(w, tot, scale)
+    tl.store(ids_ptr + t * KSEL + kk, ids, mask=km)
+    tl.store(w_ptr + t * KSEL + kk, w, mask=km)
 
 
 # ------------------------------------------------------------------------------------------------
