@@ -57,7 +57,7 @@ class Guard:
 
     def __init__(self, app, *, api_key: str | None, max_body: int, metrics, endpoints: frozenset):
         self.app = app
-        self.endpoints = endpoints  # the counter's endpoint labels; any other path counts as OTHER
+        self.endpoints = endpoints  # the counter's endpoint labels; any other path counts as OTHER_ENDPOINT
         self.key = api_key.encode() if api_key else None
         self.max_body = max_body
         self.metrics = metrics
