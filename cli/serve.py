@@ -185,6 +185,20 @@ def serve(
     config = uvicorn.Config(app, log_level="info" if verbose else "warning", access_log=verbose,
                             timeout_graceful_shutdown=SHUTDOWN_GRACE_S)
     try:
-        uvicorn.Server(config).run(sockets=[sock])
+        _run_server(config, sock, driver.stop_all)
     finally:
         driver.close()
+
+
+def _run_server(config, sock: socket.socket, on_exit) -> None:
+    """uvicorn's server, calling on_exit first on Ctrl-C / SIGTERM: the driver then ends open
+    streams with an error event (their clients know the reply is cut) within the grace period,
+    instead of uvicorn closing them mid-reply when the period runs out."""
+    import uvicorn
+
+    class Server(uvicorn.Server):
+        def handle_exit(self, sig, frame):
+            on_exit()
+            super().handle_exit(sig, frame)
+
+    Server(config).run(sockets=[sock])

@@ -378,3 +378,27 @@ def test_queue_full_429_and_disconnect_cancels(server, oa):
     # and the server serves again
     r = oa.chat.completions.create(model="ds4", messages=[{"role": "user", "content": "x"}], max_tokens=1)
     assert r.usage.completion_tokens == 1
+
+
+def test_sigterm_ends_open_streams_with_an_error_event(tmp_path):
+    """Ctrl-C / SIGTERM: a stream under way ends with an error event saying why (its client
+    knows the reply is cut), and the server exits cleanly within the grace period."""
+    import signal
+
+    proc = Proc(["serve", "--port", "0", "--backend", "reference", "--ctx", "1024"], tmp_path / "serve.log")
+    try:
+        proc.wait_listening().wait_healthy()
+        oa = openai.OpenAI(base_url=f"{proc.url}/v1", api_key="-", max_retries=0, timeout=60)
+        stream = oa.chat.completions.create(model="ds4", messages=[{"role": "user", "content": "Hello"}],
+                                            max_tokens=1000, temperature=0, stream=True)
+        it = iter(stream)
+        next(it)
+        proc.proc.send_signal(signal.SIGTERM)
+        with pytest.raises(openai.APIError) as e:
+            for _ in it:
+                pass
+        assert "shutting down" in str(e.value.message)
+        assert proc.proc.wait(timeout=30) in (0, 128 + signal.SIGTERM)  # (uvicorn re-raises the signal)
+        assert "Traceback" not in (tmp_path / "serve.log").read_text()
+    finally:
+        proc.kill()

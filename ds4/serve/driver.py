@@ -107,6 +107,9 @@ class Job:
         self.cancelled.set()
 
 
+SHUTTING_DOWN = "the server is shutting down"
+
+
 def _unavailable_errors() -> tuple[type[BaseException], ...]:
     from ds4.pipeline import PipelineError
     from ds4.tp import TPError
@@ -137,6 +140,7 @@ class Driver:
         self._running = 0
         self._current: Job | None = None
         self._avg_seconds = 1.0
+        self._stopping = threading.Event()  # the server is shutting down (stop_all)
         self._thread = threading.Thread(target=self._loop, name="ds4-generate", daemon=True)
         self._thread.start()
 
@@ -181,6 +185,12 @@ class Driver:
             self.available = False
         return self.available
 
+    def stop_all(self) -> None:
+        """The server is shutting down: the generation under way ends at its next token and
+        every waiting request at once, each with a 503 its client sees (an error event on a
+        stream), so that the open streams close within the grace period instead of being cut."""
+        self._stopping.set()
+
     def close(self) -> None:
         """Stop after the generation under way (cancelled at its next token)."""
         current = self._current
@@ -207,6 +217,9 @@ class Driver:
             self.metrics.running.set(1)
             try:
                 if job.cancelled.is_set():  # its client left while it waited
+                    continue
+                if self._stopping.is_set():
+                    job.put(Failed(503, SHUTTING_DOWN))
                     continue
                 self._run(job)
             except Exception as e:  # a bug: the job fails, the server goes on
@@ -280,6 +293,9 @@ class Driver:
                         reason = "cancelled"
                         m.cancelled.inc()
                         break
+                    if self._stopping.is_set():
+                        job.put(Failed(503, f"{SHUTTING_DOWN}; the reply stopped after {generated} tokens"))
+                        return
         except unavailable as e:
             self.available = False
             job.put(Failed(503, f"the generation stopped after {generated} tokens: {e}"))
