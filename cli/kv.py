@@ -144,8 +144,12 @@ def prefill(
         elif prompt == "-":
             prompt = sys.stdin.read()
     tp = TpLeader.of(tp_listen, tp_transport, gate_timeout_ms, debug_hash, tp_wait)
+    # The leader is a TLS server, --send-kv a client: --tls-ca alone (trust the receiver) leaves
+    # the pair's link plain; with --tls-cert/--tls-key both use them (and --tls-ca also asks the
+    # worker for a certificate).
+    tp_tls = (tls_cert, tls_key, tls_ca) if tls_cert is not None or tls_key is not None else (None,) * 3
     eng = (tp.open(model, backend, numerics, ctx=ctx, auth_token=auth_token, auth_token_file=auth_token_file,
-                   io_timeout=io_timeout, tls_files=(tls_cert, tls_key, tls_ca))
+                   io_timeout=io_timeout, tls_files=tp_tls)
            if tp else open_engine(model, backend, numerics))
     with library_errors():
         if ctx > eng.config.context_length:

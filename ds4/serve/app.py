@@ -132,8 +132,8 @@ def create_app(driver: Driver, *, model_id: str, max_tokens_limit: int, api_key:
     @app.get("/health")
     async def health():
         if driver.remote and not await asyncio.to_thread(driver.probe):
-            return JSONResponse({"status": "unavailable", "reason": "the pipeline's next stage or "
-                                 "the tensor-parallel worker is away"},
+            return JSONResponse({"status": "unavailable",
+                                 "reason": f"{driver.remote_name} is away ({driver.away_reason})"},
                                 status_code=503)
         return {"status": "ok", "model": model_id}
 

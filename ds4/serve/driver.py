@@ -141,6 +141,11 @@ class Driver:
         self._current: Job | None = None
         self._avg_seconds = 1.0
         self._stopping = threading.Event()  # the server is shutting down (stop_all)
+        # held by the generation thread while it runs a request, and by a /health probe while it
+        # looks at the remote end: a tensor-parallel worker's replies to a command in flight
+        # would read as its connection closing
+        self._engine_lock = threading.Lock()
+        self.away_reason = ""  # why the remote end was last found away (for 503s and /health)
         self._thread = threading.Thread(target=self._loop, name="ds4-generate", daemon=True)
         self._thread.start()
 
@@ -162,14 +167,26 @@ class Driver:
 
     def probe(self) -> bool:
         """For /health: whether the pipeline's next stage or the tensor-parallel worker is there.
-        A worker that left while no request ran counts as away (checked only then: during a
-        command its replies would read as a close); one that is away is tried again within the
-        engine's probe wait (its lock keeps this apart from a generation)."""
+        Looked at only while no request runs (one that runs reports its own failure): a worker
+        that left counts as away, and one that is away is tried again within the engine's probe
+        wait."""
         if not self.remote:
             return True
-        with self._lock:  # (no job starts while the worker's connection is looked at)
-            if self.available and self._running == 0 and self._worker_gone():
-                self.available = False
+        if not self._engine_lock.acquire(blocking=False):
+            return self.available
+        try:
+            return self._reachable()
+        finally:
+            self._engine_lock.release()
+
+    @property
+    def remote_name(self) -> str:
+        return "the pipeline's next stage" if self.split else "the tensor-parallel worker"
+
+    def _reachable(self) -> bool:
+        """(holding _engine_lock) Whether the remote end is there, trying to reach it again if not."""
+        if self.available and self._worker_gone():
+            self.available, self.away_reason = False, "it closed its connection"
         return self.available or self._reconnect()
 
     def _worker_gone(self) -> bool:
@@ -181,8 +198,11 @@ class Driver:
         try:
             self.engine.connect()
             self.available = True
-        except _unavailable_errors():
-            self.available = False
+        except _unavailable_errors() as e:
+            why = str(e) or type(e).__name__
+            if why != self.away_reason:  # (once per reason: /health probes every few seconds)
+                log.warning("%s is away: %s", self.remote_name, why)
+            self.available, self.away_reason = False, why
         return self.available
 
     def stop_all(self) -> None:
@@ -193,6 +213,7 @@ class Driver:
 
     def close(self) -> None:
         """Stop after the generation under way (cancelled at its next token)."""
+        self.stop_all()
         current = self._current
         if current is not None:
             current.cancel()
@@ -221,7 +242,8 @@ class Driver:
                 if self._stopping.is_set():
                     job.put(Failed(503, SHUTTING_DOWN))
                     continue
-                self._run(job)
+                with self._engine_lock:
+                    self._run(job)
             except Exception as e:  # a bug: the job fails, the server goes on
                 log.exception("generation failed")
                 job.put(Failed(500, f"internal error: {type(e).__name__}: {e}"))
@@ -240,16 +262,16 @@ class Driver:
 
     def _run(self, job: Job) -> None:
         req, s, m = job.req, self.session, self.metrics
-        prev = s.tokens
+        if self.remote and not self._reachable():
+            # 503 at once, not after the engine's wait for a worker (--tp-wait: minutes)
+            job.put(Failed(503, f"{self.remote_name} is away ({self.away_reason}); /health says when "
+                                "it is back"))
+            return
+        prev = s.tokens  # (after the check: a new worker holds none of them)
         req.prompt = same_text_prefix(self.tokenizer, prev, req.prompt)
         n_prompt = len(req.prompt)
         cached = len(prev) if len(prev) <= n_prompt and req.prompt[:len(prev)] == prev else 0
         unavailable = _unavailable_errors()
-        if self.remote and (not self.available or self._worker_gone()) and not self._reconnect():
-            # 503 at once, not after the engine's wait for a worker (--tp-wait: minutes)
-            job.put(Failed(503, "the pipeline's next stage or the tensor-parallel worker is away; "
-                                "/health says when it is back"))
-            return
         try:
             if self.split:
                 s.sampling = req.params  # how many candidates the last stage sends back
@@ -260,7 +282,7 @@ class Driver:
                 cached = self._prefill_with_snapshot(req.prompt, cached)
             t_prefill = time.perf_counter() - t0
         except unavailable as e:
-            self.available = False
+            self.available, self.away_reason = False, str(e)
             job.put(Failed(503, str(e)))
             return
         self.available = True
@@ -297,7 +319,7 @@ class Driver:
                         job.put(Failed(503, f"{SHUTTING_DOWN}; the reply stopped after {generated} tokens"))
                         return
         except unavailable as e:
-            self.available = False
+            self.available, self.away_reason = False, str(e)
             job.put(Failed(503, f"the generation stopped after {generated} tokens: {e}"))
             return
         t_decode = time.perf_counter() - t1

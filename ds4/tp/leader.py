@@ -118,7 +118,10 @@ class TPEngine(EngineFront):
     def ensure_worker(self, wait_s: float | None = None) -> Pair:
         """The pair, once a worker has joined (waiting up to wait_s, default the engine's)."""
         with self._joining:  # (ds4 serve's health probe runs beside its generation thread)
-            self._drop_if_left()
+            if self._drop_if_left():
+                # an error for the command that finds it, at once (as a death during a command
+                # is); the next call waits for a worker to join again
+                raise self.fail("the wait between commands", ConnectionError("the worker closed its connection"))
             if self.pair is None:
                 if self.on_wait is not None:
                     self.on_wait(self.address)
@@ -137,11 +140,15 @@ class TPEngine(EngineFront):
             self._drop_if_left()
             return self.pair is not None
 
-    def _drop_if_left(self) -> None:
-        if self.pair is not None and _closed_by_peer(self.pair.control.sock):
-            log.warning("tensor parallel: the worker left while idle")
-            self.pair.close()
-            self.pair, self.engine.partner = None, None
+    def _drop_if_left(self) -> bool:
+        """Drop the pair if its worker closed the control connection; -> whether it did."""
+        pair = self.pair
+        if pair is None or not _closed_by_peer(pair.control.sock):
+            return False
+        log.warning("tensor parallel: the worker left while idle")
+        pair.close()
+        self.pair, self.engine.partner = None, None
+        return True
 
     def connect(self, wait_s: float = PROBE_WAIT_S) -> None:
         """Take a worker that is waiting to join, within wait_s (ds4 serve's /health probe)."""
@@ -188,6 +195,12 @@ class TPSession(Session):
     @property
     def generation(self) -> int:
         return self.worker_generation[0]
+
+    @property
+    def tokens(self) -> list[int]:
+        """The tokens the pair holds for this session: none once its worker has gone (a new one
+        starts it empty at the next command)."""
+        return super().tokens if self.generation == self.tp.generation else []
 
     @generation.setter
     def generation(self, value: int) -> None:

@@ -136,7 +136,10 @@ def accept_worker(listener: socket.socket, model, ctx: int, opts: Options,
     deadline = time.monotonic() + wait_s
     control, peer, agreed = _accept_one(listener, deadline, opts, mine, "control", wait_s)
     try:
-        data, _, _ = _accept_one(listener, deadline, opts, mine, "data", wait_s)
+        # (the worker dials its data connection right after the control one: a short probe
+        # wait that the control handshake used up must not turn it away)
+        data_wait = max(deadline - time.monotonic(), opts.io_timeout)
+        data, _, _ = _accept_one(listener, time.monotonic() + data_wait, opts, mine, "data", data_wait)
     except BaseException:
         control.close()
         raise
