@@ -50,7 +50,7 @@ class TPEngine(EngineFront):
         self.ctx = ctx
         self.opts = opts
         self.wait_s = wait_s
-        self.on_wait = on_wait  # called with the address before each wait for a worker
+        self.on_wait = on_wait  # called with the address before each full wait for a worker
         self.pair: Pair | None = None
         self.generation = 0  # pairs formed so far; a session belongs to one
         self._next_session = 1
@@ -123,7 +123,7 @@ class TPEngine(EngineFront):
                 # is); the next call waits for a worker to join again
                 raise self.fail("the wait between commands", ConnectionError("the worker closed its connection"))
             if self.pair is None:
-                if self.on_wait is not None:
+                if self.on_wait is not None and wait_s is None:  # (not for a probe's short wait)
                     self.on_wait(self.address)
                 self.pair = accept_worker(self.listener, self.model, self.ctx, self.opts,
                                           self.wait_s if wait_s is None else wait_s, self.backend.name,
