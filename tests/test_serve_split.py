@@ -81,7 +81,7 @@ def test_tensor_parallel_worker_dies_and_rejoins(tmp_path, certs):
         with pytest.raises(openai.APIError) as e:
             for _ in it:
                 pass
-        assert "tensor parallel failed during decode" in str(e.value.message)
+        assert "tensor parallel failed during" in str(e.value.message)  # (decode, or between two steps)
 
         quick = oa.with_options(timeout=20)  # well under --tp-wait: a 503 at once, no wait for a worker
         with pytest.raises(openai.InternalServerError) as e:

@@ -212,7 +212,8 @@ class Driver:
         self._stopping.set()
 
     def close(self) -> None:
-        """Stop after the generation under way (cancelled at its next token)."""
+        """Stop after the generation under way (cancelled at its next token); waiting requests
+        get 503 (stop_all)."""
         self.stop_all()
         current = self._current
         if current is not None:
