@@ -19,6 +19,8 @@ from triton.compiler import ASTSource
 out = []
 for module, name, constexprs, types, options, aligned in json.loads(sys.stdin.read()):
     fn = getattr(importlib.import_module("ds4.backends.triton." + module), name)
+    # a constexpr parameter the case leaves out takes its default, as a launch does
+    constexprs = {**{p.name: p.default for p in fn.params if p.is_constexpr and p.has_default}, **constexprs}
     sig = {a: "constexpr" if a in constexprs else types.get(a, "*fp32" if a.endswith("_ptr") else "i32")
            for a in fn.arg_names}
     attrs = {(i,): [["tt.divisibility", 16]] for i, a in enumerate(fn.arg_names) if a in aligned}

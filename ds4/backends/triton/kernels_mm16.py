@@ -181,13 +181,14 @@ def _iq2_tile(wf, nib, blk, g0, NG: tl.constexpr):
     W = d/8·q (d: _iq2_scale), columns in _tile_k's order.
 
     Block: f16 d, then 8 groups of 32 values = 4 grid-index bytes + u32 aux (4 × 7 sign-index
-    bits, interleaved in IQ2S; ls in the top 4). Per grid entry (8 values) one 32-bit lookup gives its 8 level codes
-    as nibbles (nib: 1 KB, 8 cache lines for a warp's scattered lookups); the signs are computed
-    (_iq2_signs) and join the codes, and a byte permute per 4 values turns them into
-    128 ± level (_iq2_lut), which become (2·ls + 1)·level·sign in fp16 (_u8x4_f16). A thread
-    decodes whole groups: its 32 values are contiguous in K. (The group axis leads the work
-    tensors [NG, BN]: Triton then lays threads along K first, and the tile reaches shared memory
-    K-major, in 16-byte stores.) A group's grid-index and aux words come in one 8-byte load."""
+    bits, interleaved in IQ2S; ls in the top 4). Per grid entry (8 values) one 32-bit lookup
+    gives its 8 level codes as nibbles (nib: 1 KB, 8 cache lines for a warp's scattered lookups);
+    the signs are computed (_iq2_signs) and join the codes, and a byte permute per 4 values turns
+    them into 128 ± level (_iq2_lut), which become (2·ls + 1)·level·sign in fp16 (_u8x4_f16). A
+    thread decodes whole groups: its 32 values are contiguous in K. (The group axis leads the
+    work tensors [NG, BN]: Triton then lays threads along K first, and the tile reaches shared
+    memory K-major, in 16-byte stores.) A group's grid-index and aux words come in one 8-byte
+    load."""
     BN: tl.constexpr = blk.shape[0]
     gw = blk[None, :].to(tl.int64) * 8 + (g0 + tl.arange(0, NG))[:, None]  # [NG, BN]: 8 bytes a group
     ga = tl.load(wf[None, :] + _opaque(gw))  # (_opaque: the load keeps the tile's layout)
@@ -196,7 +197,8 @@ def _iq2_tile(wf, nib, blk, g0, NG: tl.constexpr):
     mul = _u8f(2 * ((aux >> 28) & 15) + 1)[:, :, None, None]  # 2·ls + 1, per group
     gi = _join4(_iq2_grid_index(gq, 0), _iq2_grid_index(gq, 1), _iq2_grid_index(gq, 2),
                 _iq2_grid_index(gq, 3))  # [NG, BN, 2, 2]: the 4 entries
-    sel = tl.load(nib + gi) | _join4(_iq2_signs(aux, 0), _iq2_signs(aux, 1), _iq2_signs(aux, 2), _iq2_signs(aux, 3))
+    signs = _join4(_iq2_signs(aux, 0), _iq2_signs(aux, 1), _iq2_signs(aux, 2), _iq2_signs(aux, 3))
+    sel = tl.load(nib + gi) | signs  # (the lookups through the L1: up to 8 of the table's lines a warp)
     a0, a1, a2, a3 = _u8x4_f16(_iq2_lut(sel), mul, 128)  # values 0-3 of each entry
     a4, a5, a6, a7 = _u8x4_f16(_iq2_lut(sel >> 16), mul, 128)
     q = _join8(a0, a1, a2, a3, a4, a5, a6, a7)
