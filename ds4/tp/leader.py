@@ -196,15 +196,15 @@ class TPSession(Session):
     def generation(self) -> int:
         return self.worker_generation[0]
 
+    @generation.setter
+    def generation(self, value: int) -> None:
+        self.worker_generation[0] = value
+
     @property
     def tokens(self) -> list[int]:
         """The tokens the pair holds for this session: none once its worker has gone (a new one
         starts it empty at the next command)."""
         return super().tokens if self.generation == self.tp.generation else []
-
-    @generation.setter
-    def generation(self, value: int) -> None:
-        self.worker_generation[0] = value
 
     # ---- the mirrored command -------------------------------------------------------------------
 
