@@ -287,3 +287,44 @@ def test_driver_session_prefills_in_chunks_of_prefill_cap():
             assert d.session.layout.prefill_cap == want
         finally:
             d.close()
+
+
+@pytest.mark.parametrize("why", ["shutdown", "client left"])
+def test_driver_stops_a_long_prefill_between_chunks(why):
+    """A request still prefilling its prompt when the server stops (or its client leaves) ends
+    before the next prefill chunk, not after the whole prompt: the 503 says how far it got, and
+    the session holds the chunks done so far."""
+    import asyncio
+
+    import ds4
+    from ds4.core.sampling import GREEDY
+    from ds4.serve.driver import SHUTTING_DOWN, Driver, Failed, GenRequest, Job
+
+    cap, prompt = 8, [3 + i % 50 for i in range(40)]
+    eng = ds4.Engine.open(None, backend="reference")
+    d = Driver(eng, ctx=64, queue_size=1, prefill_cap=cap)
+    loop = asyncio.new_event_loop()
+    try:
+        job = Job(GenRequest(prompt=prompt, max_tokens=4, params=GREEDY, seed=0), loop)
+        seen, sync = [], d.session.sync
+
+        def sync_then_stop(tokens):
+            seen.append(len(tokens))
+            sync(tokens)
+            d.stop_all() if why == "shutdown" else job.cancel()
+
+        d.session.sync = sync_then_stop
+        d._run(job)
+        loop.run_until_complete(asyncio.sleep(0))
+        events = [job.events.get_nowait() for _ in range(job.events.qsize())]
+        assert seen == [cap]
+        assert d.session.tokens == prompt[:cap]
+        if why == "shutdown":
+            assert events == [Failed(503, f"{SHUTTING_DOWN}; the prompt stopped after {cap} of its "
+                                          f"{len(prompt)} tokens")]
+        else:
+            assert events == []
+            assert d.metrics.registry.get_sample_value("ds4_cancelled_generations_total") == 1
+    finally:
+        d.close()
+        loop.close()

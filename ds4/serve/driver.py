@@ -3,7 +3,8 @@
 The engine and its session are not thread-safe, so every engine call happens on one thread.
 Endpoints `submit` a `GenRequest` and read the job's events (`Started`, `Token`..., then
 `Finished` or `Failed`) from an asyncio queue that the thread fills. A job's `cancel()` (the
-client went away) is seen by the thread before its next token.
+client went away) and a shutdown (`stop_all`) are seen by the thread before its next token or
+prefill chunk.
 
 Prompt reuse: the server keeps one live session. A request whose prompt starts with every token
 the session holds (its previous prompt and reply: a chat or an agent resending its history)
@@ -26,6 +27,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from ds4.core.graph import chunk_bounds
 from ds4.core.sampling import Rng, SamplingParams, sample
 from ds4.engine import Session
 
@@ -108,6 +110,10 @@ class Job:
 
 
 SHUTTING_DOWN = "the server is shutting down"
+
+
+class _Interrupted(Exception):
+    """A prompt's prefill stopped between two chunks: its client left or the server is stopping."""
 
 
 def _unavailable_errors() -> tuple[type[BaseException], ...]:
@@ -278,13 +284,20 @@ class Driver:
                 s.sampling = req.params  # how many candidates the last stage sends back
             t0 = time.perf_counter()
             if self.split or not self.snapshots:
-                s.sync(req.prompt)
+                self._sync(req.prompt, job)
             else:
-                cached = self._prefill_with_snapshot(req.prompt, cached)
+                cached = self._prefill_with_snapshot(req.prompt, cached, job)
             t_prefill = time.perf_counter() - t0
         except unavailable as e:
             self.available, self.away_reason = False, str(e)
             job.put(Failed(503, str(e)))
+            return
+        except _Interrupted:
+            if job.cancelled.is_set():  # (nobody reads its events any more)
+                m.cancelled.inc()
+            else:
+                job.put(Failed(503, f"{SHUTTING_DOWN}; the prompt stopped after {len(s.tokens)} of its "
+                                    f"{n_prompt} tokens"))
             return
         self.available = True
         if n_prompt > cached and t_prefill > 0:
@@ -337,7 +350,24 @@ class Driver:
         job.put(Finished(reason, reply.stop_hit, n_prompt, cached, generated, calls, pieces,
                          dict(reply.text)))
 
-    def _prefill_with_snapshot(self, prompt: list[int], cached: int) -> int:
+    def _sync(self, tokens: list[int], job: Job) -> None:
+        """session.sync(tokens) a prefill chunk at a time (cut where the session cuts its own,
+        at multiples of its prefill_cap), looking before each chunk for a job its client left
+        or a server shutting down (-> _Interrupted): a long prompt stops within one chunk
+        instead of running on past the shutdown's grace period. The session then holds a
+        prefix of `tokens`, which a later request reuses like any other."""
+        s = self.session
+        held = s.tokens
+        start = len(held) if tokens[:len(held)] == held else 0
+        bounds = chunk_bounds(start, len(tokens), s.layout.prefill_cap)
+        if not bounds:  # the session holds exactly these tokens, or none are asked for
+            s.sync(tokens)
+        for _, b in bounds:
+            if job.cancelled.is_set() or self._stopping.is_set():
+                raise _Interrupted
+            s.sync(tokens[:b])
+
+    def _prefill_with_snapshot(self, prompt: list[int], cached: int, job: Job) -> int:
         """Sync the session to `prompt`, reusing the longest prefix it can: the tokens the
         session holds, or the snapshot of the previous prompt less its last token. That
         snapshot serves a history that resends the previous prompt but not the reply as the
@@ -352,7 +382,7 @@ class Driver:
             s.restore(snap)
             cached = len(snap.tokens)
         head = prompt[:-1]
-        s.sync(head)  # (the session holds a prefix of head here, or nothing)
+        self._sync(head, job)  # (the session holds a prefix of head here, or nothing)
         if head and (snap is None or snap.tokens != head):
             self._snapshot = s.snapshot()
         s.eval(prompt[-1])
