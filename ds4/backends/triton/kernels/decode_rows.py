@@ -7,50 +7,23 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from .common import _f16_lo, _iq2_blk, _iq2_signs, _ld2, _ld4, _opaque, _q2_blk, _u8f
+from .common import _f16_lo, _iq2_blk, _iq2_signs, _ld2, _ld4, _ld_f16, _opaque, _q2_blk, _u8f
 from .decode import _b2f, _dp4a, _iq2_grid_index, _iq2_lut, _join4, _q2k_unit, _split4
 
 
 @triton.jit
 def _iq2_group_words(wh, wf, rb, m, u, ok=True):
     """For each of the four row sets (rb, m: tuples of [BN/4, 1] first-block indices / masks) the
-    words of IQ2_XXS groups u [1, NB] (nonnegative) in IQ2S (wf: quant words, wh: scales;
-    layout.py): (grid indices 0-3, signs + scale, d·(0.5 + scale)/4, a zero partial sum). A
-    group's two words come in one 8-byte load (where GGUF's 66-byte blocks took four 2-byte ones);
-    nothing is read where ok is false."""
-    return _iq2_words_at(_iq2_group_ptrs(wh, wf, rb, u), m, ok)
-
-
-@triton.jit
-def _iq2_group_ptrs(wh, wf, rb, u):
-    """For each of the four row sets (rb: tuple of [BN/4, 1] first-block indices) pointers to the
-    quant words and the scales of IQ2_XXS groups u [1, NB] (nonnegative), for _iq2_words_at. Group
-    u of a row is word 8·(rb + u // 8) + u % 8 = 8·rb + u of the quant words, so a K-step of NB
-    groups moves these pointers by NB words and NB / 8 scales (_iq2_ptrs_step)."""
-    ps = ()
-    for r in tl.static_range(4):
-        ps = ps + ((wf.to(tl.pointer_type(tl.int64)) + _opaque(rb[r] * 8 + u), wh + rb[r] + (u >> 3)),)
-    return ps
-
-
-@triton.jit
-def _iq2_ptrs_step(ps, NB: tl.constexpr):
-    """ps (_iq2_group_ptrs) NB groups on: two pointer additions a load, where recomputing them
-    from the group index took about eight integer instructions."""
-    out = ()
-    for r in tl.static_range(4):
-        out = out + ((ps[r][0] + NB, ps[r][1] + NB // 8),)
-    return out
-
-
-@triton.jit
-def _iq2_words_at(ps, m, ok=True):
-    """_iq2_group_words from the groups' pointers (_iq2_group_ptrs)."""
+    words of IQ2_XXS groups u [1, NB] in IQ2S (wf: quant words, wh: scales; layout.py): (grid
+    indices 0-3, signs + scale, d·(0.5 + scale)/4, a zero partial sum). A group's two words come
+    in one 8-byte load (where GGUF's 66-byte blocks took four 2-byte ones); nothing is read where
+    ok is false."""
     gs = ()
     for r in tl.static_range(4):
+        blk = rb[r] + u // 8
         mk = m[r] & ok
-        d = tl.load(ps[r][1], mask=mk, other=0).to(tl.float16, bitcast=True).to(tl.float32)
-        g2 = tl.load(ps[r][0], mask=mk, other=0)
+        d = _ld_f16(wh, 2 * blk, mk)
+        g2 = tl.load(wf.to(tl.pointer_type(tl.int64)) + _opaque(blk * 8 + u % 8), mask=mk, other=0)
         gq = g2.to(tl.int32)
         aux = (g2 >> 32).to(tl.int32)
         db = d * (0.5 + ((aux >> 28) & 15).to(tl.float32)) * 0.25
@@ -150,18 +123,13 @@ def _iq2_group_rows(xb, wh, wf, gridp, row_off, rmask, K, sk, BN: tl.constexpr, 
     IS = K // (NB * 32) // S
     i0 = sk * IS
     if PF:  # (with XQ)
-        ps = _iq2_group_ptrs(wh, wf, ro, i0 * NB + tl.arange(0, NB)[None, :])
-        nxt = _iq2_words_at(ps, m)
+        nxt = _iq2_group_words(wh, wf, ro, m, i0 * NB + tl.arange(0, NB)[None, :])
     for i in range(i0, i0 + IS):
         u = i * NB + tl.arange(0, NB)[None, :]
         if XQ:
             if PF:
                 gs = nxt
-                if NB % 8 == 0:  # (whole blocks a step: the scale pointers move by NB / 8)
-                    ps = _iq2_ptrs_step(ps, NB)
-                else:
-                    ps = _iq2_group_ptrs(wh, wf, ro, u + NB)
-                nxt = _iq2_words_at(ps, m, i + 1 < i0 + IS)
+                nxt = _iq2_group_words(wh, wf, ro, m, u + NB, i + 1 < i0 + IS)
             else:
                 gs = _iq2_group_words(wh, wf, ro, m, u)
             p0, p1, p2, p3 = _iq2_int_step(xb + u * 16, gs, tab)
