@@ -120,6 +120,17 @@ def test_every_type_has_a_layout_and_a_sender():
     assert set().union(*ds4t.SENT_BY.values()) == set(ds4t.FrameType)
 
 
+def test_hash_frames_go_from_the_worker_only():
+    """The leader compares the worker's hidden-state hashes with its own and sends none: a HASH
+    from the leader is refused at its header, naming the type, before a handler sees it."""
+    frame = ds4t.pack_frame(ds4t.Hash(3, 0xABCD))
+    assert ds4t.check_frame_header(frame[:ds4t.FRAME_HEADER.size], LIMITS, ds4t.Role.WORKER)[0] == \
+        ds4t.FrameType.HASH
+    with pytest.raises(ds4t.DS4TError, match="HASH is not a frame a leader sends") as e:
+        ds4t.check_frame_header(frame[:ds4t.FRAME_HEADER.size], LIMITS, ds4t.Role.LEADER)
+    assert e.value.field == "type"
+
+
 def test_hello_for_a_gguf(tmp_path):
     # The fields come from gguf-py's reader and the fingerprint from hashlib over the file's
     # metadata section and tensor directory plus its size (wire.md), not from ds4's own code.

@@ -24,11 +24,13 @@ Every model and prompt is seeded; nothing here is drawn fresh per run.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import importlib.util
 import os
 import re
 import signal
+import socket
 import threading
 import time
 
@@ -46,6 +48,7 @@ from ds4.core.tiny import make_tiny
 from ds4.core.tp_split import RankPart, Split, split_of
 from ds4.core.weights import bind_weights
 from ds4.tp import Options, TPEngine, TPError, TPRefused
+from ds4.wire import ds4t
 
 CTX = 128
 N_GEN = 64
@@ -348,6 +351,77 @@ def test_a_wrong_shared_secret_is_refused_without_a_hang(engines):
     assert isinstance(w.error, TPError) and "auth" in str(w.error), repr(w.error)
 
 
+class _Stranger:
+    """A peer on the leader's port (a thread) that reads the leader's hello and answers with
+    reply(hello) (raw bytes; None: nothing, it stalls), then holds the connection until closed."""
+
+    def __init__(self, address, reply):
+        self.sock = socket.create_connection(address, timeout=30)
+
+        def run():
+            with contextlib.suppress(OSError, ds4t.DS4TError):
+                hello = ds4t.Hello.unpack(ds4t.recv_exact(self.sock, ds4t.HELLO.size, 30, "the hello"))
+                answer = reply(hello)
+                if answer is not None:
+                    self.sock.sendall(answer)
+
+        self.thread = threading.Thread(target=run, daemon=True)
+        self.thread.start()
+
+    def close(self) -> None:
+        self.sock.close()
+        self.thread.join(30)
+
+
+def test_a_strangers_hello_does_not_end_the_leaders_wait(engines):
+    """With a shared secret, a hello that does not fit counts only from a peer that proved the
+    secret: a stranger's (the leader's own hello played back as a worker's, without the auth
+    flag) is dropped and the leader goes on to pair with the real worker."""
+    opts = Options(auth_token="tok", gate_timeout_ms=GATE_MS)
+    tp = leader_on(engines.get("reference", "exact", 0), CTX, opts, wait_s=30)
+    stranger = _Stranger(tp.address, lambda h: dataclasses.replace(
+        h, role=ds4t.Role.WORKER, rank=1, flags=0).pack())
+    w = ThreadWorker(tp.address, engine=engines.get("reference", "exact", 1), opts=opts)
+    try:
+        tp.ensure_worker()
+        assert tp_run(tp, PROMPT[:4], 2)[1]  # the pair works
+    finally:
+        stranger.close()
+        tp.close()
+        w.join()
+    assert w.error is None, repr(w.error)
+
+
+def test_a_stalled_connection_does_not_hold_up_the_worker(engines):
+    """A connection that sends nothing holds up only itself: the leader handshakes each
+    connection on its own thread, so the worker behind it pairs within its own io timeout."""
+    tp = leader_on(engines.get("reference", "exact", 0), CTX,
+                   Options(gate_timeout_ms=GATE_MS, io_timeout=4), wait_s=30)
+    stalled = _Stranger(tp.address, lambda h: None)
+    w = ThreadWorker(tp.address, engine=engines.get("reference", "exact", 1),
+                     opts=Options(gate_timeout_ms=GATE_MS, io_timeout=1))
+    try:
+        tp.ensure_worker()
+        assert tp_run(tp, PROMPT[:4], 2)[1]
+    finally:
+        stalled.close()
+        tp.close()
+        w.join()
+    assert w.error is None, repr(w.error)
+
+
+def test_the_leader_refuses_hashes_it_did_not_ask_for(engines, monkeypatch):
+    """Hidden-state hashes from a worker of a pair without --debug-hash are a protocol error
+    (they would pile up on the leader), not collected."""
+    from ds4.tp.partner import LayerHash, WirePartner
+
+    monkeypatch.setattr(WirePartner, "take_hashes", lambda self: [LayerHash(1, 0, 7)])
+    lead, work = engines.get("reference", "exact", 0), engines.get("reference", "exact", 1)
+    with threaded_pair(lead, work, CTX, check_worker=False) as tp:
+        with pytest.raises(TPError, match="HASH.*without --debug-hash"):
+            tp_run(tp, PROMPT[:4], 1)
+
+
 def test_session_prefill_cap_reaches_the_worker(engines):
     lead, work = engines.get("reference", "exact", 0), engines.get("reference", "exact", 1)
     one = engines.get("reference", "exact", None).session(ctx=CTX, prefill_cap=4)
@@ -644,6 +718,39 @@ def test_hello_refuses_a_worker_on_another_model(engines, other_model):
 
 
 # ---- gloo gates ------------------------------------------------------------------------------------
+
+
+def _an_address_beside_loopback() -> str | None:
+    """This machine's address on its default route (no packet is sent), or None."""
+    try:
+        with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+            s.connect(("192.0.2.1", 9))  # (TEST-NET-1: a UDP connect only picks the route)
+            ip = s.getsockname()[0]
+    except OSError:
+        return None
+    return None if ip.startswith("127.") else ip
+
+
+@pytest.mark.skipif(not HAS_TORCH, reason="needs torch")
+def test_the_torch_gates_store_listens_on_the_leaders_address_only():
+    """TCPStore listens on every interface by itself; the leader's store takes a socket bound
+    to its own address, and its keys live under the pair's prefix."""
+    from datetime import timedelta
+
+    import torch.distributed as dist
+
+    from ds4.tp.partner import TorchPartner
+
+    other = _an_address_beside_loopback()
+    if other is None:
+        pytest.skip("no address besides loopback")
+    store, port = TorchPartner.open_store("127.0.0.1", 2000, "pfx/")
+    with pytest.raises(ConnectionRefusedError):
+        socket.create_connection((other, port), timeout=5).close()
+    client = dist.TCPStore("127.0.0.1", port, 2, False, timeout=timedelta(seconds=10))
+    dist.PrefixStore("pfx/", client).set("k", "v")
+    assert store.get("k") == b"v"
+    assert not client.check(["k"])  # (outside the prefix, nothing)
 
 
 @pytest.mark.skipif(not HAS_TORCH, reason="needs torch")

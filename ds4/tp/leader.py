@@ -250,6 +250,9 @@ class TPSession(Session):
         while True:
             frame = pair.control.recv(idle_timeout=pair.control.io_timeout)
             if isinstance(frame, ds4t.Hash):
+                if not pair.debug_hash:  # (unasked-for hashes would pile up here)
+                    raise ds4t.DS4TError("HASH", "the worker sent a hidden-state hash, but this pair "
+                                         "runs without --debug-hash")
                 theirs.append(frame)
             elif isinstance(frame, ds4t.Logits):
                 worker_logits = np.array(frame.logits, dtype=np.float32)

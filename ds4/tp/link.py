@@ -2,19 +2,28 @@
 
 The first connection the leader accepts is control, the second data; on each the two ends
 swap hellos, check them (`ds4t.check_peer`) and, with a shared secret, prove it both ways
-before any frame or gate record moves. A connection that fails its proof or breaks off is
-closed and the leader goes on waiting for a real worker until its deadline; a worker whose
-hello does not fit (another model, other dims) is refused at once (TPRefused names the field). With TORCH_GATES the
-leader then opens a torch.distributed store and sends its port on the data connection.
+before any frame or gate record moves. The leader runs each connection's handshake on a thread
+of its own and takes them in the order it accepted them, so a peer that stalls holds up only
+itself (for at most the io timeout), not the worker behind it. A connection that fails its proof
+or breaks off is closed and the leader goes on waiting for a real worker until its deadline; a
+worker whose hello does not fit (another model, other dims) is refused at once (TPRefused names
+the field) once it has proven the secret (without one, at once): a stranger's hello cannot end
+the wait. With TORCH_GATES the leader then opens a torch.distributed store on its own address
+only, its keys under a random prefix, and sends the port and prefix on the data connection.
 """
 
 from __future__ import annotations
 
+import contextlib
 import logging
+import secrets
 import socket
 import ssl
 import struct
+import threading
 import time
+from collections import deque
+from concurrent.futures import Future
 from dataclasses import dataclass
 
 from ..core.payload import session_payload_bytes
@@ -26,8 +35,14 @@ from .partner import TorchPartner, WirePartner
 log = logging.getLogger("ds4.tp")
 
 TRANSPORTS = ("tcp", "nccl", "gloo")
-STORE_PORT = struct.Struct("<II")  # {u32 store_port, u32 reserved}: TORCH_GATES only
+STORE_PREFIX_BYTES = 16
+# {u32 store_port, u32 reserved, the store's key prefix}: TORCH_GATES only. The store has no
+# secret of its own; its keys live under a prefix only the authenticated pair knows.
+STORE_RECORD = struct.Struct(f"<II{STORE_PREFIX_BYTES}s")
 DEFAULT_WAIT_S = 300.0  # how long a leader waits for its worker
+LISTEN_BACKLOG = 16
+MAX_HANDSHAKES = 16  # connections a leader handshakes at once
+ACCEPT_POLL_S = 0.05  # how often a waiting leader looks at the handshakes under way
 
 
 class TPError(RuntimeError):
@@ -92,40 +107,103 @@ def _hello(model, role: ds4t.Role, ctx: int, opts: Options, backend: str, numeri
                                exact=numerics == "exact")
 
 
-def _shake(sock: socket.socket, mine: ds4t.Hello, opts: Options, role: ds4t.Role):
-    auth = ds4t.mutual_auth(opts.auth_token, role, opts.io_timeout) if opts.auth_token else None
+def _shake(sock: socket.socket, mine: ds4t.Hello, opts: Options, role: ds4t.Role,
+           proven: list | None = None):
+    """Swap and check hellos on sock, with the shared secret's mutual proof where there is one;
+    `proven` (a list) gets an entry once the peer has proven the secret."""
+    auth = None
+    if opts.auth_token:
+        prove = ds4t.mutual_auth(opts.auth_token, role, opts.io_timeout)
+
+        def auth(s: socket.socket) -> None:
+            prove(s)
+            if proven is not None:
+                proven.append(True)
     return ds4t.handshake(sock, mine, timeout=opts.io_timeout, authenticate=auth)
 
 
 def listen(host: str, port: int) -> socket.socket:
     s = socket.create_server((host, port), reuse_port=False)
-    s.listen(4)
+    s.listen(LISTEN_BACKLOG)
     return s
 
 
-def _accept_one(listener: socket.socket, deadline: float, opts: Options, mine: ds4t.Hello,
-                what: str, wait_s: float) -> tuple[socket.socket, ds4t.Hello, int]:
-    while True:
-        left = deadline - time.monotonic()
-        if left <= 0:
-            raise TPError(f"no worker joined within the wait of {wait_s:g} s ({what} connection)")
-        listener.settimeout(left)
-        try:
-            sock, addr = listener.accept()
-        except TimeoutError:
-            continue
+class _Arrivals:
+    """The leader's accepted connections, each handshaken on a daemon thread of its own (at most
+    MAX_HANDSHAKES at once; one past that is closed at once), handed out in the order they were
+    accepted (`next`): the worker dials control, then data, so accept order is role order."""
+
+    def __init__(self, listener: socket.socket, opts: Options, mine: ds4t.Hello):
+        self.listener, self.opts, self.mine = listener, opts, mine
+        self.pending: deque = deque()  # (future, socket, address), in accept order
+        self.lock = threading.Lock()
+        self.closed = False
+
+    def _shake(self, sock: socket.socket, addr, fut: Future) -> None:
+        proven: list = []
         try:
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-            if opts.tls is not None:
-                sock.settimeout(opts.io_timeout)
-                sock = opts.tls.wrap_socket(sock, server_side=True)
-            theirs, ctx = _shake(sock, mine, opts, ds4t.Role.LEADER)
-            return sock, theirs, ctx
+            if self.opts.tls is not None:
+                sock.settimeout(self.opts.io_timeout)
+                sock = self.opts.tls.wrap_socket(sock, server_side=True)
+            theirs, ctx = _shake(sock, self.mine, self.opts, ds4t.Role.LEADER, proven)
+            with self.lock:
+                if self.closed:  # (the leader has its pair, or gave up, meanwhile)
+                    sock.close()
+                    return
+                fut.set_result((sock, theirs, ctx))
         except (ds4t.DS4TError, OSError, ssl.SSLError) as e:
-            log.warning("tensor parallel: refused %s:%s on the %s connection: %s", *addr[:2], what, e)
             sock.close()
-            if isinstance(e, ds4t.HelloRefused):
-                raise TPRefused(f"a worker from {addr[0]} does not fit this leader: {e}") from None
+            # (a refusal counts only from a peer that proved the secret, or where there is none)
+            fut.set_exception(TPRefused(f"a worker from {addr[0]} does not fit this leader: {e}")
+                              if isinstance(e, ds4t.HelloRefused) and (proven or not self.opts.auth_token)
+                              else e)
+        except BaseException as e:  # (a bug: the waiting leader raises it)
+            sock.close()
+            fut.set_exception(e)
+
+    def _in_flight(self) -> int:
+        return sum(not f.done() for f, _, _ in self.pending)
+
+    def next(self, deadline: float, what: str, wait_s: float) -> tuple[socket.socket, ds4t.Hello, int]:
+        """The oldest connection that completes its handshake (-> socket, peer hello, agreed ctx),
+        waiting until `deadline`; TPRefused for a worker that does not fit."""
+        while True:
+            while self.pending and self.pending[0][0].done():
+                fut, _, addr = self.pending.popleft()
+                try:
+                    return fut.result()
+                except (ds4t.DS4TError, OSError, ssl.SSLError) as e:  # (TPRefused and bugs go up)
+                    log.warning("tensor parallel: refused %s:%s on the %s connection: %s", *addr[:2], what, e)
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise TPError(f"no worker joined within the wait of {wait_s:g} s ({what} connection)")
+            self.listener.settimeout(min(left, ACCEPT_POLL_S))
+            try:
+                sock, addr = self.listener.accept()
+            except TimeoutError:
+                continue
+            if self._in_flight() >= MAX_HANDSHAKES:
+                log.warning("tensor parallel: refused %s:%s: %d handshakes under way already",
+                            *addr[:2], MAX_HANDSHAKES)
+                sock.close()
+                continue
+            fut: Future = Future()
+            self.pending.append((fut, sock, addr))
+            threading.Thread(target=self._shake, args=(sock, addr, fut), daemon=True,
+                             name="ds4-tp-handshake").start()
+
+    def close(self) -> None:
+        """Drop the connections not handed out (their handshakes end on the closed socket)."""
+        with self.lock:
+            self.closed = True
+        while self.pending:
+            fut, sock, _ = self.pending.popleft()
+            with contextlib.suppress(OSError):
+                sock.shutdown(socket.SHUT_RDWR)
+            sock.close()
+            if fut.done() and fut.exception() is None:
+                fut.result()[0].close()
 
 
 def accept_worker(listener: socket.socket, model, ctx: int, opts: Options,
@@ -134,15 +212,19 @@ def accept_worker(listener: socket.socket, model, ctx: int, opts: Options,
     """The leader's side: wait (up to wait_s) for a worker's control and data connections."""
     mine = _hello(model, ds4t.Role.LEADER, ctx, opts, backend, numerics)
     deadline = time.monotonic() + wait_s
-    control, peer, agreed = _accept_one(listener, deadline, opts, mine, "control", wait_s)
+    arrivals = _Arrivals(listener, opts, mine)
     try:
-        # (the worker dials its data connection right after the control one: a short probe
-        # wait that the control handshake used up must not turn it away)
-        data_wait = max(deadline - time.monotonic(), opts.io_timeout)
-        data, _, _ = _accept_one(listener, time.monotonic() + data_wait, opts, mine, "data", data_wait)
-    except BaseException:
-        control.close()
-        raise
+        control, peer, agreed = arrivals.next(deadline, "control", wait_s)
+        try:
+            # (the worker dials its data connection right after the control one: a short probe
+            # wait that the control handshake used up must not turn it away)
+            data_wait = max(deadline - time.monotonic(), opts.io_timeout)
+            data, _, _ = arrivals.next(time.monotonic() + data_wait, "data", data_wait)
+        except BaseException:
+            control.close()
+            raise
+    finally:
+        arrivals.close()
     limits = limits_for(model, mine, agreed)
     canonical = peer.backend != mine.backend
     try:
@@ -150,8 +232,9 @@ def accept_worker(listener: socket.socket, model, ctx: int, opts: Options,
             partner = WirePartner(ds4t.GateChannel(data, limits, 0, 1, opts.gate_timeout_ms), 0,
                                   opts.debug_hash, canonical)
         else:
-            store, port = TorchPartner.open_store(data.getsockname()[0], opts.gate_timeout_ms)
-            data.sendall(STORE_PORT.pack(port, 0))
+            prefix = secrets.token_bytes(STORE_PREFIX_BYTES)
+            store, port = TorchPartner.open_store(data.getsockname()[0], opts.gate_timeout_ms, prefix.hex())
+            data.sendall(STORE_RECORD.pack(port, 0, prefix))
             partner = TorchPartner.join(opts.transport, "", port, 0, opts.gate_timeout_ms,
                                         debug_hash=opts.debug_hash, canonical=canonical, store=store)
     except BaseException:
@@ -187,13 +270,13 @@ def join_leader(host: str, port: int, model, opts: Options, connect_timeout: flo
             partner = WirePartner(ds4t.GateChannel(socks[1], limits, 1, 0, opts.gate_timeout_ms), 1,
                                   debug_hash, canonical)
         else:
-            raw = ds4t.recv_exact(socks[1], STORE_PORT.size, opts.io_timeout, "the store port")
-            store_port, reserved = STORE_PORT.unpack(bytes(raw))
+            raw = ds4t.recv_exact(socks[1], STORE_RECORD.size, opts.io_timeout, "the store record")
+            store_port, reserved, prefix = STORE_RECORD.unpack(bytes(raw))
             if reserved or not 0 < store_port < 65536:
                 raise ds4t.DS4TError("store_port", f"expected a port and a zero, got {store_port}, {reserved}")
             partner = TorchPartner.join(opts.transport, host, store_port, 1, opts.gate_timeout_ms,
-                                        debug_hash=debug_hash, canonical=canonical)
-    except ds4t.HelloRefused as e:
+                                        debug_hash=debug_hash, canonical=canonical, prefix=prefix.hex())
+    except (ds4t.HelloRefused, ValueError) as e:  # (ValueError: a ctx this model cannot hold)
         for s in socks:
             s.close()
         raise TPRefused(f"the leader at {host}:{port} does not fit this worker: {e}") from None

@@ -21,6 +21,8 @@ hash of the hidden state after every layer, which the worker reports and the lea
 from __future__ import annotations
 
 import hashlib
+import os
+import socket
 from dataclasses import dataclass, field
 from datetime import timedelta
 
@@ -121,13 +123,15 @@ class TorchPartner(_Base):
     @classmethod
     def join(cls, backend: str, host: str, store_port: int, rank: int, timeout_ms: int,
              device=None, debug_hash: bool = False, canonical: bool = False,
-             store=None) -> "TorchPartner":
-        """Join (rank 1) or form (rank 0, with the `store` it opened) the two-rank group."""
+             store=None, prefix: str = "") -> "TorchPartner":
+        """Join (rank 1: the store at host:store_port, its keys under `prefix`) or form (rank 0,
+        with the `store` it opened, open_store) the two-rank group."""
         import torch
         import torch.distributed as dist
 
         if store is None:
-            store = dist.TCPStore(host, store_port, 2, False, timeout=timedelta(milliseconds=timeout_ms * 20))
+            store = dist.PrefixStore(prefix, dist.TCPStore(host, store_port, 2, False,
+                                                           timeout=timedelta(milliseconds=timeout_ms * 20)))
         if device is None:
             device = torch.device("cuda", torch.cuda.current_device()) if backend == "nccl" else torch.device("cpu")
         dist.init_process_group(backend, store=store, rank=rank, world_size=ds4t.N_RANK,
@@ -136,13 +140,21 @@ class TorchPartner(_Base):
         return cls(rank, device, debug_hash, canonical)
 
     @staticmethod
-    def open_store(host: str, timeout_ms: int):
-        """The leader's TCPStore on a free port of its own address (-> store, port)."""
+    def open_store(host: str, timeout_ms: int, prefix: str):
+        """The leader's TCPStore on a free port of `host` alone (TCPStore itself would listen on
+        every interface), its keys under `prefix` (-> store, port)."""
         import torch.distributed as dist
 
-        store = dist.TCPStore(host, 0, ds4t.N_RANK, True, timeout=timedelta(milliseconds=timeout_ms * 20),
-                              wait_for_workers=False)
-        return store, store.port
+        sock = socket.create_server((host, 0), backlog=ds4t.N_RANK)
+        port = sock.getsockname()[1]
+        fd = sock.detach()  # (the store's server listens on this descriptor and owns it from here)
+        try:
+            store = dist.TCPStore(host, port, ds4t.N_RANK, True, timeout=timedelta(milliseconds=timeout_ms * 20),
+                                  wait_for_workers=False, master_listen_fd=fd)
+        except BaseException:
+            os.close(fd)
+            raise
+        return dist.PrefixStore(prefix, store), store.port
 
     def _header(self, il: int, gate: Gate, rows: int) -> list[int]:
         # seq as two 32-bit halves: int32 words travel bit-exactly inside the f32 record

@@ -34,9 +34,10 @@ class FrameType(IntEnum):
 
 # Who may send what on the control connection: a frame from the wrong end is a protocol error.
 SENT_BY = {
+    # (HASH goes one way: the leader compares the worker's hashes with its own)
     Role.LEADER: frozenset({FrameType.SYNC, FrameType.EVAL, FrameType.REWIND, FrameType.INVALIDATE,
-                            FrameType.STOP, FrameType.HASH, FrameType.SESSION_CREATE,
-                            FrameType.SESSION_DESTROY, FrameType.STATE}),
+                            FrameType.STOP, FrameType.SESSION_CREATE, FrameType.SESSION_DESTROY,
+                            FrameType.STATE}),
     Role.WORKER: frozenset({FrameType.HASH, FrameType.LOGITS, FrameType.COMMAND_ACK}),
 }
 
