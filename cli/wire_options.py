@@ -24,9 +24,11 @@ AuthTokenFileOption = Annotated[Optional[Path], typer.Option(
     help="Read the shared secret from FILE (keep it mode 600). Both ends prove it (HMAC-SHA256 "
          "over each other's nonce) before any model data moves. Default: $DS4_WIRE_TOKEN.")]
 
+# (kept, hidden, so that a secret given on the command line gets an error saying where it goes
+# instead of "no such option")
 AuthTokenOption = Annotated[Optional[str], typer.Option(
-    "--auth-token", metavar="TOKEN", show_default=False,
-    help="Deprecated: the secret on the command line is visible to every local user; use "
+    "--auth-token", metavar="TOKEN", show_default=False, hidden=True,
+    help="Refused: a secret on the command line is visible to every local user; use "
          "--auth-token-file or DS4_WIRE_TOKEN.")]
 
 TlsCertOption = Annotated[Optional[Path], typer.Option(

@@ -442,7 +442,7 @@ def test_cli_kv_send_and_kv_recv(cli, eng, model_path, payload, tmp_path):
     dest.mkdir()
     p, port = spawn(tmp_path, "kv-recv", 0, "--out", dest / "r.dsv4", "-m", model_path,
                     env={"DS4_WIRE_TOKEN": "tok"})
-    r = cli("kv-send", src, f"127.0.0.1:{port}", "-m", model_path, "--auth-token", "tok")
+    r = cli("kv-send", src, f"127.0.0.1:{port}", "-m", model_path, env={"DS4_WIRE_TOKEN": "tok"})
     rc, out, err = finish(p)
     assert r.exit_code == 0 and rc == 0, r.output + err
     assert "sent" in r.stdout and "received" in out

@@ -85,10 +85,9 @@ def test_token_sources_and_warnings(tmp_path):
     assert auth.resolve_token(token_file=f, environ={"DS4_WIRE_TOKEN": "env"}) == ("s3cret", [])
     assert auth.resolve_token(environ={"DS4_WIRE_TOKEN": "env"}) == ("env", [])
     assert auth.resolve_token(environ={}) == (None, [])
-    token, warnings = auth.resolve_token(argv_token="argv", environ={})
-    assert token == "argv" and "process list" in warnings[0]
-    with pytest.raises(ValueError, match="at most one of --auth-token-file and --auth-token"):
-        auth.resolve_token(token_file=f, argv_token="x", environ={})
+    for file in (None, f):  # a secret on the command line is refused, with or without a file
+        with pytest.raises(ValueError, match="--auth-token: a secret on the command line .* --auth-token-file"):
+            auth.resolve_token(token_file=file, argv_token="argv", environ={"DS4_WIRE_TOKEN": "env"})
     f.chmod(0o644)
     assert "readable by other users" in auth.resolve_token(token_file=f, environ={})[1][0]
     (tmp_path / "empty").write_text("\n")
@@ -102,8 +101,9 @@ def test_token_sources_and_warnings(tmp_path):
     assert "without an auth token" in auth.exposure_warning("0.0.0.0", None)
 
 
-def test_cli_reads_the_token_file_and_warns_on_argv(tmp_path):
-    """kv-send with --auth-token warns on stderr; --auth-token-file does not."""
+def test_cli_reads_the_token_file_and_refuses_argv(tmp_path):
+    """kv-send with --auth-token exits 1 naming where the secret goes; --auth-token-file reads
+    the file without a warning."""
     from typer.testing import CliRunner
     import typer
 
@@ -117,7 +117,7 @@ def test_cli_reads_the_token_file_and_warns_on_argv(tmp_path):
     runner = CliRunner()
     r = runner.invoke(app, ["kv-send", str(tmp_path / "none.dsv4"), "127.0.0.1:9",
                             "--auth-token", "tok"], env={"COLUMNS": "200"})
-    assert "warning:" in r.stderr and "process list" in r.stderr
+    assert r.exit_code == 1 and "process list" in r.stderr and "--auth-token-file" in r.stderr
     r = runner.invoke(app, ["kv-send", str(tmp_path / "none.dsv4"), "127.0.0.1:9",
                             "--auth-token-file", str(f)], env={"COLUMNS": "200"})
     assert "warning" not in r.stderr and "not found" in r.stderr

@@ -153,24 +153,19 @@ def read_token_file(path: str | os.PathLike) -> tuple[str, str | None]:
 def resolve_token(*, token_file: str | os.PathLike | None = None, argv_token: str | None = None,
                   environ=None) -> tuple[str | None, list[str]]:
     """The shared secret and the warnings to print: from `--auth-token-file`, else from
-    `--auth-token` (on the command line every local user can read it in the process list, hence
-    a warning), else from `DS4_WIRE_TOKEN`. Giving both the file and the argv token is an
-    error: one of them would be silently ignored."""
+    `DS4_WIRE_TOKEN`. A secret given on the command line (`--auth-token`) is refused: every
+    local user can read it in the process list."""
     environ = os.environ if environ is None else environ
     warnings: list[str] = []
-    if token_file is not None and argv_token is not None:
-        raise ValueError("give at most one of --auth-token-file and --auth-token")
+    if argv_token is not None:
+        raise ValueError("--auth-token: a secret on the command line is visible to every local user "
+                         "in the process list; give it as --auth-token-file FILE (mode 600) or in "
+                         f"${TOKEN_ENV}")
     if token_file is not None:
         token, warning = read_token_file(token_file)
         if warning:
             warnings.append(warning)
         return token, warnings
-    if argv_token is not None:
-        if not argv_token:
-            raise ValueError("--auth-token: expected a non-empty secret")
-        warnings.append("--auth-token puts the secret in the process list, where every local "
-                        "user can read it; use --auth-token-file FILE or DS4_WIRE_TOKEN")
-        return argv_token, warnings
     token = environ.get(TOKEN_ENV) or None
     return token, warnings
 
