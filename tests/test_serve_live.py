@@ -7,6 +7,7 @@ process, and the library's Session driven greedily in this process.
 
 from __future__ import annotations
 
+import http.client
 import json
 import socket
 import subprocess
@@ -28,6 +29,7 @@ AUTH = {"Authorization": f"Bearer {KEY}"}
 # (this anthropic client has no sampling arguments; the server still reads them from the body)
 T0 = {"temperature": 0}
 N = 3  # tokens per reply: the text is gibberish (random weights), a few tokens say enough
+MAX_BODY = 256 << 10  # the server's --max-body: small, so that a body over it is quick to send
 
 
 def _generate_argv(prompt: str) -> list[str]:
@@ -50,7 +52,7 @@ def generate_hi():
 def server(tmp_path_factory, generate_hi):
     log = tmp_path_factory.mktemp("serve") / "serve.log"
     proc = Proc(["serve", "--port", "0", "--backend", "reference", "--queue", "1", "--ctx", "1024",
-                 "--max-tokens-limit", "512"], log, env={"DS4_API_KEY": KEY})
+                 "--max-tokens-limit", "512", "--max-body", str(MAX_BODY)], log, env={"DS4_API_KEY": KEY})
     try:
         yield proc.wait_listening().wait_healthy()
     finally:
@@ -328,6 +330,90 @@ def test_invalid_requests_400(server, oa, an):
     r = httpx.post(f"{server.url}/v1/chat/completions", headers={**AUTH, "content-type": "application/json"},
                    content=big)
     assert r.status_code == 413 and "error" in r.json()
+
+
+def test_wrong_types_inside_a_request_400(oa, an):
+    """A value of the wrong type deep in a request (a block's text, a tool_choice's name) is a
+    400 in the API's own error JSON that names its path, the type expected and the one sent."""
+    user = [{"role": "user", "content": "x"}]
+    tools = [{"name": "f", "input_schema": {"type": "object", "properties": {}}}]
+    an_cases = [
+        ({"messages": [{"role": "user", "content": [{"type": "text", "text": 5}]}]},
+         "messages[0].content[0].text", "number 5"),
+        ({"messages": user, "system": [{"type": "text", "text": 5}]}, "system[0].text", "number 5"),
+        ({"messages": user + [{"role": "assistant", "content": [
+            {"type": "thinking", "thinking": None, "signature": ""}]}]},
+         "messages[1].content[0].thinking", "null"),
+        ({"messages": [{"role": "user", "content": [{"type": "tool_result", "tool_use_id": "toolu_1",
+                                                     "content": [{"type": "text", "text": 3}]}]}]},
+         "messages[0].content[0].content[0].text", "number 3"),
+        ({"messages": user, "tools": tools, "tool_choice": {"type": "tool", "name": ["f"]}},
+         "tool_choice.name", 'array ["f"]'),
+    ]
+    for kwargs, param, sent in an_cases:
+        with pytest.raises(anthropic.BadRequestError) as e:
+            an.messages.create(model="ds4", max_tokens=1, **kwargs)
+        assert e.value.status_code == 400 and e.value.body["type"] == "error", (param, e.value.body)
+        assert e.value.body["error"] == {"type": "invalid_request_error",
+                                         "message": f"{param}: Input should be a valid string, got {sent}"}
+    with pytest.raises(anthropic.BadRequestError) as e:
+        an.messages.count_tokens(model="ds4", messages=[
+            {"role": "user", "content": [{"type": "text", "text": None}]}])
+    assert e.value.body["error"]["message"] == \
+        "messages[0].content[0].text: Input should be a valid string, got null"
+    with pytest.raises(openai.BadRequestError) as e:
+        oa.chat.completions.create(model="ds4", max_tokens=1, messages=user,
+                                   tools=[{"type": "function", "function": {"name": "f"}}],
+                                   tool_choice={"type": "function", "function": {"name": ["f"]}})
+    assert e.value.status_code == 400 and e.value.body["type"] == "invalid_request_error"
+    assert e.value.body["param"] == "tool_choice.function.name"
+    assert e.value.body["message"] == \
+        'tool_choice.function.name: Input should be a valid string, got array ["f"]'
+
+
+def test_a_chunked_body_over_the_limit_413(server):
+    """The body limit counts the bytes received: h11 reads a chunked body as chunked whatever
+    Content-Length came with it, so a small Content-Length does not let a large body in."""
+    body = json.dumps({"messages": [{"role": "user", "content": "x"}], "max_tokens": 1,
+                       "pad": "x" * MAX_BODY}).encode()
+    chunked = b"%x\r\n%s\r\n0\r\n\r\n" % (len(body), body)
+    for path in ("/v1/chat/completions", "/v1/messages"):
+        conn = http.client.HTTPConnection("127.0.0.1", server.port, timeout=60)
+        try:
+            conn.request("POST", path, body=chunked, headers={
+                "Content-Type": "application/json", "Authorization": f"Bearer {KEY}",
+                "Content-Length": "2", "Transfer-Encoding": "chunked"})
+            r = conn.getresponse()
+            status, answer = r.status, json.loads(r.read())
+        finally:
+            conn.close()
+        assert status == 413, (path, answer)
+        error = answer["error"]
+        assert error["type"] == ("request_too_large" if path == "/v1/messages" else "invalid_request_error")
+        assert f"more than {MAX_BODY} bytes" in error["message"]
+
+
+def test_openai_nulls_are_the_defaults_and_a_seed_is_any_int64(oa):
+    """As OpenAI's API: an optional field sent as null (the official client sends null for an
+    argument given as None) has its default, and a seed may be negative (an int64): the engine
+    takes its 64 bits."""
+    msgs = [{"role": "user", "content": "Hi"}]
+    r = oa.chat.completions.create(
+        model="ds4", messages=msgs, max_tokens=N, temperature=None, top_p=None, n=None, stream=None,
+        logprobs=None, top_logprobs=None, stop=None, seed=None, user=None, tools=None,
+        tool_choice=None, stream_options=None, max_completion_tokens=None, reasoning_effort=None,
+        extra_body={"top_k": None, "min_p": None, "thinking": None})
+    assert r.choices[0].finish_reason == "length" and r.usage.completion_tokens == N
+    c = oa.completions.create(model="ds4", prompt="Once", max_tokens=1, temperature=None, top_p=None,
+                              n=None, stream=None, logprobs=None, echo=None, seed=None, stop=None)
+    assert c.choices[0].finish_reason == "length" and c.usage.completion_tokens == 1
+    texts = [oa.chat.completions.create(model="ds4", messages=msgs, max_tokens=N, temperature=1,
+                                        reasoning_effort="none", seed=seed).choices[0].message.content
+             for seed in (-5, (1 << 64) - 5)]
+    assert texts[0] == texts[1]
+    with pytest.raises(openai.BadRequestError) as e:
+        oa.chat.completions.create(model="ds4", messages=msgs, max_tokens=1, seed=-(1 << 63) - 1)
+    assert e.value.body["param"] == "seed"
 
 
 def test_auth_401(server):

@@ -5,6 +5,7 @@ clients' own types."""
 from __future__ import annotations
 
 import json
+import re
 
 import anthropic
 import openai
@@ -328,3 +329,103 @@ def test_driver_stops_a_long_prefill_between_chunks(why):
     finally:
         d.close()
         loop.close()
+
+
+# ---- the app over a stand-in driver (no engine: what is checked happens before a generation)
+
+APP_CTX = 64
+
+
+class _LoopWatchingTokenizer:
+    """The real tokenizer, noting for each encode whether it ran on a thread running an event loop."""
+
+    def __init__(self, tok):
+        self._tok = tok
+        self.on_loop: list[bool] = []
+
+    def __getattr__(self, name):
+        return getattr(self._tok, name)
+
+    def _note(self) -> None:
+        import asyncio
+
+        try:
+            asyncio.get_running_loop()
+            self.on_loop.append(True)
+        except RuntimeError:
+            self.on_loop.append(False)
+
+    def encode(self, text):
+        self._note()
+        return self._tok.encode(text)
+
+    def encode_rendered(self, text):
+        self._note()
+        return self._tok.encode_rendered(text)
+
+
+def _app_client(tok, submit):
+    """(an in-process client of create_app's app, its stand-in driver) whose `submit` is given."""
+    from types import SimpleNamespace
+
+    from starlette.testclient import TestClient
+
+    from ds4.serve.app import create_app
+    from ds4.serve.metrics import Metrics
+
+    driver = SimpleNamespace(tokenizer=tok, ctx=APP_CTX, metrics=Metrics(), remote=False, submit=submit)
+    app = create_app(driver, model_id="ds4", max_tokens_limit=APP_CTX)
+    return TestClient(app, raise_server_exceptions=False), driver
+
+
+def test_an_unhandled_error_is_counted_as_500(tok):
+    def submit(req):
+        raise RuntimeError("the engine broke")
+
+    client, driver = _app_client(tok, submit)
+    r = client.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": "hi"}],
+                                                  "max_tokens": 1})
+    assert r.status_code == 500
+    count = driver.metrics.registry.get_sample_value
+    assert count("ds4_requests_total", {"endpoint": "/v1/chat/completions", "status": "500"}) == 1
+    assert count("ds4_requests_total", {"endpoint": "/v1/chat/completions", "status": "0"}) is None
+
+
+def test_a_prompt_is_tokenized_off_the_event_loop_after_its_length_is_checked(tok):
+    """The prompt's text is tokenized on a worker thread, not the event loop's; text longer than
+    the context can hold at the tokenizer's longest token per token is refused before any of it
+    is tokenized, and text within that bound is not refused by it."""
+    from ds4.serve.driver import QueueFull
+
+    watched = _LoopWatchingTokenizer(tok)
+    submitted = []
+
+    def submit(req):
+        submitted.append(req)
+        raise QueueFull(1)
+
+    client, _ = _app_client(watched, submit)
+    longest = max(len(tok.token_bytes(i)) for i in range(tok.vocab_size))
+    most = (APP_CTX - 1) * longest  # characters: each is one byte or more
+
+    def requests(text):
+        msgs = [{"role": "user", "content": text}]
+        return [("/v1/chat/completions", {"messages": msgs, "max_tokens": 1}, "messages"),
+                ("/v1/messages", {"messages": msgs, "max_tokens": 1}, "messages"),
+                ("/v1/completions", {"prompt": text, "max_tokens": 1}, "prompt")]
+
+    for path, body, param in requests("x" * (most + 1)):
+        r = client.post(path, json=body)
+        message = r.json()["error"]["message"]
+        assert r.status_code == 400 and message.startswith(f"{param}: the prompt's text has {most + 1} "
+                                                           f"characters, more than the {most}"), message
+    assert watched.on_loop == []  # refused untokenized
+    for path, body, param in requests("x" * most):  # within the bound: tokenized, then too long
+        r = client.post(path, json=body)
+        message = r.json()["error"]["message"]
+        assert r.status_code == 400 and re.match(rf"{param}: the prompt has \d+ tokens, which leaves "
+                                                 rf"no room in the server's context of {APP_CTX}", message)
+    for path, body, param in requests("hi"):
+        assert client.post(path, json=body).status_code == 429
+    assert len(submitted) == 3
+    assert watched.on_loop and not any(watched.on_loop)

@@ -193,7 +193,9 @@ class Tokenizer:
         """Byte-level BPE of `text`; special-token strings in it are ordinary text."""
         if not text:
             return []
-        return self._hf.encode(text, add_special_tokens=False).ids
+        # (encode_batch releases the GIL while it works, encode holds it: a server tokenizing a
+        # long prompt on a worker thread would stall its event loop for the whole encode)
+        return self._hf.encode_batch([text], add_special_tokens=False)[0].ids
 
     def encode_rendered(self, text: str) -> list[int]:
         """Rendered chat text: the seven special strings become their ids, the rest is BPE'd."""

@@ -9,6 +9,7 @@ Usage: `input_tokens` counts the prompt tokens prefilled for this request, and
 
 from __future__ import annotations
 
+import asyncio
 import json
 import secrets
 from typing import Any, Optional, Union
@@ -22,9 +23,16 @@ from ds4.core.sampling import SamplingParams
 from .driver import Failed, Finished, GenRequest, Token
 from .prompt import Conversation, Turn, add_turn
 from .reply import CONTENT, REASONING
-from .shared import (APIError, ServerState, bad, check_prompt, default_seed, encode_conversation,
-                     events, first_event, max_tokens_for, stops_from, submit)
+from .shared import (APIError, ServerState, bad, check_prompt, encode_conversation, encode_prompt,
+                     engine_seed, events, first_event, got, max_tokens_for, parse, stops_from, submit)
 from .tools import ToolCall, ToolSpec, new_call_id
+
+
+class _ToolChoice(BaseModel):
+    model_config = ConfigDict(extra="allow")  # (disable_parallel_tool_use)
+
+    type: str
+    name: Optional[str] = None
 
 
 class _Prompt(BaseModel):
@@ -34,8 +42,12 @@ class _Prompt(BaseModel):
     messages: list[dict[str, Any]] = Field(min_length=1)
     system: Union[str, list[dict[str, Any]], None] = None
     tools: Optional[list[dict[str, Any]]] = None
-    tool_choice: Optional[dict[str, Any]] = None
+    tool_choice: Optional[_ToolChoice] = None
     thinking: Optional[dict[str, Any]] = None
+
+    @property
+    def tools_on(self) -> bool:
+        return bool(self.tools) and (self.tool_choice is None or self.tool_choice.type != "none")
 
 
 class MessagesRequest(_Prompt):
@@ -49,33 +61,63 @@ class MessagesRequest(_Prompt):
     stream: bool = False
 
 
-def _blocks(content, param: str) -> list[dict]:
+# The content blocks read here, each type's fields as the prompt uses them (a block of another
+# type has only its type checked; where it is refused is the turn's to say).
+
+class _Block(BaseModel):
+    model_config = ConfigDict(extra="allow")  # (cache_control, citations, signature, ...)
+
+    type: str
+
+
+class _Text(_Block):
+    text: str
+
+
+class _Thinking(_Block):
+    thinking: str
+
+
+class _ToolUse(_Block):
+    id: Optional[str] = None
+    name: str
+    input: dict[str, Any] = {}
+
+
+class _ToolResult(_Block):
+    content: Any = ""  # a string or content blocks: _blocks reads it, naming its path
+    is_error: Optional[bool] = None
+
+
+_BLOCKS = {"text": _Text, "thinking": _Thinking, "tool_use": _ToolUse, "tool_result": _ToolResult}
+
+
+def _blocks(content, param: str) -> list[_Block]:
     if isinstance(content, str):
-        return [{"type": "text", "text": content}]
+        return [_Text(type="text", text=content)]
     if not isinstance(content, list):
-        raise bad(param, f"expected a string or a list of content blocks, got {type(content).__name__}")
+        raise bad(param, f"expected a string or a list of content blocks, got {got(content)}")
+    out = []
     for j, block in enumerate(content):
         if not isinstance(block, dict) or not isinstance(block.get("type"), str):
-            raise bad(f"{param}[{j}]", "expected a content block with a type")
-    return content
+            raise bad(f"{param}[{j}]", f"expected a content block with a type, got {got(block)}")
+        out.append(parse(_BLOCKS.get(block["type"], _Block), block, f"{param}[{j}]"))
+    return out
 
 
-def _result_text(block: dict, param: str) -> str:
-    content = block.get("content", "")
-    if isinstance(content, str):
-        text = content
-    else:
-        text = "".join(b.get("text", "") for b in _blocks(content, f"{param}.content")
-                       if b.get("type") == "text")
-    return ("[error] " + text) if block.get("is_error") else text
+def _text(blocks: list[_Block]) -> str:
+    return "".join(b.text for b in blocks if isinstance(b, _Text))
+
+
+def _result_text(block: _ToolResult, param: str) -> str:
+    text = _text(_blocks(block.content, f"{param}.content"))
+    return ("[error] " + text) if block.is_error else text
 
 
 def conversation(req: _Prompt) -> Conversation:
     conv = Conversation()
-    if isinstance(req.system, str):
-        conv.system.append(req.system)
-    elif req.system:
-        conv.system.append("".join(b.get("text", "") for b in req.system if b.get("type") == "text"))
+    if req.system:
+        conv.system.append(_text(_blocks(req.system, "system")))
     for i, msg in enumerate(req.messages):
         p = f"messages[{i}]"
         role = msg.get("role")
@@ -83,48 +125,46 @@ def conversation(req: _Prompt) -> Conversation:
         if role == "user":
             results, texts = [], []
             for j, b in enumerate(blocks):
-                if b["type"] == "text":
-                    texts.append(b.get("text", ""))
-                elif b["type"] == "tool_result":
+                if isinstance(b, _Text):
+                    texts.append(b.text)
+                elif isinstance(b, _ToolResult):
                     results.append(_result_text(b, f"{p}.content[{j}]"))
                 else:
                     raise bad(f"{p}.content[{j}].type",
-                              f"expected text or tool_result in a user turn, got {b['type']!r}")
+                              f"expected text or tool_result in a user turn, got {b.type!r}")
             add_turn(conv, Turn("tool", "".join(texts), tool_results=results) if results
                      else Turn("user", "".join(texts)))
         elif role == "assistant":
             text, reasoning, calls = [], [], []
             for j, b in enumerate(blocks):
-                if b["type"] == "text":
-                    text.append(b.get("text", ""))
-                elif b["type"] == "thinking":
-                    reasoning.append(b.get("thinking", ""))
-                elif b["type"] == "redacted_thinking":
+                if isinstance(b, _Text):
+                    text.append(b.text)
+                elif isinstance(b, _Thinking):
+                    reasoning.append(b.thinking)
+                elif b.type == "redacted_thinking":
                     continue
-                elif b["type"] == "tool_use":
-                    if not isinstance(b.get("name"), str) or not isinstance(b.get("input", {}), dict):
-                        raise bad(f"{p}.content[{j}]", "a tool_use block needs a name and an input object")
-                    calls.append(ToolCall(b["name"], b.get("input") or {}, id=str(b.get("id") or "")))
+                elif isinstance(b, _ToolUse):
+                    calls.append(ToolCall(b.name, b.input, id=b.id or ""))
                 else:
                     raise bad(f"{p}.content[{j}].type",
-                              f"expected text, thinking or tool_use in an assistant turn, got {b['type']!r}")
+                              f"expected text, thinking or tool_use in an assistant turn, got {b.type!r}")
             add_turn(conv, Turn("assistant", "".join(text), "".join(reasoning) if reasoning else None, calls))
         else:
             raise bad(f"{p}.role", f"expected user or assistant, got {role!r}")
-    choice = req.tool_choice or {"type": "auto"}
-    if req.tools and choice.get("type") != "none":
+    if req.tools_on:
         for j, tool in enumerate(req.tools):
             if not isinstance(tool.get("name"), str):
-                raise bad(f"tools[{j}].name", "expected a string")
+                raise bad(f"tools[{j}].name", f"expected a string, got {got(tool.get('name'))}")
             conv.tools.append(ToolSpec(tool["name"], tool.get("description") or "",
                                        tool.get("input_schema") or {"type": "object", "properties": {}}))
-        kind = choice.get("type")
+        choice = req.tool_choice or _ToolChoice(type="auto")
+        kind = choice.type
         if kind == "any":
             conv.tool_choice = "required"
         elif kind == "tool":
-            if choice.get("name") not in {t.name for t in conv.tools}:
-                raise bad("tool_choice.name", f"no tool named {choice.get('name')!r} in tools")
-            conv.tool_choice = choice["name"]
+            if choice.name not in {t.name for t in conv.tools}:
+                raise bad("tool_choice.name", f"no tool named {choice.name!r} in tools")
+            conv.tool_choice = choice.name
         elif kind != "auto":
             raise bad("tool_choice.type", f"expected auto, any, tool or none, got {kind!r}")
     return conv
@@ -239,19 +279,19 @@ def register(app: FastAPI, state: ServerState) -> None:
 
     @app.post("/v1/messages/count_tokens")
     async def count_tokens(body: _Prompt) -> dict:
-        prompt = encode_conversation(state, conversation(body), _think(body))
+        # (off the loop as encode_prompt, but any length: the count is the answer, not a prompt)
+        prompt = await asyncio.to_thread(encode_conversation, state, conversation(body), _think(body))
         return {"input_tokens": len(prompt)}
 
     @app.post("/v1/messages")
     async def messages(body: MessagesRequest, request: Request):
         think = _think(body)
-        prompt = encode_conversation(state, conversation(body), think)
+        prompt = await encode_prompt(state, conversation(body), think)
         check_prompt(state, prompt, "messages")
         n = max_tokens_for(state, body.max_tokens, "max_tokens", None, len(prompt))
         params = SamplingParams(body.temperature, body.top_k, body.top_p, body.min_p)
-        req = GenRequest(prompt, n, params, default_seed() if body.seed is None else body.seed,
-                         think=think, stops=stops_from(body.stop_sequences, "stop_sequences"),
-                         tools=bool(body.tools) and (body.tool_choice or {}).get("type") != "none")
+        req = GenRequest(prompt, n, params, engine_seed(body.seed), think=think,
+                         stops=stops_from(body.stop_sequences, "stop_sequences"), tools=body.tools_on)
         job = submit(state, req)
         started = await first_event(job, request)
         model = body.model or state.model_id

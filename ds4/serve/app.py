@@ -2,11 +2,13 @@
 
   * auth: with an API key set, every route but /health needs `Authorization: Bearer KEY` or
     `x-api-key: KEY` (compared in constant time), else 401;
-  * limits: a request body over `max_body` bytes gets 413 before it is read, one without a
-    length 411; `max_tokens` above the server's limit gets 400;
+  * limits: a request body over `max_body` bytes gets 413, before it is read where its
+    Content-Length says so, else once the bytes received pass it (a chunked body's length is
+    not the header's); one without a length 411; `max_tokens` above the server's limit 400;
   * errors: every refused request gets the calling API's own error JSON (OpenAI's `error`
     object with `param` naming the field, Anthropic's `{"type": "error", ...}`), 400 for an
     invalid field (never FastAPI's 422);
+  * /metrics counts the requests by status, an unhandled error as the 500 it is answered with;
   * /health (200, or 503 while a pipeline's next stage is away: it tries to reach it again
     each time it is asked) and /metrics (Prometheus).
 """
@@ -15,7 +17,6 @@ from __future__ import annotations
 
 import asyncio
 import hmac
-import json
 import time
 
 from fastapi import FastAPI, Request
@@ -26,7 +27,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from . import DEFAULT_MAX_BODY, anthropic_api, openai_api
 from .driver import Driver
 from .metrics import CONTENT_TYPE_LATEST
-from .shared import APIError, ServerState
+from .shared import APIError, ServerState, invalid
 
 OPEN_PATHS = ("/health",)
 OTHER_ENDPOINT = "other"  # the request counter's label for a path the server does not serve
@@ -52,6 +53,15 @@ def error_response(path: str, status: int, message: str, param: str | None = Non
     return JSONResponse(body, status_code=status, headers=headers)
 
 
+class BodyTooLarge(StarletteHTTPException):
+    """Raised by the body's reader once it has passed the limit (FastAPI passes an HTTPException
+    raised while reading the body on to the app's handler, which answers it)."""
+
+    def __init__(self, max_body: int):
+        super().__init__(413, f"the request body is more than {max_body} bytes; this server "
+                              f"takes at most {max_body}")
+
+
 class Guard:
     """ASGI middleware: API key, body size, and the request counter."""
 
@@ -75,11 +85,23 @@ class Guard:
         path = scope["path"]
         headers = dict(scope["headers"])
         status_box = [0]
+        received = 0
 
         async def counting_send(message):
             if message["type"] == "http.response.start":
                 status_box[0] = message["status"]
             await send(message)
+
+        async def limited_receive():
+            # the bytes as they come, whatever the headers say: h11 reads a chunked body as
+            # chunked even where a Content-Length (checked below) came with it
+            nonlocal received
+            message = await receive()
+            if message["type"] == "http.request":
+                received += len(message.get("body", b""))
+                if received > self.max_body:
+                    raise BodyTooLarge(self.max_body)
+            return message
 
         try:
             refusal = None
@@ -96,7 +118,11 @@ class Guard:
                                                         f"bytes; this server takes at most {self.max_body}")
             if refusal is not None:
                 return await refusal(scope, receive, counting_send)
-            return await self.app(scope, receive, counting_send)
+            return await self.app(scope, limited_receive, counting_send)
+        except Exception:
+            if status_box[0] == 0:  # (ServerErrorMiddleware, outside this one, answers it)
+                status_box[0] = 500
+            raise
         finally:
             if path.startswith("/v1/"):
                 label = path if path in self.endpoints else OTHER_ENDPOINT  # (a client cannot add series)
@@ -116,14 +142,11 @@ def create_app(driver: Driver, *, model_id: str, max_tokens_limit: int, api_key:
     @app.exception_handler(RequestValidationError)
     async def _invalid(request: Request, e: RequestValidationError):
         first = e.errors()[0]
-        loc = [str(x) for x in first.get("loc", ()) if x != "body"]
-        param = ".".join(loc) or "body"
-        detail = first.get("msg", "invalid value")
         if first.get("type") == "json_invalid":
-            param, detail = "body", "the body is not valid JSON"
-        elif "input" in first and first.get("type") != "missing":
-            detail += f", got {json.dumps(first['input'], default=str)[:200]}"
-        return error_response(request.url.path, 400, f"{param}: {detail}", param)
+            error = APIError(400, "body: the body is not valid JSON", "body")
+        else:
+            error = invalid({**first, "loc": [x for x in first.get("loc", ()) if x != "body"]})
+        return error_response(request.url.path, error.status, error.message, error.param)
 
     @app.exception_handler(StarletteHTTPException)
     async def _http(request: Request, e: StarletteHTTPException):

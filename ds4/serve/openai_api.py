@@ -9,6 +9,7 @@ where the context allows it. The reasoning comes back apart from the answer, as
 
 from __future__ import annotations
 
+import asyncio
 import json
 import secrets
 import time
@@ -16,16 +17,16 @@ from typing import Any, Optional, Union
 
 from fastapi import FastAPI, Request
 from fastapi.responses import StreamingResponse
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from ds4.core.sampling import SamplingParams
 
 from .driver import Failed, Finished, GenRequest, Token
 from .prompt import Conversation, Turn, add_turn
 from .reply import CONTENT, REASONING
-from .shared import (MAX_SEED, MAX_TOP_LOGPROBS, APIError, ServerState, bad, check_prompt,
-                     default_seed, encode_conversation, events, first_event, max_tokens_for,
-                     stops_from, submit)
+from .shared import (MAX_SEED, MAX_TOP_LOGPROBS, MIN_SEED, APIError, ServerState, bad, check_prompt,
+                     check_text, encode_prompt, engine_seed, events, first_event, got, max_tokens_for,
+                     parse, stops_from, submit)
 from .tools import ToolCall, ToolSpec
 
 COMPLETIONS_DEFAULT_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
@@ -45,9 +46,19 @@ class _Sampling(BaseModel):
     top_p: float = Field(1.0, gt=0.0, le=1.0)
     top_k: int = Field(0, ge=0)
     min_p: float = Field(0.05, ge=0.0, le=1.0)
-    seed: Optional[int] = Field(None, ge=0, le=MAX_SEED)
+    seed: Optional[int] = Field(None, ge=MIN_SEED, le=MAX_SEED)
     stop: Union[str, list[str], None] = None
     n: int = 1
+
+    @model_validator(mode="before")
+    @classmethod
+    def _null_is_the_default(cls, data):
+        # as OpenAI's API: an optional field sent as null has its default (the official clients
+        # send null for an argument given as None)
+        if isinstance(data, dict):
+            data = {k: v for k, v in data.items()
+                    if v is not None or k not in cls.model_fields or cls.model_fields[k].is_required()}
+        return data
 
     def sampling(self) -> SamplingParams:
         return SamplingParams(self.temperature, self.top_k, self.top_p, self.min_p)
@@ -78,6 +89,20 @@ class CompletionRequest(_Sampling):
     echo: bool = False
 
 
+class _FunctionName(BaseModel):
+    model_config = ConfigDict(extra="allow")
+
+    name: str
+
+
+class _ToolChoice(BaseModel):
+    """A tool_choice that names the function to call."""
+    model_config = ConfigDict(extra="allow")
+
+    type: str = "function"
+    function: _FunctionName
+
+
 # ---- messages -> Conversation ---------------------------------------------------------------------
 
 def _text(content, param: str) -> str:
@@ -92,10 +117,10 @@ def _text(content, param: str) -> str:
                 kind = part.get("type") if isinstance(part, dict) else type(part).__name__
                 raise bad(f"{param}[{j}].type", f"only text content is supported, got {kind!r}")
             if not isinstance(part.get("text"), str):
-                raise bad(f"{param}[{j}].text", "expected a string")
+                raise bad(f"{param}[{j}].text", f"expected a string, got {got(part.get('text'))}")
             out.append(part["text"])
         return "".join(out)
-    raise bad(param, f"expected a string or a list of content parts, got {type(content).__name__}")
+    raise bad(param, f"expected a string or a list of content parts, got {got(content)}")
 
 
 def _tool_calls(calls, param: str) -> list[ToolCall]:
@@ -105,7 +130,8 @@ def _tool_calls(calls, param: str) -> list[ToolCall]:
     for j, call in enumerate(calls):
         fn = call.get("function") if isinstance(call, dict) else None
         if not isinstance(fn, dict) or not isinstance(fn.get("name"), str):
-            raise bad(f"{param}[{j}].function.name", "expected a string")
+            raise bad(f"{param}[{j}].function.name",
+                      f"expected a string, got {got(fn.get('name') if isinstance(fn, dict) else fn)}")
         raw = fn.get("arguments") or "{}"
         try:
             args = json.loads(raw) if isinstance(raw, str) else raw
@@ -149,8 +175,8 @@ def conversation(req: ChatRequest) -> Conversation:
             conv.tool_choice = None
         elif choice == "required":
             conv.tool_choice = "required"
-        elif isinstance(choice, dict) and isinstance(choice.get("function"), dict):
-            name = choice["function"].get("name")
+        elif isinstance(choice, dict) and "function" in choice:
+            name = parse(_ToolChoice, choice, "tool_choice").function.name
             if name not in {t.name for t in conv.tools}:
                 raise bad("tool_choice.function.name", f"no tool named {name!r} in tools")
             conv.tool_choice = name
@@ -278,7 +304,7 @@ def register(app: FastAPI, state: ServerState) -> None:
             raise bad("max_completion_tokens", "give max_tokens or max_completion_tokens, not both")
         think, think_max = think_mode(body)
         conv = conversation(body)
-        prompt = encode_conversation(state, conv, think, think_max)
+        prompt = await encode_prompt(state, conv, think, think_max)
         check_prompt(state, prompt, "messages")
         limit_param = "max_completion_tokens" if body.max_completion_tokens is not None else "max_tokens"
         requested = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
@@ -286,9 +312,8 @@ def register(app: FastAPI, state: ServerState) -> None:
         want_lp = body.top_logprobs or 0 if body.logprobs else None
         if body.top_logprobs is not None and not body.logprobs:
             raise bad("top_logprobs", "needs logprobs: true")
-        req = GenRequest(prompt, n, body.sampling(), default_seed() if body.seed is None else body.seed,
-                         think=think, stops=stops_from(body.stop, "stop"), tools=bool(conv.tools),
-                         logprobs=want_lp)
+        req = GenRequest(prompt, n, body.sampling(), engine_seed(body.seed), think=think,
+                         stops=stops_from(body.stop, "stop"), tools=bool(conv.tools), logprobs=want_lp)
         job = submit(state, req)
         await first_event(job, request)
         model = body.model or state.model_id
@@ -321,7 +346,10 @@ def register(app: FastAPI, state: ServerState) -> None:
                 raise bad("prompt", f"expected one prompt, got {len(p)}")
             p = p[0]
         if isinstance(p, str):
-            prompt = tok.encode_rendered(p)  # raw text: chat markup in it becomes special tokens
+            # (longest_token counts the special tokens' text too: chat markup in `p` is bounded)
+            check_text(state, len(p), "prompt")
+            # raw text: chat markup in it becomes special tokens; on a worker thread, as encode_prompt
+            prompt = await asyncio.to_thread(tok.encode_rendered, p)
         else:
             prompt = [int(x) for x in p]
             bad_ids = [x for x in prompt if not 0 <= x < tok.vocab_size]
@@ -331,7 +359,7 @@ def register(app: FastAPI, state: ServerState) -> None:
         check_prompt(state, prompt, "prompt")
         n = max_tokens_for(state, body.max_tokens, "max_tokens", COMPLETIONS_DEFAULT_MAX_TOKENS,
                            len(prompt))
-        req = GenRequest(prompt, n, body.sampling(), default_seed() if body.seed is None else body.seed,
+        req = GenRequest(prompt, n, body.sampling(), engine_seed(body.seed),
                          stops=stops_from(body.stop, "stop"), logprobs=body.logprobs)
         job = submit(state, req)
         await first_event(job, request)

@@ -2,16 +2,22 @@
 
 from __future__ import annotations
 
+import asyncio
+import json
 import time
 from collections.abc import AsyncIterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import TypeVar
 
-from ds4.core.chat import THINK_MAX_MIN_CONTEXT, encode_parts
+from pydantic import BaseModel, ValidationError
+
+from ds4.core.chat import THINK_MAX_MIN_CONTEXT, Part, encode_parts
 
 from .driver import Driver, Failed, Finished, GenRequest, Job, QueueFull, Started, next_event
 from .prompt import Conversation, conversation_parts
 
 MAX_SEED = (1 << 64) - 1
+MIN_SEED = -(1 << 63)  # OpenAI's seed is a signed 64-bit integer; the engine takes its 64 bits
 MAX_STOP_SEQUENCES = 16
 MAX_TOP_LOGPROBS = 20
 
@@ -30,12 +36,63 @@ def bad(param: str, message: str) -> APIError:
     return APIError(400, f"{param}: {message}", param)
 
 
+_JSON_TYPES = ((bool, "boolean"), ((int, float), "number"), (str, "string"), ((list, tuple), "array"),
+               (dict, "object"))
+SHOWN_CHARS = 200  # of a wrong value in an error message
+
+
+def got(value) -> str:
+    """What a client sent, for an error message: its JSON type and (the start of) its JSON."""
+    if value is None:
+        return "null"
+    kind = next((name for t, name in _JSON_TYPES if isinstance(value, t)), type(value).__name__)
+    return f"{kind} {json.dumps(value, default=str)[:SHOWN_CHARS]}"
+
+
+def field_path(loc, prefix: str = "") -> str:
+    """pydantic's error location as the field path the messages use: messages[0].content[1].text."""
+    out = prefix
+    for key in loc:
+        out += f"[{key}]" if isinstance(key, int) else f".{key}" if out else str(key)
+    return out
+
+
+def invalid(error: dict, prefix: str = "") -> APIError:
+    """A 400 of one of pydantic's errors: the field's path (under `prefix`), what it expects,
+    and what came."""
+    param = field_path(error.get("loc", ()), prefix) or "body"
+    # (pydantic's message for a model names the class: the client knows it as an object)
+    detail = "Input should be an object" if error.get("type") == "model_type" \
+        else error.get("msg", "invalid value")
+    if "input" in error and error.get("type") != "missing":
+        detail += f", got {got(error['input'])}"
+    return bad(param, detail)
+
+
+M = TypeVar("M", bound=BaseModel)
+
+
+def parse(model: type[M], value, param: str) -> M:
+    """`value` (a part of a request at `param`) as `model`, or the 400 of the first field that
+    does not fit."""
+    try:
+        return model.model_validate(value)
+    except ValidationError as e:
+        raise invalid(e.errors()[0], param) from None
+
+
 @dataclass
 class ServerState:
     driver: Driver
     model_id: str
     max_tokens_limit: int
     created: int
+    # the most bytes one token stands for (a text character is one byte or more); see check_text
+    longest_token: int = field(init=False)
+
+    def __post_init__(self):
+        tok = self.tokenizer
+        self.longest_token = max(len(tok.token_bytes(i)) for i in range(tok.vocab_size))
 
     @property
     def tokenizer(self):
@@ -46,10 +103,36 @@ class ServerState:
         return self.driver.ctx
 
 
+def _parts(state: ServerState, conv: Conversation, think: bool, think_max: bool) -> list[Part]:
+    think_max = think_max and state.ctx >= THINK_MAX_MIN_CONTEXT  # as ds4: MAX needs the room
+    return conversation_parts(conv, think=think, think_max=think_max)
+
+
 def encode_conversation(state: ServerState, conv: Conversation, think: bool,
                         think_max: bool = False) -> list[int]:
-    think_max = think_max and state.ctx >= THINK_MAX_MIN_CONTEXT  # as ds4: MAX needs the room
-    return encode_parts(state.tokenizer, conversation_parts(conv, think=think, think_max=think_max))
+    return encode_parts(state.tokenizer, _parts(state, conv, think, think_max))
+
+
+async def encode_prompt(state: ServerState, conv: Conversation, think: bool, think_max: bool = False,
+                        param: str = "messages") -> list[int]:
+    """The prompt's ids, after refusing text that cannot fit (check_text), tokenized on a worker
+    thread rather than the event loop's (Tokenizer.encode lets go of the GIL while it works)."""
+    parts = _parts(state, conv, think, think_max)
+    check_text(state, sum(len(text) for special, text in parts if not special), param)
+    return await asyncio.to_thread(encode_parts, state.tokenizer, parts)
+
+
+def check_text(state: ServerState, chars: int, param: str) -> None:
+    """Refuse, before tokenizing it, a prompt whose text cannot fit the context whatever its
+    tokens. A prompt has at most ctx - 1 tokens (check_prompt), each standing for at most
+    `longest_token` bytes of text, and a character is one byte or more: text of more characters
+    than (ctx - 1) * longest_token is more tokens than that. Only such plainly too long text is
+    refused here; check_prompt counts the tokens of the rest."""
+    most = (state.ctx - 1) * state.longest_token
+    if chars > most:
+        raise bad(param, f"the prompt's text has {chars} characters, more than the {most} that "
+                         f"{state.ctx - 1} tokens (of at most {state.longest_token} bytes each) "
+                         f"can hold: it leaves no room in the server's context of {state.ctx} tokens")
 
 
 def check_prompt(state: ServerState, prompt: list[int], param: str) -> None:
@@ -84,6 +167,12 @@ def stops_from(value, param: str) -> list[str]:
 
 def default_seed() -> int:
     return time.time_ns() & MAX_SEED
+
+
+def engine_seed(seed: int | None) -> int:
+    """The engine's seed of a request's: its 64 bits (a negative seed is as valid as any), or
+    the clock's without one."""
+    return default_seed() if seed is None else seed & MAX_SEED
 
 
 def submit(state: ServerState, req: GenRequest) -> Job:
