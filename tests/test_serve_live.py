@@ -306,6 +306,10 @@ def test_tool_history_renders_in_ds4_format(oa, an, engine):
 def test_invalid_requests_400(server, oa, an):
     msgs = [{"role": "user", "content": "x"}]
     cases = [({"temperature": 5}, "temperature"), ({"n": 2}, "n"),
+             # (what this server does not do is refused, not ignored)
+             ({"response_format": {"type": "json_object"}}, "response_format"),
+             ({"logit_bias": {"5": 10}}, "logit_bias"), ({"presence_penalty": 0.5}, "presence_penalty"),
+             ({"frequency_penalty": -1}, "frequency_penalty"),
              ({"max_tokens": 100000}, "max_tokens"), ({"top_p": 0}, "top_p"),
              ({"messages": [{"role": "robot", "content": "x"}]}, "messages[0].role"),
              ({"messages": [{"role": "user", "content": [{"type": "image_url"}]}]}, "messages[0].content[0].type")]
@@ -314,6 +318,16 @@ def test_invalid_requests_400(server, oa, an):
             oa.chat.completions.create(**{"model": "ds4", "messages": msgs, "max_tokens": 1, **extra})
         assert e.value.status_code == 400 and e.value.body["param"] == param, (extra, e.value.body)
         assert param.split("[")[0] in e.value.body["message"]
+    for extra, param in (({"best_of": 2}, "best_of"), ({"suffix": "end"}, "suffix"),
+                         ({"logit_bias": {"1": 1}}, "logit_bias")):
+        with pytest.raises(openai.BadRequestError) as e:
+            oa.completions.create(**{"model": "ds4", "prompt": "x", "max_tokens": 1, **extra})
+        assert e.value.status_code == 400 and e.value.body["param"] == param, (extra, e.value.body)
+    # (the same fields asking for nothing are fine)
+    r = oa.chat.completions.create(model="ds4", messages=msgs, max_tokens=1, temperature=0,
+                                   response_format={"type": "text"}, logit_bias={}, presence_penalty=0,
+                                   frequency_penalty=0)
+    assert r.usage.completion_tokens == 1
     with pytest.raises(anthropic.BadRequestError) as e:
         an.messages.create(model="ds4", max_tokens=1, messages=msgs, extra_body={"temperature": 3})
     assert e.value.body["type"] == "error" and e.value.body["error"]["type"] == "invalid_request_error"

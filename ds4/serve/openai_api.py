@@ -49,6 +49,12 @@ class _Sampling(BaseModel):
     seed: Optional[int] = Field(None, ge=MIN_SEED, le=MAX_SEED)
     stop: Union[str, list[str], None] = None
     n: int = 1
+    # OpenAI's fields this server does not act on: refused unless they ask for nothing
+    # (check_n), rather than accepted and silently ignored
+    response_format: Optional[dict[str, Any]] = None
+    logit_bias: Optional[dict[str, Any]] = None
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
 
     @model_validator(mode="before")
     @classmethod
@@ -64,8 +70,20 @@ class _Sampling(BaseModel):
         return SamplingParams(self.temperature, self.top_k, self.top_p, self.min_p)
 
     def check_n(self) -> None:
+        """Refuse what this server would otherwise ignore: more than one choice, a JSON or
+        schema response format, logit biases, penalties."""
         if self.n != 1:
             raise bad("n", f"this server returns one choice per request: expected 1, got {self.n}")
+        kind = (self.response_format or {}).get("type", "text")
+        if kind != "text":
+            raise bad("response_format", f"this server has no constrained output: expected type "
+                                         f"\"text\", got {got(kind)}")
+        if self.logit_bias:
+            raise bad("logit_bias", f"this server applies no logit biases: expected none, got "
+                                    f"{len(self.logit_bias)}")
+        for name in ("presence_penalty", "frequency_penalty"):
+            if getattr(self, name) != 0.0:
+                raise bad(name, f"this server applies no penalties: expected 0, got {getattr(self, name)}")
 
     @property
     def include_usage(self) -> bool:
@@ -87,6 +105,16 @@ class CompletionRequest(_Sampling):
     prompt: Union[str, list[str], list[int]]
     logprobs: Optional[int] = Field(None, ge=0, le=MAX_COMPLETION_LOGPROBS)
     echo: bool = False
+    best_of: int = 1
+    suffix: Optional[str] = None
+
+    def check_n(self) -> None:
+        super().check_n()
+        if self.best_of != 1:
+            raise bad("best_of", f"this server returns one completion per request: expected 1, got "
+                                 f"{self.best_of}")
+        if self.suffix:
+            raise bad("suffix", "this server does not insert text: expected none")
 
 
 class _FunctionName(BaseModel):
