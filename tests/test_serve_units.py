@@ -429,3 +429,41 @@ def test_a_prompt_is_tokenized_off_the_event_loop_after_its_length_is_checked(to
         assert client.post(path, json=body).status_code == 429
     assert len(submitted) == 3
     assert watched.on_loop and not any(watched.on_loop)
+
+
+def test_a_waiting_job_whose_client_left_frees_its_queue_slot():
+    """With one generation running and the queue (of 1) full, a waiting client that leaves gives
+    its slot back at once: the next request is queued, not refused with 429."""
+    import asyncio
+    import threading
+
+    import ds4
+    from ds4.core.sampling import GREEDY
+    from ds4.serve.driver import Driver, GenRequest, QueueFull
+
+    d = Driver(ds4.Engine.open(None, backend="reference"), ctx=64, queue_size=1)
+    running, release = threading.Event(), threading.Event()
+
+    def held_run(job):  # (the running generation, held until the test lets it go)
+        running.set()
+        release.wait(30)
+
+    d._run = held_run
+
+    async def scenario():
+        req = GenRequest(prompt=[5, 6], max_tokens=1, params=GREEDY, seed=0)
+        d.submit(req)
+        assert await asyncio.to_thread(running.wait, 30)
+        waiting = d.submit(req)
+        with pytest.raises(QueueFull):
+            d.submit(req)
+        waiting.cancel()
+        d.submit(req)  # (the freed slot)
+        with pytest.raises(QueueFull):
+            d.submit(req)
+
+    try:
+        asyncio.run(scenario())
+    finally:
+        release.set()
+        d.close()

@@ -100,6 +100,7 @@ class Job:
         self.loop = loop
         self.events: asyncio.Queue = asyncio.Queue()
         self.cancelled = threading.Event()
+        self.on_cancel = None  # (the driver's: a waiting job frees its queue slot at once)
 
     def put(self, event) -> None:
         with contextlib.suppress(RuntimeError):  # the loop is gone (shutdown)
@@ -107,6 +108,8 @@ class Job:
 
     def cancel(self) -> None:
         self.cancelled.set()
+        if self.on_cancel is not None:
+            self.on_cancel()
 
 
 SHUTTING_DOWN = "the server is shutting down"
@@ -143,6 +146,7 @@ class Driver:
         self._jobs: queue.Queue = queue.Queue()
         self._lock = threading.Lock()
         self._inflight = 0  # submitted and not finished: the one generating plus those waiting
+        self._waiting: set = set()  # submitted jobs the generation thread has not taken yet
         self._running = 0
         self._current: Job | None = None
         self._avg_seconds = 1.0
@@ -159,14 +163,25 @@ class Driver:
 
     def submit(self, req: GenRequest) -> Job:
         job = Job(req, asyncio.get_running_loop())
+        job.on_cancel = lambda: self._abandon(job)
         with self._lock:
             if self._inflight >= self.queue_size + 1:
                 self.metrics.rejected.inc()
                 raise QueueFull(max(1, math.ceil(self._avg_seconds * self._inflight)))
             self._inflight += 1
+            self._waiting.add(job)
             self._set_depth()
         self._jobs.put(job)
         return job
+
+    def _abandon(self, job: Job) -> None:
+        """A job's client left. One still waiting gives its queue slot back now, not when the
+        generation thread comes to it (with --queue 1 the next client got 429 meanwhile)."""
+        with self._lock:
+            if job in self._waiting:
+                self._waiting.discard(job)
+                self._inflight -= 1
+                self._set_depth()
 
     def _set_depth(self) -> None:
         self.metrics.queue_depth.set(self._inflight - self._running)
@@ -238,6 +253,9 @@ class Driver:
             if job is None:
                 return
             with self._lock:
+                if job not in self._waiting:  # its client left while it waited (_abandon)
+                    continue
+                self._waiting.discard(job)
                 self._running = 1
                 self._current = job
                 self._set_depth()
