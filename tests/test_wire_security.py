@@ -352,6 +352,29 @@ def test_a_bad_and_a_stalled_connection_do_not_end_the_receiver(payload, tmp_pat
     assert len(r.failures) == 1 and "record magic" in r.failures[0].reason
 
 
+def test_a_receiver_keeps_the_latest_failures_only(payload, tmp_path, monkeypatch):
+    """A receiver that waits on through failed connections counts them all but keeps only the
+    latest KEPT_FAILURES (one waiting without a time limit would grow with every bad peer)."""
+    from ds4.wire.ds4k import receiver
+
+    monkeypatch.setattr(receiver, "KEPT_FAILURES", 2)
+    r = ds4k.Receiver(0, timeout=5.0)
+    out: dict = {}
+    t = threading.Thread(target=lambda: out.update(m=r.receive(tmp_path / "p.dsv4", accept_timeout=T_OUT)),
+                         daemon=True)
+    t.start()
+    for i in range(3):
+        with socket.create_connection(("127.0.0.1", r.port), timeout=T_OUT) as bad:
+            bad.recv(ds4k.HELLO.size)
+            bad.sendall(b"GET /%d HTTP/1.0\r\n\r\n" % i)
+            assert ds4k._read_reply(bad, "reply")[0] == ds4k.BAD_RECORD
+    sent = ds4k.send_payload(payload, "127.0.0.1", r.port, timeout=T_OUT)
+    t.join(T_OUT)
+    r.close()
+    assert out.get("m") == sent
+    assert r.n_failures == 3 and len(r.failures) == 2
+
+
 def test_cli_kv_recv_outlives_a_bad_connection(model_path, payload, tmp_path):
     """`ds4 kv-recv`: a garbage connection is one warning line; the real sender's payload lands."""
     import select

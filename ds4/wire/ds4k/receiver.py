@@ -31,6 +31,8 @@ from .records import (ACCEPT_POLL, ACCEPT_POLL_MIN, AUTH_FAILED, CHUNK, CORRUPT,
 
 log = logging.getLogger("ds4.wire.ds4k")
 
+KEPT_FAILURES = 64  # the dropped connections a receiver keeps for its error message
+
 
 class Receiver:
     """A listening DS4K endpoint (bound on construction, so port 0 picks a free port).
@@ -56,7 +58,10 @@ class Receiver:
         self.min_rate = min_rate
         self.max_conns = max_conns
         self.tls = tls
-        self.failures: list[DS4KError] = []  # every dropped connection of the last receive()
+        # the dropped connections of the last receive(): how many, and the latest KEPT_FAILURES
+        # (a receiver waiting without a time limit must not grow with every peer that fails)
+        self.n_failures = 0
+        self.failures: list[DS4KError] = []
         family = socket.AF_INET6 if ":" in host else socket.AF_INET
         self.sock = socket.socket(family, socket.SOCK_STREAM)
         try:
@@ -83,7 +88,8 @@ class Receiver:
                 max_failures: int | None = None) -> Manifest:
         """Wait until a sender's payload has landed at out_path (returns its manifest).
 
-        Failed connections are told why, logged, kept in `self.failures` and dropped; the wait
+        Failed connections are told why, logged, counted in `self.n_failures` (the latest kept in
+        `self.failures`) and dropped; the wait
         goes on until `accept_timeout` seconds have passed (None: no limit) or `max_failures`
         connections failed, then DS4KError says what went wrong (the last failure's status and
         reason). Nothing is left at out_path unless a payload landed whole."""
@@ -91,7 +97,7 @@ class Receiver:
         if not out_path.parent.is_dir():
             raise DS4KError(f"destination directory does not exist: {out_path.parent}", IO_ERROR)
         deadline = Deadline(accept_timeout, "receiving a payload")
-        self.failures = []
+        self.failures, self.n_failures = [], 0
         done = threading.Event()  # the wait is over: a payload landed, or too many failed
         landed = threading.Event()  # set under the landing lock: nobody else may land now
         result: list[Manifest] = []
@@ -112,7 +118,9 @@ class Receiver:
                 with self._lock:
                     self.failures.append(DS4KError(f"rejected the transfer from {peer}: {e.reason}",
                                                    e.status, e.reason))
-                    if max_failures is not None and len(self.failures) >= max_failures:
+                    del self.failures[:-KEPT_FAILURES]
+                    self.n_failures += 1
+                    if max_failures is not None and self.n_failures >= max_failures:
                         done.set()
             finally:
                 with self._lock:
@@ -161,9 +169,9 @@ class Receiver:
             return result[0]
         if self.failures:
             last = self.failures[-1]
-            if max_failures is not None and len(self.failures) >= max_failures:
+            if max_failures is not None and self.n_failures >= max_failures:
                 raise last
-            raise DS4KError(f"no payload landed within {accept_timeout:g} s; {len(self.failures)} "
+            raise DS4KError(f"no payload landed within {accept_timeout:g} s; {self.n_failures} "
                             f"connection(s) failed, the last: {last.reason}", last.status, last.reason)
         raise DS4KError(f"no sender connected within {accept_timeout:g} s", INCOMPLETE)
 
