@@ -264,7 +264,9 @@ def decode(
             path = load_kv
             if not path.is_file():
                 raise CLIError(f"KV file not found: {path}")
-        h = check_payload(path)
+        # (with the model: the header's counts and the file's size are checked before the
+        # session it asks for is allocated)
+        h = check_payload(path, eng.config)
         session_ctx = h.ctx if ctx is None else ctx
         if h.ctx > session_ctx:
             raise CLIError(f"--ctx {session_ctx} is smaller than the saved session's ctx {h.ctx}")

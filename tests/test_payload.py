@@ -445,6 +445,29 @@ def test_cli_bad_options(cli, args):
     assert "Traceback" not in r.output
 
 
+def test_cli_decode_checks_a_payload_against_the_model_before_allocating(cli, model_path, good, tmp_path,
+                                                                          monkeypatch):
+    """A payload whose header asks for a context the model cannot hold (or whose body is not
+    there) is refused from its header and size, before `decode` allocates the session it
+    names: a 52-byte file must not cost a full-ctx session."""
+    import dataclasses
+
+    import ds4
+
+    sessions = []
+    real = ds4.Engine.session
+    monkeypatch.setattr(ds4.Engine, "session", lambda self, *a, **k: sessions.append(k) or real(self, *a, **k))
+    h = pl.Header.unpack(good[:pl.HEADER_BYTES])
+    for name, blob in (("huge", dataclasses.replace(h, ctx=1 << 30).pack()),
+                       ("cut", good[:pl.HEADER_BYTES + 8])):
+        bad = tmp_path / f"{name}.dsv4"
+        bad.write_bytes(blob)
+        r = cli("decode", "-m", model_path, "--load-kv", bad, "-n", 2)
+        assert r.exit_code == 1 and "Traceback" not in r.output, r.output
+        assert (pl.E_FIT if name == "huge" else pl.E_MISSING) in r.stderr, r.stderr
+    assert sessions == []
+
+
 def test_cli_decode_rejects_a_bad_payload(cli, ref, model_path, good, tmp_path):
     bad = tmp_path / "bad.dsv4"
     bad.write_bytes(good + b"\0")
