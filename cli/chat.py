@@ -18,8 +18,9 @@ import typer
 from rich.text import Text
 
 from ds4.core.chat import DEFAULT_SYSTEM
+from ds4.core.payload import PayloadError
 
-from .common import check_prefill_cap, err, library_errors, open_engine, rate
+from .common import CLIError, check_output, check_prefill_cap, err, library_errors, open_engine, rate
 from .options import (MAX_SEED, BackendOption, CtxOption, MinPOption, ModelOption, NoThinkOption,
                       NumericsOption, PrefillCapOption, SeedOption, SystemOption, TempOption, TopKOption,
                       TopPOption, check_range)
@@ -111,8 +112,14 @@ def chat(
                 if not session.tokens:
                     err.print(Text("nothing to save yet", style="yellow"))
                     continue
-                with library_errors():
-                    size = session.save_payload(Path(arg))
+                dest = Path(arg)
+                try:  # (a failed save is said, and the conversation goes on)
+                    check_output(dest, "/save", getattr(eng.model, "path", None))
+                    size = session.save_payload(dest)
+                except (CLIError, OSError, PayloadError) as e:
+                    why = e.strerror if isinstance(e, OSError) and e.strerror else str(e)
+                    err.print(Text(f"not saved to {arg}: {why}", style="yellow"), soft_wrap=True)
+                    continue
                 err.print(Text(f"saved {len(session.tokens)} tokens to {arg} ({size:,} bytes)", style="dim"))
             else:
                 err.print(Text(f"unknown command {text!r}; {HELP}", style="yellow"), soft_wrap=True)

@@ -95,6 +95,13 @@ def progress_callback(description: str, transient: bool = False) -> Iterator[Cal
             state["bar"].stop()
 
 
+def check_output(dest: Path, option: str, model_path: Path | None) -> None:
+    """Refuse an output path that is the model file the command reads: the output's rename
+    would replace the model with a payload."""
+    if model_path is not None and dest.exists() and model_path.exists() and dest.samefile(model_path):
+        raise CLIError(f"{option}: {dest} is the model file this command reads; give another path")
+
+
 def resolve_model(path: Path | None) -> Path:
     """The model file to open: `path`, or the embedded default (created on first use)."""
     if path is not None:

@@ -21,8 +21,8 @@ from ds4.core.chat import DEFAULT_SYSTEM
 
 from .tp import (DEFAULT_GATE_TIMEOUT_MS, DEFAULT_TP_WAIT_S, DebugHashOption, GateTimeoutOption,
                  TpLeader, TpListenOption, TpTransportOption, TpWaitOption)
-from .common import (CLIError, check_prefill_cap, err, human_bytes, library_errors, open_engine, out, rate,
-                     resolve_model, stream_reply)
+from .common import (CLIError, check_output, check_prefill_cap, err, human_bytes, library_errors, open_engine,
+                     out, rate, resolve_model, stream_reply)
 from .wire_options import (DEFAULT_IO_TIMEOUT, AuthTokenFileOption, AuthTokenOption, IoTimeoutOption,
                            TlsCaOption, TlsCertOption, TlsKeyOption, client_tls, server_tls, warn,
                            warn_exposed, wire_token)
@@ -152,6 +152,8 @@ def prefill(
                    io_timeout=io_timeout, tls_files=tp_tls)
            if tp else open_engine(model, backend, numerics))
     with library_errors():
+        if save_kv is not None:
+            check_output(save_kv, "--save-kv", getattr(eng.model, "path", None))
         if ctx > eng.config.context_length:
             raise CLIError(f"--ctx {ctx} is more than the model's context_length "
                            f"{eng.config.context_length}")
@@ -368,6 +370,7 @@ def kv_recv(
 
             m = GGUFModel(resolve_model(model))
             fingerprint, config = m.fingerprint, m.config
+            check_output(out_file, "--out", m.path)
         if not out_file.resolve().parent.is_dir():
             raise CLIError(f"--out: directory does not exist: {out_file.parent}")
         t0 = time.perf_counter()

@@ -468,6 +468,21 @@ def test_cli_decode_checks_a_payload_against_the_model_before_allocating(cli, mo
     assert sessions == []
 
 
+def test_cli_outputs_never_replace_the_model(cli, model_path, tmp_path):
+    """--save-kv (and kv-recv --out) naming the model file being read is refused before any
+    work, and the model is left as it was."""
+    import hashlib
+    import shutil
+
+    model_path = shutil.copy(model_path, tmp_path / "model.gguf")  # (the module's stays whole)
+    before = hashlib.sha256(open(model_path, "rb").read()).hexdigest()
+    r = cli("prefill", "-m", model_path, "-p", "hi", "--save-kv", model_path)
+    assert r.exit_code == 1 and f"--save-kv: {model_path} is the model file this command reads" in r.stderr
+    r = cli("kv-recv", "0", "-m", model_path, "--out", model_path, "--wait", "0.1")
+    assert r.exit_code == 1 and f"--out: {model_path} is the model file this command reads" in r.stderr
+    assert hashlib.sha256(open(model_path, "rb").read()).hexdigest() == before
+
+
 def test_cli_decode_rejects_a_bad_payload(cli, ref, model_path, good, tmp_path):
     bad = tmp_path / "bad.dsv4"
     bad.write_bytes(good + b"\0")

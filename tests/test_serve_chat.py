@@ -49,6 +49,7 @@ def test_version():
 
 def test_chat_turns_reuse_the_session(tmp_path):
     import ds4
+    from ds4.core.default_model import default_model_path
 
     save = tmp_path / "chat.dsv4"
     chat = _spawn("chat", "-n", N, "-t", 0, "--nothink", "--system", "")  # runs while we compute
@@ -64,7 +65,10 @@ def test_chat_turns_reuse_the_session(tmp_path):
     def close(held):
         return held if held[-1] == eos else held + [eos]
 
-    script = f"Hello\nAgain\n/save {save}\n/think on\nMore\n/reset\n/think off\nHello\n"
+    missing = tmp_path / "missing" / "x.dsv4"  # (a failed /save is said, and the chat goes on)
+    model = default_model_path()
+    script = (f"Hello\nAgain\n/save {missing}\n/save {model}\n/save {save}\n/think on\nMore\n/reset\n"
+              "/think off\nHello\n")
     chat.stdin.write(script)  # (a few bytes: the pipe holds them until the chat reads)
     chat.stdin.flush()
     ids1 = [tok.bos_id, tok.user_id] + tok.encode("Hello") + [tok.assistant_id, tok.think_end_id]
@@ -87,6 +91,8 @@ def test_chat_turns_reuse_the_session(tmp_path):
     no_eos = lambda g: [t for t in g if t != eos]  # noqa: E731
     assert replies[0] == tok.decode(no_eos(g1)) == replies[3]
     assert replies[1] == tok.decode(no_eos(g2))
+    assert f"not saved to {missing}: No such file or directory" in r.stderr
+    assert f"not saved to {model}: /save: {model} is the model file this command reads" in r.stderr
     # /save wrote the session after the second turn as a DSV4 payload
     s = eng.session(ctx=4096)
     s.load_payload(save)
