@@ -254,7 +254,8 @@ def decode(
     eng = (tp.open(model, backend, numerics, ctx=ctx, auth_token=auth_token, auth_token_file=auth_token_file,
                    io_timeout=io_timeout, tls_files=(tls_cert, tls_key, tls_ca))
            if tp else open_engine(model, backend, numerics))
-    tok = eng.tokenizer
+    with library_errors():  # (the vocabulary is read here, on first use)
+        tok = eng.tokenizer
     from ds4.core.atomic import temp_dir
 
     with library_errors(), temp_dir(KV_TEMP_PREFIX) as tmp:

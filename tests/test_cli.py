@@ -183,6 +183,27 @@ def test_inspect_truncated(tmp_path, model_path):
     assert "Traceback" not in r.output
 
 
+def test_a_vocabulary_that_is_not_utf8_names_its_key(tmp_path, model_path):
+    """A token that is not UTF-8 text: generate and chat exit 1 naming the key and the token's
+    index (it was a traceback ending in a bare UnicodeDecodeError)."""
+    import struct
+
+    from ds4.core.gguf_model import GGUFModel
+
+    tokens = GGUFModel(model_path).vocabulary[0]
+    index = max(range(len(tokens)), key=lambda i: len(tokens[i].encode("utf-8")))  # (a unique string)
+    token = tokens[index].encode("utf-8")
+    data = bytearray(model_path.read_bytes())
+    at = data.find(struct.pack("<Q", len(token)) + token) + 8
+    data[at] = 0xFF  # (never a UTF-8 byte)
+    bad = tmp_path / "bad.gguf"
+    bad.write_bytes(bytes(data))
+    for args in (["generate", "-m", str(bad), "-p", "hi", "-n", "1"], ["chat", "-m", str(bad)]):
+        r = run(*args, input="/quit\n")
+        assert r.exit_code == 1, r.output
+        assert f"tokenizer.ggml.tokens[{index}]: expected UTF-8 text" in r.stderr and "Traceback" not in r.output
+
+
 def test_inspect_missing_file(tmp_path):
     r = run("inspect", tmp_path / "nope.gguf")
     assert r.exit_code == 1

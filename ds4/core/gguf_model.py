@@ -187,7 +187,8 @@ class GGUFModel:
                 raise ModelError(f"{key}: required metadata key is missing")
             if list(fields[key].types) != [GGUFValueType.ARRAY, GGUFValueType.STRING]:
                 raise ModelError(f"{key}: expected ARRAY of STRING")
-        return (_strings(fields["tokenizer.ggml.tokens"]), _strings(fields["tokenizer.ggml.merges"]))
+        return (_strings(fields["tokenizer.ggml.tokens"], "tokenizer.ggml.tokens"),
+                _strings(fields["tokenizer.ggml.merges"], "tokenizer.ggml.merges"))
 
 
 def _contents(field):
@@ -348,12 +349,17 @@ def _skip_strings(data: np.ndarray, offs: int, count: int) -> int:
     return offs
 
 
-def _strings(field) -> list[str]:
+def _strings(field, key: str) -> list[str]:
     span = memoryview(field.parts[-1])  # parts: key…, item type, count, span
     count = int(field.parts[-2][0])
     out, offs = [], 0
-    for _ in range(count):
+    for i in range(count):
         (n,) = struct.unpack_from("<Q", span, offs)
-        out.append(bytes(span[offs + 8: offs + 8 + n]).decode("utf-8"))
+        raw = bytes(span[offs + 8: offs + 8 + n])
+        try:
+            out.append(raw.decode("utf-8"))
+        except UnicodeDecodeError as e:
+            raise ModelError(f"{key}[{i}]: expected UTF-8 text, got {raw[:32]!r} (byte {e.start} "
+                             f"is not UTF-8)") from None
         offs += 8 + n
     return out
