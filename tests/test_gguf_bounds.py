@@ -106,6 +106,23 @@ def test_a_truncated_file_names_the_tensor(model_path, tmp_path):
     assert last.name in str(e.value)
 
 
+def test_a_tensor_off_the_alignment_names_the_tensor(model_path, tmp_path):
+    """A tensor whose offset is not on general.alignment (GGUF places each one there) is refused
+    naming it; before, its bytes were read one off and generation found no finite logit."""
+    ref = GGUFReader(model_path)  # gguf-py's reader gives the tensor's dims
+    t = next(t for t in ref.tensors if t.name == "output_norm.weight")
+    name = t.name.encode()
+    data = bytearray(model_path.read_bytes())
+    at = data.find(struct.pack("<Q", len(name)) + name) + 8 + len(name) + 4 + 8 * len(t.shape) + 4
+    (offset,) = struct.unpack_from("<Q", data, at)
+    struct.pack_into("<Q", data, at, offset + 1)
+    path = tmp_path / "unaligned.gguf"
+    path.write_bytes(bytes(data))
+    with pytest.raises(ModelError, match=f"output_norm.weight: its data offset {offset + 1} is not a "
+                                         f"multiple of the file's alignment {ref.alignment}"):
+        GGUFModel(path)
+
+
 @pytest.mark.parametrize("bad", [8, 1 << 20, -1])  # n_expert (8) and above, negative
 def test_expert_ids_outside_the_range_are_refused(model_path, tmp_path, bad):
     cfg = preset_config("test")

@@ -299,6 +299,9 @@ class _Reader(GGUFReader):
             n_values = 1
             for d in dims.tolist():
                 n_values *= int(d)
+            if int(offset[0]) % int(self.alignment):  # (GGUF places every tensor on the alignment)
+                raise ModelError(f"{name}: its data offset {int(offset[0])} is not a multiple of the "
+                                 f"file's alignment {int(self.alignment)}")
             start = int(start_offs) + int(offset[0])
             end = start + n_values * type_bytes // block
             if end > size:
