@@ -41,6 +41,7 @@ ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 
 import ds4  # noqa: E402
+from ds4.core.atomic import atomic_file  # noqa: E402
 from ds4.pipeline import SplitEngine, Worker  # noqa: E402
 from ds4.wire import qkp  # noqa: E402
 
@@ -215,7 +216,8 @@ def main() -> None:
     result = {"host": platform.node(), "cpu_count": os.cpu_count(), "loadavg": os.getloadavg(), "python": platform.python_version(),
               "machine": platform.machine(), "quick": args.quick, "frame": frames, "decode": decode}
     if not args.quick:
-        args.out.write_text(json.dumps(result, indent=2) + "\n")
+        with atomic_file(args.out, "w", private=False) as f:
+            f.write(json.dumps(result, indent=2) + "\n")
     print("frame round trip over loopback (the worker answers without computing):")
     for f in frames:
         gap = f", after {f['gap_ms']:g} ms idle" if f["gap_ms"] else ", back to back"

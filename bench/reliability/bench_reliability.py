@@ -39,6 +39,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 
+from ds4.core.atomic import atomic_file  # noqa: E402
 from ds4.wire import auth, ds4k, qkp  # noqa: E402
 
 MAX_ROWS = 512
@@ -196,8 +197,9 @@ def main() -> None:
     for r in slow:
         print(f"slow {r['where']}: dropped after {r['seconds_to_refusal']} s ({r['reason']})")
     doc = {"machine": machine(), "max_rows": MAX_ROWS, "strangers": rows, "slow_peers": slow}
-    args.out.write_text(json.dumps(doc, indent=2) + "\n")
-    with open(args.out.with_suffix(".csv"), "w", newline="") as f:
+    with atomic_file(args.out, "w", private=False) as f:
+        f.write(json.dumps(doc, indent=2) + "\n")
+    with atomic_file(args.out.with_suffix(".csv"), "w", private=False) as f:
         w = csv.writer(f)
         w.writerow(["test", "case", "connections", "rss_before", "rss_with", "rss_after",
                     "bytes_per_connection", "seconds_to_refusal", "machine"])

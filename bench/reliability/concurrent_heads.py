@@ -38,6 +38,7 @@ ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 
 import ds4  # noqa: E402
+from ds4.core.atomic import atomic_file  # noqa: E402
 from ds4.core.sampling import Rng, SamplingParams  # noqa: E402
 
 HERE = Path(__file__).resolve().parent
@@ -212,8 +213,9 @@ def main() -> None:
     args.out.mkdir(parents=True, exist_ok=True)
     name = re.sub(r"[^A-Za-z0-9_.-]+", "-", f"{info['host']}-{info['cpu_count']}cpu")
     stem = args.out / f"concurrent_heads-{heads}-{name}"
-    stem.with_suffix(".json").write_text(json.dumps(result, indent=2) + "\n")
-    with open(stem.with_suffix(".csv"), "w", newline="") as f:
+    with atomic_file(stem.with_suffix(".json"), "w", private=False) as f:
+        f.write(json.dumps(result, indent=2) + "\n")
+    with atomic_file(stem.with_suffix(".csv"), "w", private=False) as f:
         w = csv.writer(f)
         w.writerow(["machine", "cpu", "heads", "head", "decode_tokens", "decode_tokens_per_s",
                     "prefill_ms", "token_identical"])

@@ -45,6 +45,7 @@ ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT / "tests"))
 from serve_helpers import Proc  # noqa: E402
 
+from ds4.core.atomic import atomic_file  # noqa: E402
 from ds4.core.chat import DEFAULT_SYSTEM  # noqa: E402
 
 STATS = re.compile(r"prompt: (\d+) tokens, ([\d.]+) tokens/s · generated: (\d+) tokens, ([\d.]+) tokens/s")
@@ -238,8 +239,9 @@ def main() -> None:
                    "head_cost_decode": 1 - s_dec / g_dec, "raw": syn}
         slug = re.sub(r"[^A-Za-z0-9]+", "-", f"{device}-{args.synthetic}").strip("-").lower()
         out = Path(args.out)
-        (out / f"results-{slug}.json").write_text(json.dumps(summary, indent=2) + "\n")
-        with open(out / f"results-{slug}.csv", "w", newline="") as f:
+        with atomic_file((out / f"results-{slug}.json"), "w", private=False) as f:
+            f.write(json.dumps(summary, indent=2) + "\n")
+        with atomic_file(out / f"results-{slug}.csv", "w", private=False) as f:
             w = csv.writer(f)
             w.writerow(["device", "backend", "model", "path", "prompt_tokens", "tokens", "runs",
                         "ttft_s", "decode_tokens_per_s"])
@@ -290,8 +292,9 @@ def main() -> None:
                "head_cost_decode": 1 - s_dec / g_dec, "raw": {"generate_cli": gens, "generate": libs, "serve": serves}}
     slug = re.sub(r"[^A-Za-z0-9]+", "-", device).strip("-").lower()
     out = Path(args.out)
-    (out / f"results-{slug}.json").write_text(json.dumps(summary, indent=2) + "\n")
-    with open(out / f"results-{slug}.csv", "w", newline="") as f:
+    with atomic_file((out / f"results-{slug}.json"), "w", private=False) as f:
+        f.write(json.dumps(summary, indent=2) + "\n")
+    with atomic_file(out / f"results-{slug}.csv", "w", private=False) as f:
         w = csv.writer(f)
         w.writerow(["device", "backend", "model", "path", "prompt_tokens", "tokens", "runs",
                     "ttft_s", "decode_tokens_per_s", "decode_cpu_ms_per_token"])

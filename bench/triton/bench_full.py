@@ -34,6 +34,7 @@ import numpy as np
 import torch
 
 import ds4
+from ds4.core.atomic import atomic_file
 from ds4.core.gguf_write import write_sparse_gguf
 from ds4.core.sampling import Rng, SamplingParams
 from ds4.core.tiny import preset_config
@@ -273,7 +274,7 @@ def prefill_table(eng, n: int, copy_bw: float, cap: int | None = None) -> list[d
 
 
 def _write_csv(path, rows):
-    with open(path, "w", newline="") as f:
+    with atomic_file(path, "w", private=False) as f:
         wr = csv.DictWriter(f, fieldnames=list(rows[0]))
         wr.writeheader()
         wr.writerows(rows)
@@ -386,7 +387,8 @@ def main() -> None:
             same = "same logits" if rv["logits_sha"] == r["logits_sha"] else "different logits"
             log(f"  variant {name}: greedy {rv['greedy_tokens_per_s']:.1f}, sampled {rv['sample_tokens_per_s']:.1f}, eval {rv['tokens_per_s']:.1f} tok/s (GPU replay {rv['gpu_ms_per_step']} ms, {same}; "
                 f"step median {rv['step_ms_median']:.2f} ms)")
-        json.dump(res, open(os.path.join(a.out, "results.json"), "w"), indent=1)
+        with atomic_file(os.path.join(a.out, "results.json"), "w", private=False) as f:
+            json.dump(res, f, indent=1)
 
     res["prefill"] = []
     for n in [int(c) for c in a.prefill.split(",") if c]:
@@ -421,7 +423,8 @@ def main() -> None:
                     setattr(be, k, v)
             res.setdefault("prefill_variants", []).append({"variant": name, **attrs, **rv})
             log(f"  variant {name}: {rv['tokens_per_s']:.0f} tok/s ({rv['seconds']:.2f}s)")
-        json.dump(res, open(os.path.join(a.out, "results.json"), "w"), indent=1)
+        with atomic_file(os.path.join(a.out, "results.json"), "w", private=False) as f:
+            json.dump(res, f, indent=1)
 
     # Everything timed, then what runs under the profiler: once torch.profiler has run, every later
     # graph launch in the process pays for its instrumentation on the host, so a step timed after a
@@ -440,7 +443,8 @@ def main() -> None:
             _write_csv(os.path.join(a.out, "decode_kernels.csv"), res["kernels"])
     except Exception as e:  # noqa: BLE001
         log(f"kernel table failed: {type(e).__name__}: {e}")
-    json.dump(res, open(os.path.join(a.out, "results.json"), "w"), indent=1)
+    with atomic_file(os.path.join(a.out, "results.json"), "w", private=False) as f:
+        json.dump(res, f, indent=1)
 
     for i, n in enumerate(int(c) for c in a.prefill_table.split(",") if c):
         try:
@@ -452,8 +456,9 @@ def main() -> None:
                 _write_csv(os.path.join(a.out, name), rows)
         except Exception as e:  # noqa: BLE001
             log(f"prefill table {n} failed: {type(e).__name__}: {e}")
-    json.dump(res, open(os.path.join(a.out, "results.json"), "w"), indent=1)
-    with open(os.path.join(a.out, "summary.csv"), "w", newline="") as f:
+    with atomic_file(os.path.join(a.out, "results.json"), "w", private=False) as f:
+        json.dump(res, f, indent=1)
+    with atomic_file(os.path.join(a.out, "summary.csv"), "w", private=False) as f:
         wr = csv.writer(f)
         wr.writerow(["device", "metric", "value", "unit"])
         wr.writerow([res["device"], "copy_bandwidth", f"{res['copy_bw_GBps']:.0f}", "GB/s"])

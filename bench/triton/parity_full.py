@@ -35,6 +35,7 @@ from collections import defaultdict
 import numpy as np
 
 import ds4
+from ds4.core.atomic import atomic_file
 from ds4.core.tiny import EXPERT_MIXES, make_synthetic, preset_config
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # (run as a script or imported by path)
@@ -137,9 +138,9 @@ def compare_calls(ref: dict, tri: dict, k_used: int, top_k: int, rows: list, tag
 
 
 def write_results(out: str, summary: dict, rows: list) -> None:
-    with open(os.path.join(out, "parity.json"), "w") as f:
+    with atomic_file(os.path.join(out, "parity.json"), "w", private=False) as f:
         json.dump(summary, f, indent=1, default=str)
-    with open(os.path.join(out, "parity.csv"), "w", newline="") as f:
+    with atomic_file(os.path.join(out, "parity.csv"), "w", private=False) as f:
         w = csv.DictWriter(f, fieldnames=["numerics", "prompt", "step", "layer", "position", "layer_out_rel",
                                           "clean", "flips"])
         w.writeheader()

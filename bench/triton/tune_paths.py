@@ -40,6 +40,7 @@ import triton.language as tl
 
 from ds4.backends.triton.backend import QWeight, TritonBackend
 from ds4.backends.triton.synthetic import _quant_blocks
+from ds4.core.atomic import atomic_file
 from ds4.core.quants import GGMLType as T, row_bytes
 from ds4.core.tiny import preset_config
 
@@ -428,7 +429,8 @@ def main():
     rows: list[dict] = []
     parts = a.parts.split(",")
     def save():
-        json.dump(dict(device=torch.cuda.get_device_name(0), rows=rows), open(a.out, "w"), indent=1)
+        with atomic_file(a.out, "w", private=False) as f:
+            json.dump(dict(device=torch.cuda.get_device_name(0), rows=rows), f, indent=1)
 
     if "q8" in parts:
         for name, N, Kd in (("q8 wo_b 4096x8192", 4096, 8192), ("q8 wq_b 32768x1024", 32768, 1024),
