@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import re
 import resource
 import signal
 import struct
@@ -121,6 +122,39 @@ def test_a_tensor_off_the_alignment_names_the_tensor(model_path, tmp_path):
     with pytest.raises(ModelError, match=f"output_norm.weight: its data offset {offset + 1} is not a "
                                          f"multiple of the file's alignment {ref.alignment}"):
         GGUFModel(path)
+
+
+def _tensor_info_at(data: bytes, t) -> int:
+    """Where tensor t's info (its name's length) starts in the file."""
+    name = t.name.encode()
+    return data.find(struct.pack("<Q", len(name)) + name)
+
+
+@pytest.mark.parametrize("mutation, message", [
+    ("name", "its name is not UTF-8"),
+    ("zero dim", "expected no zero dimension"),
+    ("cut in merges", "metadata key 'tokenizer.ggml.merges': string"),
+])
+def test_header_damage_names_the_key_or_tensor(model_path, tmp_path, mutation, message):
+    """A tensor name that is not UTF-8, a zero dimension, a file cut inside a string array: each
+    is a ModelError naming the tensor or the key, not a codec or numpy error."""
+    ref = GGUFReader(model_path)
+    t = next(t for t in ref.tensors if t.name == "output_norm.weight")
+    data = bytearray(model_path.read_bytes())
+    at = _tensor_info_at(data, t)
+    if mutation == "name":
+        data[at + 8] = 0xFF
+    elif mutation == "zero dim":
+        struct.pack_into("<Q", data, at + 8 + len(t.name) + 4, 0)
+    else:
+        merges = ref.fields["tokenizer.ggml.merges"]  # (cut a few bytes before the array's end)
+        data = data[: merges.offset + sum(int(p.nbytes) for p in merges.parts) - 10]
+    path = tmp_path / "damaged.gguf"
+    path.write_bytes(bytes(data))
+    with pytest.raises(ModelError, match=re.escape(message)) as e:
+        GGUFModel(path)
+    if mutation == "zero dim":
+        assert "output_norm.weight" in str(e.value)
 
 
 @pytest.mark.parametrize("bad", [8, 1 << 20, -1])  # n_expert (8) and above, negative

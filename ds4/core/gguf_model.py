@@ -280,7 +280,10 @@ class _Reader(GGUFReader):
                                   np.uint32)
             if n_dims > _MAX_DIMS:
                 raise ModelError(f"{self._where}: n_dims: expected at most {_MAX_DIMS}, got {n_dims}")
-            field = self._get_tensor_info_field(offs)
+            try:
+                field = self._get_tensor_info_field(offs)
+            except UnicodeDecodeError:  # (gguf-py decodes the name)
+                raise ModelError(f"{self._where}: its name is not UTF-8") from None
             offs += sum(int(part.nbytes) for part in field.parts)
             fields.append(field)
         self._where = "the GGUF header"
@@ -291,7 +294,9 @@ class _Reader(GGUFReader):
         size = len(self.data)
         for field in fields:
             _, name_data, _, dims, raw_type, offset = field.parts
-            name = bytes(name_data).decode("utf-8", "replace")
+            name = bytes(name_data).decode("utf-8")  # (_build_tensor_info checked it)
+            if 0 in dims.tolist():
+                raise ModelError(f"{name}: dims {dims.tolist()}: expected no zero dimension")
             try:
                 block, type_bytes = GGML_QUANT_SIZES[GGMLQuantizationType(int(raw_type[0]))]
             except (ValueError, KeyError):
@@ -333,22 +338,24 @@ class _Reader(GGUFReader):
         min_bytes = _STRING_LEN_BYTES if item == GGUFValueType.STRING else _MIN_ARRAY_BYTES
         self._check_count(count, min_bytes, start, f"{self._where}: array count")
         if item == GGUFValueType.STRING:
-            end = _skip_strings(self.data, start, count)
+            end = _skip_strings(self.data, start, count, self._where)
             span = self.data[start:end]
             return end - orig_offs, [itype, alen, span], [2], [gtype, item]
         return super()._get_field_parts(orig_offs, raw_type)  # arrays of arrays, each bounded
 
 
-def _skip_strings(data: np.ndarray, offs: int, count: int) -> int:
+def _skip_strings(data: np.ndarray, offs: int, count: int, where: str) -> int:
     buf = memoryview(data)
     size = len(buf)
-    for _ in range(count):
+    for i in range(count):
         if offs + 8 > size:
-            raise ModelError(f"string array runs past the end of the file at byte {offs}")
+            raise ModelError(f"{where}: string {i} of {count} runs past the end of the file at byte "
+                             f"{offs} (the file has {size}): the file is truncated")
         (n,) = struct.unpack_from("<Q", buf, offs)
         offs += 8 + n
     if offs > size:
-        raise ModelError(f"string array runs past the end of the file ({offs} > {size})")
+        raise ModelError(f"{where}: its strings run past the end of the file ({offs} > {size} bytes): "
+                         "the file is truncated")
     return offs
 
 
