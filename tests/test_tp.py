@@ -410,6 +410,29 @@ def test_a_stalled_connection_does_not_hold_up_the_worker(engines):
     assert w.error is None, repr(w.error)
 
 
+def test_a_stranger_stalling_in_the_proof_is_passed_by(engines):
+    """With a shared secret, a stranger whose hello fits (the leader's own, played back as a
+    worker's) and who then stalls before proving the secret, accepted ahead of the worker, does
+    not hold the worker's connections back: the leader hands out the first connections that
+    complete, waiting only for older ones whose peer has proven the secret."""
+    io_timeout = 20
+    opts = Options(auth_token="tok", gate_timeout_ms=GATE_MS, io_timeout=io_timeout)
+    tp = leader_on(engines.get("reference", "exact", 0), CTX, opts, wait_s=60)
+    stranger = _Stranger(tp.address, lambda h: dataclasses.replace(h, role=ds4t.Role.WORKER, rank=1).pack())
+    w = ThreadWorker(tp.address, engine=engines.get("reference", "exact", 1), opts=opts)
+    t0 = time.monotonic()
+    try:
+        tp.ensure_worker()
+        paired = time.monotonic() - t0
+        assert tp_run(tp, PROMPT[:4], 2)[1]
+    finally:
+        stranger.close()
+        tp.close()
+        w.join()
+    assert paired < io_timeout / 2, paired  # (not behind the stranger's proof timeout)
+    assert w.error is None, repr(w.error)
+
+
 def test_the_leader_refuses_hashes_it_did_not_ask_for(engines, monkeypatch):
     """Hidden-state hashes from a worker of a pair without --debug-hash are a protocol error
     (they would pile up on the leader), not collected."""

@@ -36,8 +36,11 @@ log = logging.getLogger("ds4.tp")
 
 TRANSPORTS = ("tcp", "nccl", "gloo")
 STORE_PREFIX_BYTES = 16
-# {u32 store_port, u32 reserved, the store's key prefix}: TORCH_GATES only. The store has no
-# secret of its own; its keys live under a prefix only the authenticated pair knows.
+# {u32 store_port, u32 record version, the store's key prefix}: TORCH_GATES only. The store has
+# no secret of its own; its keys live under a prefix only the authenticated pair knows. (The
+# version sits where the record without a prefix had a zero, so a worker from before it refuses
+# the record at once instead of waiting on the store without the prefix.)
+STORE_RECORD_VERSION = 2
 STORE_RECORD = struct.Struct(f"<II{STORE_PREFIX_BYTES}s")
 DEFAULT_WAIT_S = 300.0  # how long a leader waits for its worker
 LISTEN_BACKLOG = 16
@@ -108,9 +111,9 @@ def _hello(model, role: ds4t.Role, ctx: int, opts: Options, backend: str, numeri
 
 
 def _shake(sock: socket.socket, mine: ds4t.Hello, opts: Options, role: ds4t.Role,
-           proven: list | None = None):
+           proven: list | None = None, proof: threading.Event | None = None):
     """Swap and check hellos on sock, with the shared secret's mutual proof where there is one;
-    `proven` (a list) gets an entry once the peer has proven the secret."""
+    once the peer has proven the secret, `proven` (a list) gets an entry and `proof` is set."""
     auth = None
     if opts.auth_token:
         prove = ds4t.mutual_auth(opts.auth_token, role, opts.io_timeout)
@@ -119,6 +122,8 @@ def _shake(sock: socket.socket, mine: ds4t.Hello, opts: Options, role: ds4t.Role
             prove(s)
             if proven is not None:
                 proven.append(True)
+            if proof is not None:
+                proof.set()
     return ds4t.handshake(sock, mine, timeout=opts.io_timeout, authenticate=auth)
 
 
@@ -128,82 +133,115 @@ def listen(host: str, port: int) -> socket.socket:
     return s
 
 
+class _Arrival:
+    """One accepted connection and its handshake (on a thread of its own)."""
+
+    def __init__(self, sock: socket.socket, addr):
+        self.sock = sock  # (the TLS socket once wrapped: what close() must shut down)
+        self.addr = addr
+        self.done = Future()  # -> (socket, peer hello, agreed ctx), or the error
+        self.proven = threading.Event()  # its peer proved the shared secret
+
+    def cut(self) -> None:
+        with contextlib.suppress(OSError):
+            self.sock.shutdown(socket.SHUT_RDWR)
+        self.sock.close()
+
+
 class _Arrivals:
     """The leader's accepted connections, each handshaken on a daemon thread of its own (at most
-    MAX_HANDSHAKES at once; one past that is closed at once), handed out in the order they were
-    accepted (`next`): the worker dials control, then data, so accept order is role order."""
+    MAX_HANDSHAKES at once; one past that is closed at once). `next` hands out the oldest that
+    completed: the worker dials control, then data, each after the one before has completed, so
+    an older connection whose peer proved the secret (about to complete) is waited for, and one
+    that has not (a stranger stalling) is passed by; without a secret, accept order."""
 
     def __init__(self, listener: socket.socket, opts: Options, mine: ds4t.Hello):
         self.listener, self.opts, self.mine = listener, opts, mine
-        self.pending: deque = deque()  # (future, socket, address), in accept order
+        self.pending: deque[_Arrival] = deque()  # in accept order
         self.lock = threading.Lock()
         self.closed = False
 
-    def _shake(self, sock: socket.socket, addr, fut: Future) -> None:
+    def _shake(self, a: _Arrival) -> None:
         proven: list = []
+        sock = a.sock
         try:
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
             if self.opts.tls is not None:
                 sock.settimeout(self.opts.io_timeout)
                 sock = self.opts.tls.wrap_socket(sock, server_side=True)
-            theirs, ctx = _shake(sock, self.mine, self.opts, ds4t.Role.LEADER, proven)
+                with self.lock:
+                    a.sock = sock
+                    if self.closed:
+                        raise OSError("the leader stopped waiting")
+            theirs, ctx = _shake(sock, self.mine, self.opts, ds4t.Role.LEADER, proven, a.proven)
             with self.lock:
                 if self.closed:  # (the leader has its pair, or gave up, meanwhile)
                     sock.close()
                     return
-                fut.set_result((sock, theirs, ctx))
+                a.done.set_result((sock, theirs, ctx))
         except (ds4t.DS4TError, OSError, ssl.SSLError) as e:
             sock.close()
             # (a refusal counts only from a peer that proved the secret, or where there is none)
-            fut.set_exception(TPRefused(f"a worker from {addr[0]} does not fit this leader: {e}")
-                              if isinstance(e, ds4t.HelloRefused) and (proven or not self.opts.auth_token)
-                              else e)
+            a.done.set_exception(TPRefused(f"a worker from {a.addr[0]} does not fit this leader: {e}")
+                                 if isinstance(e, ds4t.HelloRefused) and (proven or not self.opts.auth_token)
+                                 else e)
         except BaseException as e:  # (a bug: the waiting leader raises it)
             sock.close()
-            fut.set_exception(e)
+            a.done.set_exception(e)
 
-    def _in_flight(self) -> int:
-        return sum(not f.done() for f, _, _ in self.pending)
+    def _take(self, what: str):
+        """The oldest completed handshake that nothing older and proven is about to beat, or
+        None; failed ones are logged and dropped (TPRefused goes up)."""
+        for a in list(self.pending):
+            if a.done.done():
+                self.pending.remove(a)
+                try:
+                    return a.done.result()
+                except (ds4t.DS4TError, OSError, ssl.SSLError) as e:  # (TPRefused and bugs go up)
+                    log.warning("tensor parallel: refused %s:%s on the %s connection: %s", *a.addr[:2], what, e)
+            elif a.proven.is_set() or not self.opts.auth_token:
+                # a worker's connection, about to complete, comes first (without a secret any
+                # peer may be the worker: accept order)
+                return None
+        return None
 
     def next(self, deadline: float, what: str, wait_s: float) -> tuple[socket.socket, ds4t.Hello, int]:
-        """The oldest connection that completes its handshake (-> socket, peer hello, agreed ctx),
-        waiting until `deadline`; TPRefused for a worker that does not fit."""
+        """The next connection to complete its handshake (-> socket, peer hello, agreed ctx),
+        accepting until `deadline`; handshakes under way then may finish within the io timeout.
+        TPRefused for a worker that does not fit."""
         while True:
-            while self.pending and self.pending[0][0].done():
-                fut, _, addr = self.pending.popleft()
-                try:
-                    return fut.result()
-                except (ds4t.DS4TError, OSError, ssl.SSLError) as e:  # (TPRefused and bugs go up)
-                    log.warning("tensor parallel: refused %s:%s on the %s connection: %s", *addr[:2], what, e)
-            left = deadline - time.monotonic()
-            if left <= 0:
+            got = self._take(what)
+            if got is not None:
+                return got
+            now = time.monotonic()
+            if now >= deadline:
+                if any(not a.done.done() for a in self.pending) and now < deadline + self.opts.io_timeout:
+                    time.sleep(ACCEPT_POLL_S)  # (one that began in time may finish, as before)
+                    continue
                 raise TPError(f"no worker joined within the wait of {wait_s:g} s ({what} connection)")
-            self.listener.settimeout(min(left, ACCEPT_POLL_S))
+            self.listener.settimeout(min(deadline - now, ACCEPT_POLL_S))
             try:
                 sock, addr = self.listener.accept()
             except TimeoutError:
                 continue
-            if self._in_flight() >= MAX_HANDSHAKES:
+            if sum(not a.done.done() for a in self.pending) >= MAX_HANDSHAKES:
                 log.warning("tensor parallel: refused %s:%s: %d handshakes under way already",
                             *addr[:2], MAX_HANDSHAKES)
                 sock.close()
                 continue
-            fut: Future = Future()
-            self.pending.append((fut, sock, addr))
-            threading.Thread(target=self._shake, args=(sock, addr, fut), daemon=True,
-                             name="ds4-tp-handshake").start()
+            a = _Arrival(sock, addr)
+            self.pending.append(a)
+            threading.Thread(target=self._shake, args=(a,), daemon=True, name="ds4-tp-handshake").start()
 
     def close(self) -> None:
         """Drop the connections not handed out (their handshakes end on the closed socket)."""
         with self.lock:
             self.closed = True
-        while self.pending:
-            fut, sock, _ = self.pending.popleft()
-            with contextlib.suppress(OSError):
-                sock.shutdown(socket.SHUT_RDWR)
-            sock.close()
-            if fut.done() and fut.exception() is None:
-                fut.result()[0].close()
+            pending, self.pending = list(self.pending), deque()
+        for a in pending:
+            a.cut()
+            if a.done.done() and a.done.exception() is None:
+                a.done.result()[0].close()
 
 
 def accept_worker(listener: socket.socket, model, ctx: int, opts: Options,
@@ -234,7 +272,7 @@ def accept_worker(listener: socket.socket, model, ctx: int, opts: Options,
         else:
             prefix = secrets.token_bytes(STORE_PREFIX_BYTES)
             store, port = TorchPartner.open_store(data.getsockname()[0], opts.gate_timeout_ms, prefix.hex())
-            data.sendall(STORE_RECORD.pack(port, 0, prefix))
+            data.sendall(STORE_RECORD.pack(port, STORE_RECORD_VERSION, prefix))
             partner = TorchPartner.join(opts.transport, "", port, 0, opts.gate_timeout_ms,
                                         debug_hash=opts.debug_hash, canonical=canonical, store=store)
     except BaseException:
@@ -271,9 +309,12 @@ def join_leader(host: str, port: int, model, opts: Options, connect_timeout: flo
                                   debug_hash, canonical)
         else:
             raw = ds4t.recv_exact(socks[1], STORE_RECORD.size, opts.io_timeout, "the store record")
-            store_port, reserved, prefix = STORE_RECORD.unpack(bytes(raw))
-            if reserved or not 0 < store_port < 65536:
-                raise ds4t.DS4TError("store_port", f"expected a port and a zero, got {store_port}, {reserved}")
+            store_port, version, prefix = STORE_RECORD.unpack(bytes(raw))
+            if version != STORE_RECORD_VERSION:
+                raise ds4t.DS4TError("store record", f"version: expected {STORE_RECORD_VERSION}, got {version} "
+                                     "(the leader runs another ds4)")
+            if not 0 < store_port < 65536:
+                raise ds4t.DS4TError("store_port", f"expected a port in 1..65535, got {store_port}")
             partner = TorchPartner.join(opts.transport, host, store_port, 1, opts.gate_timeout_ms,
                                         debug_hash=debug_hash, canonical=canonical, prefix=prefix.hex())
     except (ds4t.HelloRefused, ValueError) as e:  # (ValueError: a ctx this model cannot hold)
