@@ -303,7 +303,7 @@ def test_driver_stops_a_long_prefill_between_chunks(why):
 
     cap, prompt = 8, [3 + i % 50 for i in range(40)]
     eng = ds4.Engine.open(None, backend="reference")
-    d = Driver(eng, ctx=64, queue_size=1, prefill_cap=cap)
+    d = Driver(eng, ctx=64, queue_size=1, prefill_cap=cap, stop_check_tokens=cap)
     loop = asyncio.new_event_loop()
     try:
         job = Job(GenRequest(prompt=prompt, max_tokens=4, params=GREEDY, seed=0), loop)
@@ -458,9 +458,13 @@ def test_a_waiting_job_whose_client_left_frees_its_queue_slot():
         with pytest.raises(QueueFull):
             d.submit(req)
         waiting.cancel()
-        d.submit(req)  # (the freed slot)
+        taken = d.submit(req)  # (the freed slot)
         with pytest.raises(QueueFull):
             d.submit(req)
+        taken.cancel()
+        for _ in range(100):  # clients that come and go keep nothing waiting
+            d.submit(req).cancel()
+        assert len(d._waiting) == 0
 
     try:
         asyncio.run(scenario())

@@ -19,9 +19,9 @@ import asyncio
 import contextlib
 import logging
 import math
-import queue
 import threading
 import time
+from collections import deque
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 
@@ -43,6 +43,10 @@ _DURATION_EMA_WEIGHT = 0.3
 DISCONNECT_POLL_S = 0.25
 # How long shutdown waits for the generation thread to finish its cancelled token (seconds).
 CLOSE_WAIT_S = 30.0
+# A prompt is prefilled this many tokens at a time (rounded up to whole prefill chunks), looking
+# for a shutdown or a client that left in between: each piece costs a sync (its logits, a
+# pipeline's frames drained, a tensor-parallel SYNC of the tokens so far).
+STOP_CHECK_TOKENS = 8192
 
 
 @dataclass
@@ -128,13 +132,15 @@ def _unavailable_errors() -> tuple[type[BaseException], ...]:
 
 class Driver:
     def __init__(self, engine, *, ctx: int, queue_size: int, metrics: Metrics | None = None,
-                 snapshots: bool = True, prefill_cap: int | None = None):
+                 snapshots: bool = True, prefill_cap: int | None = None,
+                 stop_check_tokens: int = STOP_CHECK_TOKENS):
         self.engine = engine
         self.tokenizer = engine.tokenizer
         self.ctx = ctx
         self.queue_size = queue_size
         self.metrics = metrics or Metrics()
         self.session = engine.session(ctx=ctx, prefill_cap=prefill_cap)  # (None: the layout's default)
+        self.stop_check_tokens = stop_check_tokens
         self.split = not isinstance(self.session, Session)
         # a pipeline's next stage or a tensor-parallel worker can go away and come back
         self.remote = self.split or hasattr(engine, "ensure_worker")
@@ -143,10 +149,12 @@ class Driver:
         self.snapshots = snapshots
         self._snapshot = None
         self.available = True  # False while the pipeline's next stage is unreachable
-        self._jobs: queue.Queue = queue.Queue()
         self._lock = threading.Lock()
+        # the jobs the generation thread has not taken yet, in order (None: stop), at most
+        # queue_size + 1: a job whose client leaves is taken out (_abandon)
+        self._waiting: deque = deque()
+        self._wake = threading.Condition(self._lock)
         self._inflight = 0  # submitted and not finished: the one generating plus those waiting
-        self._waiting: set = set()  # submitted jobs the generation thread has not taken yet
         self._running = 0
         self._current: Job | None = None
         self._avg_seconds = 1.0
@@ -169,9 +177,9 @@ class Driver:
                 self.metrics.rejected.inc()
                 raise QueueFull(max(1, math.ceil(self._avg_seconds * self._inflight)))
             self._inflight += 1
-            self._waiting.add(job)
+            self._waiting.append(job)
             self._set_depth()
-        self._jobs.put(job)
+            self._wake.notify()
         return job
 
     def _abandon(self, job: Job) -> None:
@@ -179,7 +187,7 @@ class Driver:
         generation thread comes to it (with --queue 1 the next client got 429 meanwhile)."""
         with self._lock:
             if job in self._waiting:
-                self._waiting.discard(job)
+                self._waiting.remove(job)
                 self._inflight -= 1
                 self._set_depth()
 
@@ -239,7 +247,9 @@ class Driver:
         current = self._current
         if current is not None:
             current.cancel()
-        self._jobs.put(None)
+        with self._lock:
+            self._waiting.append(None)
+            self._wake.notify()
         self._thread.join(timeout=CLOSE_WAIT_S)
         close = getattr(self.engine, "close", None)
         if close:
@@ -249,13 +259,12 @@ class Driver:
 
     def _loop(self) -> None:
         while True:
-            job = self._jobs.get()
-            if job is None:
-                return
-            with self._lock:
-                if job not in self._waiting:  # its client left while it waited (_abandon)
-                    continue
-                self._waiting.discard(job)
+            with self._wake:
+                while not self._waiting:
+                    self._wake.wait()
+                job = self._waiting.popleft()
+                if job is None:
+                    return
                 self._running = 1
                 self._current = job
                 self._set_depth()
@@ -369,15 +378,16 @@ class Driver:
                          dict(reply.text)))
 
     def _sync(self, tokens: list[int], job: Job) -> None:
-        """session.sync(tokens) a prefill chunk at a time (cut where the session cuts its own,
-        at multiples of its prefill_cap), looking before each chunk for a job its client left
-        or a server shutting down (-> _Interrupted): a long prompt stops within one chunk
+        """session.sync(tokens) a piece at a time (stop_check_tokens, in whole prefill chunks:
+        cut where the session cuts its own), looking before each piece for a job its client left
+        or a server shutting down (-> _Interrupted): a long prompt stops within one piece
         instead of running on past the shutdown's grace period. The session then holds a
         prefix of `tokens`, which a later request reuses like any other."""
         s = self.session
         held = s.tokens
         start = len(held) if tokens[:len(held)] == held else 0
-        bounds = chunk_bounds(start, len(tokens), s.layout.prefill_cap)
+        cap = s.layout.prefill_cap
+        bounds = chunk_bounds(start, len(tokens), cap * max(1, -(-self.stop_check_tokens // cap)))
         if not bounds:  # the session holds exactly these tokens, or none are asked for
             s.sync(tokens)
         for _, b in bounds:
