@@ -1,15 +1,16 @@
 """Forming a two-rank pair (wire.md §2): the leader listens, the worker dials twice.
 
-The first connection the leader accepts is control, the second data; on each the two ends
-swap hellos, check them (`ds4t.check_peer`) and, with a shared secret, prove it both ways
-before any frame or gate record moves. The leader runs each connection's handshake on a thread
-of its own and takes them in the order it accepted them, so a peer that stalls holds up only
-itself (for at most the io timeout), not the worker behind it. A connection that fails its proof
-or breaks off is closed and the leader goes on waiting for a real worker until its deadline; a
-worker whose hello does not fit (another model, other dims) is refused at once (TPRefused names
-the field) once it has proven the secret (without one, at once): a stranger's hello cannot end
-the wait. With TORCH_GATES the leader then opens a torch.distributed store on its own address
-only, its keys under a random prefix, and sends the port and prefix on the data connection.
+The worker dials control, then data; on each the two ends swap hellos, check them
+(`ds4t.check_peer`) and, with a shared secret, prove it both ways before any frame or gate
+record moves. The leader runs each connection's handshake on a thread of its own and takes the
+oldest that completed, waiting only for older ones whose peer proved the secret (`_Arrivals`;
+without a secret, accept order), so a peer that stalls does not hold up the worker behind it. A
+connection that fails its proof or breaks off is closed and the leader goes on waiting for a
+real worker until its deadline; a worker whose hello does not fit (another model, other dims) is
+refused at once (TPRefused names the field) once it has proven the secret (without one, at
+once): a stranger's hello cannot end the wait. With TORCH_GATES the leader then opens a
+torch.distributed store on its own address only, its keys under a random prefix, and sends the
+port and prefix on the data connection.
 """
 
 from __future__ import annotations
@@ -111,9 +112,9 @@ def _hello(model, role: ds4t.Role, ctx: int, opts: Options, backend: str, numeri
 
 
 def _shake(sock: socket.socket, mine: ds4t.Hello, opts: Options, role: ds4t.Role,
-           proven: list | None = None, proof: threading.Event | None = None):
+           proven: threading.Event | None = None):
     """Swap and check hellos on sock, with the shared secret's mutual proof where there is one;
-    once the peer has proven the secret, `proven` (a list) gets an entry and `proof` is set."""
+    `proven` is set once the peer has proven the secret."""
     auth = None
     if opts.auth_token:
         prove = ds4t.mutual_auth(opts.auth_token, role, opts.io_timeout)
@@ -121,9 +122,7 @@ def _shake(sock: socket.socket, mine: ds4t.Hello, opts: Options, role: ds4t.Role
         def auth(s: socket.socket) -> None:
             prove(s)
             if proven is not None:
-                proven.append(True)
-            if proof is not None:
-                proof.set()
+                proven.set()
     return ds4t.handshake(sock, mine, timeout=opts.io_timeout, authenticate=auth)
 
 
@@ -162,7 +161,6 @@ class _Arrivals:
         self.closed = False
 
     def _shake(self, a: _Arrival) -> None:
-        proven: list = []
         sock = a.sock
         try:
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
@@ -173,7 +171,7 @@ class _Arrivals:
                     a.sock = sock
                     if self.closed:
                         raise OSError("the leader stopped waiting")
-            theirs, ctx = _shake(sock, self.mine, self.opts, ds4t.Role.LEADER, proven, a.proven)
+            theirs, ctx = _shake(sock, self.mine, self.opts, ds4t.Role.LEADER, a.proven)
             with self.lock:
                 if self.closed:  # (the leader has its pair, or gave up, meanwhile)
                     sock.close()
@@ -183,7 +181,7 @@ class _Arrivals:
             sock.close()
             # (a refusal counts only from a peer that proved the secret, or where there is none)
             a.done.set_exception(TPRefused(f"a worker from {a.addr[0]} does not fit this leader: {e}")
-                                 if isinstance(e, ds4t.HelloRefused) and (proven or not self.opts.auth_token)
+                                 if isinstance(e, ds4t.HelloRefused) and (a.proven.is_set() or not self.opts.auth_token)
                                  else e)
         except BaseException as e:  # (a bug: the waiting leader raises it)
             sock.close()
