@@ -4,7 +4,7 @@ The engine and its session are not thread-safe, so every engine call happens on 
 Endpoints `submit` a `GenRequest` and read the job's events (`Started`, `Token`..., then
 `Finished` or `Failed`) from an asyncio queue that the thread fills. A job's `cancel()` (the
 client went away) and a shutdown (`stop_all`) are seen by the thread before its next token or
-prefill chunk.
+prefill piece (STOP_CHECK_TOKENS).
 
 Prompt reuse: the server keeps one live session. A request whose prompt starts with every token
 the session holds (its previous prompt and reply: a chat or an agent resending its history)
@@ -120,7 +120,7 @@ SHUTTING_DOWN = "the server is shutting down"
 
 
 class _Interrupted(Exception):
-    """A prompt's prefill stopped between two chunks: its client left or the server is stopping."""
+    """A prompt's prefill stopped between two pieces: its client left or the server is stopping."""
 
 
 def _unavailable_errors() -> tuple[type[BaseException], ...]:
@@ -387,7 +387,7 @@ class Driver:
         held = s.tokens
         start = len(held) if tokens[:len(held)] == held else 0
         cap = s.layout.prefill_cap
-        bounds = chunk_bounds(start, len(tokens), cap * max(1, -(-self.stop_check_tokens // cap)))
+        bounds = chunk_bounds(start, len(tokens), cap * max(1, math.ceil(self.stop_check_tokens / cap)))
         if not bounds:  # the session holds exactly these tokens, or none are asked for
             s.sync(tokens)
         for _, b in bounds:

@@ -50,7 +50,7 @@ class _Sampling(BaseModel):
     stop: Union[str, list[str], None] = None
     n: int = 1
     # OpenAI's fields this server does not act on: refused unless they ask for nothing
-    # (check_n), rather than accepted and silently ignored
+    # (check_unsupported), rather than accepted and silently ignored
     response_format: Optional[dict[str, Any]] = None
     logit_bias: Optional[dict[str, Any]] = None
     presence_penalty: float = 0.0
@@ -69,7 +69,7 @@ class _Sampling(BaseModel):
     def sampling(self) -> SamplingParams:
         return SamplingParams(self.temperature, self.top_k, self.top_p, self.min_p)
 
-    def check_n(self) -> None:
+    def check_unsupported(self) -> None:
         """Refuse what this server would otherwise ignore: more than one choice, a JSON or
         schema response format, logit biases, penalties."""
         if self.n != 1:
@@ -108,8 +108,8 @@ class CompletionRequest(_Sampling):
     best_of: int = 1
     suffix: Optional[str] = None
 
-    def check_n(self) -> None:
-        super().check_n()
+    def check_unsupported(self) -> None:
+        super().check_unsupported()
         if self.best_of != 1:
             raise bad("best_of", f"this server returns one completion per request: expected 1, got "
                                  f"{self.best_of}")
@@ -327,7 +327,7 @@ def register(app: FastAPI, state: ServerState) -> None:
 
     @app.post("/v1/chat/completions")
     async def chat_completions(body: ChatRequest, request: Request):
-        body.check_n()
+        body.check_unsupported()
         if body.max_tokens is not None and body.max_completion_tokens is not None:
             raise bad("max_completion_tokens", "give max_tokens or max_completion_tokens, not both")
         think, think_max = think_mode(body)
@@ -365,7 +365,7 @@ def register(app: FastAPI, state: ServerState) -> None:
 
     @app.post("/v1/completions")
     async def completions(body: CompletionRequest, request: Request):
-        body.check_n()
+        body.check_unsupported()
         if body.echo:
             raise bad("echo", "echo is not supported")
         p = body.prompt

@@ -89,10 +89,10 @@ class Receiver:
         """Wait until a sender's payload has landed at out_path (returns its manifest).
 
         Failed connections are told why, logged, counted in `self.n_failures` (the latest kept in
-        `self.failures`) and dropped; the wait
-        goes on until `accept_timeout` seconds have passed (None: no limit) or `max_failures`
-        connections failed, then DS4KError says what went wrong (the last failure's status and
-        reason). Nothing is left at out_path unless a payload landed whole."""
+        `self.failures`) and dropped; the wait goes on until `accept_timeout` seconds have passed
+        (None: no limit) or `max_failures` connections failed, then DS4KError says what went wrong
+        (the last failure's status and reason). Nothing is left at out_path unless a payload
+        landed whole."""
         out_path = Path(out_path)
         if not out_path.parent.is_dir():
             raise DS4KError(f"destination directory does not exist: {out_path.parent}", IO_ERROR)
