@@ -47,6 +47,7 @@ def tri():
     # the fp16 integer path (bf16x3 products with moe_int16), whatever the tuning's defaults
     be = TritonBackend(preset_config("test"), device=DEVICE, dot_precision="bf16x3")
     be.moe_int16 = True
+    be.moe_down_i8 = False  # the fp16 down (test_triton_mm8.py has the int8 one)
     return be
 
 

@@ -1,14 +1,16 @@
 """One routed-MoE prefill layer at DS4 Flash's shapes on the Triton backend: the IQ2_XXS gate/up
-and Q2_K down experts through `backend.moe` (the fp16 integer kernels of kernels_mm16.py under
-bf16x3), timed per kernel, with the layer's output checked against a float64 evaluation from
+and Q2_K down experts through `backend.moe` (under bf16x3 the integer kernels: the gate/up on fp16
+tensor cores, kernels_mm16.py, the down on int8 ones, kernels_mm8.py), timed per kernel, with the layer's output checked against a float64 evaluation from
 gguf-py's dequantisation on a few tokens.
 
 Fewer experts than the model's 256 keep the weights small; the default 32 experts with 256
 tokens of 6 slots give an expert 48 assignments on average, as a 2048-token chunk does with 256.
-Small enough to run under Nsight Compute:
+`--variants` times other backend settings on the same weights in the same run, each checked
+the same way (JSON: name -> attributes, e.g. `'{"i8": {"moe_down_i8": true}}'`: the int8 down of
+kernels_mm8.py). Small enough to run under Nsight Compute:
 
     PYTHONPATH=. python bench/triton/bench_moe16.py --out moe16.csv
-    ncu --clock-control none -k regex:'moe_.*mm16' -c 2 --section SpeedOfLight \\
+    ncu --clock-control none -k regex:'moe_.*mm(8|16)' -c 2 --section SpeedOfLight \\
         python bench/triton/bench_moe16.py --check 0
 """
 
@@ -16,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import csv
+import json
 import os
 import time
 
@@ -51,6 +54,7 @@ def main() -> None:
     ap.add_argument("--seed", type=int, default=7)
     ap.add_argument("--out", default="", help="CSV of the kernels' times (appended)")
     ap.add_argument("--device", default="cuda", help="cpu: a check only, under TRITON_INTERPRET=1 (no timing)")
+    ap.add_argument("--variants", default="{}", help="JSON: name -> backend attributes, timed after the base")
     a = ap.parse_args()
     dev = a.device
     rng = np.random.default_rng(a.seed)
@@ -73,51 +77,60 @@ def main() -> None:
     def layer():
         return be.moe(x, ids_d, wts_d, *weights, LAYER)
 
-    be.ledger = []
-    out = layer().double().cpu().numpy()
-    kernels = [name for name, _ in be.ledger]
-    be.ledger = None
-    clamp = float(be.cfg.swiglu_clamp[LAYER])
+    variants = {"base": {}, **json.loads(a.variants)}
+    for name, attrs in variants.items():  # every setting exists before anything is measured
+        for attr in attrs:
+            if not hasattr(be, attr):
+                raise SystemExit(f"--variants {name}: the backend has no setting {attr!r}")
+    base = {attr: getattr(be, attr) for attrs in variants.values() for attr in attrs}
     X = x.double().cpu().numpy()
-    worst = 0.0
+    clamp = float(be.cfg.swiglu_clamp[LAYER])
+    want = {}
     for t in np.linspace(0, n - 1, a.check).astype(int) if a.check else ():
-        want, scale = np.zeros(E), np.zeros(E)
+        w_t, s_t = np.zeros(E), np.zeros(E)
         for j in range(k):
             G, U, D = (_dense(raw, tt, NE, ids[t, j], K, N) for raw, (tt, K, N) in zip(raws, shapes))
             g = np.minimum(G @ X[t], clamp)
             h = g / (1.0 + np.exp(-g)) * np.clip(U @ X[t], -clamp, clamp)
-            want += wts[t, j] * (D @ h)
-            scale += wts[t, j] * (np.abs(D) @ np.abs(h))
-        worst = max(worst, float(np.abs(out[t] - want).max() / scale.max()))
-    if a.check:
-        print(f"max error over max Σ|w||h|, {a.check} tokens: {worst:.2e}", flush=True)
-    print("kernels:", " ".join(kernels), flush=True)
-    if dev != "cuda":
-        return
+            w_t += wts[t, j] * (D @ h)
+            s_t += wts[t, j] * (np.abs(D) @ np.abs(h))
+        want[t] = (w_t, s_t)
+    device = torch.cuda.get_device_name(0) if dev == "cuda" else dev
+    for name, attrs in variants.items():
+        for attr, v in {**base, **attrs}.items():
+            setattr(be, attr, v)
+        be.ledger = []
+        out = layer().double().cpu().numpy()
+        kernels = [kname for kname, _ in be.ledger]
+        be.ledger = None
+        worst = max((float(np.abs(out[t] - w_t).max() / s_t.max()) for t, (w_t, s_t) in want.items()), default=0.0)
+        if a.check:
+            print(f"[{name}] max error over max Σ|w||h|, {a.check} tokens: {worst:.2e}", flush=True)
+        print(f"[{name}] kernels:", " ".join(kernels), flush=True)
+        if dev != "cuda":
+            continue
+        from torch.profiler import ProfilerActivity, profile
 
-    from torch.profiler import ProfilerActivity, profile
-
-    layer()
-    torch.cuda.synchronize()
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        for _ in range(PROFILED_CALLS):
-            layer()
+        layer()
         torch.cuda.synchronize()
-    device = torch.cuda.get_device_name(0)
-    rows = [(ev.key, ev.device_time_total / ev.count) for ev in prof.key_averages()
-            if ev.key in kernels and ev.count]
-    print(f"{device}, {NE} experts, {n} tokens, {k} slots:")
-    for name, us in sorted(rows, key=lambda r: -r[1]):
-        print(f"  {name:28s} {us:9.1f} µs")
-    if a.out:
-        new = not os.path.exists(a.out)
-        with open(a.out, "a", newline="") as f:
-            w = csv.writer(f)
-            if new:
-                w.writerow(["device", "experts", "tokens", "slots", "ff", "embd", "kernel", "us_per_call",
-                            "max_rel_error"])
-            for name, us in rows:
-                w.writerow([device, NE, n, k, F, E, name, f"{us:.1f}", f"{worst:.2e}" if a.check else ""])
+        with profile(activities=[ProfilerActivity.CUDA]) as prof:
+            for _ in range(PROFILED_CALLS):
+                layer()
+            torch.cuda.synchronize()
+        rows = [(ev.key, ev.device_time_total / ev.count) for ev in prof.key_averages()
+                if ev.key in kernels and ev.count]
+        print(f"[{name}] {device}, {NE} experts, {n} tokens, {k} slots:")
+        for kname, us in sorted(rows, key=lambda r: -r[1]):
+            print(f"  {kname:28s} {us:9.1f} µs")
+        if a.out:
+            new = not os.path.exists(a.out)
+            with open(a.out, "a", newline="") as f:
+                w = csv.writer(f)
+                if new:
+                    w.writerow(["device", "variant", "experts", "tokens", "slots", "ff", "embd", "kernel",
+                                "us_per_call", "max_rel_error"])
+                for kname, us in rows:
+                    w.writerow([device, name, NE, n, k, F, E, kname, f"{us:.1f}", f"{worst:.2e}" if a.check else ""])
 
 
 if __name__ == "__main__":

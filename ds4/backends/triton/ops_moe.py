@@ -9,6 +9,7 @@ import torch
 
 from . import kernels as K
 from . import kernels_mm16 as K16
+from . import kernels_mm8 as K8
 from .formats import Decoder, KernelType
 from .plumbing import MM_MIN, QWeight, _Combined, _Normed, _cdiv, _op, _pow2, _x16
 from .tuning import INTEGER_PRECISIONS
@@ -195,7 +196,15 @@ class _MoeOps:
                          num_warps=warps, num_stages=2,
                          flops=4 * n * k * F * E, nbytes=2 * gate.nbytes + 4 * n * k * (E + F))
         osort = torch.empty((n * k, E), dtype=torch.float32, device=self.dev)
-        if dn16:
+        if dn16 and self.moe_down_i8 and self._x_lo:
+            p0, p1, p2, hi, gh, gl = self._split8(h)
+            BN, KS, warps, stages = self.mm8_tile
+            self._launch(K8.moe_down_mm8_kernel, (T, _cdiv(E, BN)), p0, p1, p2, hi, gh, gl, tile_e, tile_r0,
+                         tile_end, down.f32.view(torch.int32), down.b8.view(torch.int32), down.i16, osort, E, F,
+                         down.RB, E * down.RB, p0.numel(), BM=BM, BN=BN, KS=KS, PLANES=self.mm8_planes, num_warps=warps,
+                         num_stages=stages,
+                         flops=2 * n * k * E * F, nbytes=down.nbytes + 4 * n * k * (E + F))
+        elif dn16:
             hh, hl, hi, gh, gl = self._split16(h, sums=True)
             BN, KS, warps, stages = self.moe16_tile["down"]
             self._launch(K16.moe_down_mm16_kernel, (T, _cdiv(E, BN)), hh, hl, hi, gh, gl, tile_e, tile_r0,
@@ -235,6 +244,20 @@ class _MoeOps:
         self._launch(K16.split16_kernel, (_cdiv(R, BR), Kd // 256), x, x.stride(0), xh, xl, xi, gh, gl, R, Kd,
                      BR=BR, SUMS=sums, LO=self._x_lo, num_warps=4, nbytes=(8 if self._x_lo else 6) * R * Kd)
         return xh, xl, xi, gh, gl
+
+    def _split8(self, x: torch.Tensor):
+        """x [R, K] float32 -> its int8 digit planes p0, p1, p2 [R, K] (p2 is p1 itself, unwritten,
+        with two planes), 1/s [R, K/256] and the 16-value sums of q over the planes' divisor as
+        hi, lo [R, K/16] fp16 (split8_kernel)."""
+        R, Kd = x.shape
+        planes = torch.empty((self.mm8_planes, R, Kd), dtype=torch.int8, device=self.dev)
+        p0, p1, p2 = planes[0], planes[1], planes[-1]  # (one buffer: one product reads two planes at once)
+        xi = torch.empty((R, Kd // 256), dtype=torch.float32, device=self.dev)
+        gh, gl = (torch.empty((R, Kd // 16), dtype=torch.float16, device=self.dev) for _ in range(2))
+        BR = 64 if self.interpret else 8
+        self._launch(K8.split8_kernel, (_cdiv(R, BR), Kd // 256), x, x.stride(0), p0, p1, p2, xi, gh, gl, R, Kd,
+                     BR=BR, PLANES=self.mm8_planes, num_warps=4, nbytes=(4 + self.mm8_planes) * R * Kd)
+        return p0, p1, p2, xi, gh, gl
 
     def ids_from_numpy(self, ids):
         return torch.from_numpy(np.asarray(ids, dtype=np.int32)).to(self.dev)

@@ -75,6 +75,12 @@ class TritonTuning:
     moe_int16: bool = True
     moe16_bm: int = 64
     moe16_tile: Mapping = field(default_factory=lambda: {"gateup": (64, 128, 4, 1), "down": (64, 128, 4, 1)})
+    # the Q2_K down of that path on int8 tensor cores instead (kernels_mm8.py: h in three int8
+    # digit planes, or two (mm8_planes), sc·q one byte a value; "bf16x3" only) and its tile (rows
+    # of W, K-step, warps, stages)
+    moe_down_i8: bool = True
+    mm8_planes: int = 3
+    mm8_tile: tuple = (64, 128, 4, 1)
     # "f16" precision, Q8C and F16 linears: x in fp16 once per product (x16_kernel) and the Q8C
     # weights folded to fp16 as they load (matmul_f16w_kernel), one float32 accumulator over K.
     # Rows of x, rows of W, K-step (a divisor of 256), row tiles of x per W tile, warps, stages;
