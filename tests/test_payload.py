@@ -184,6 +184,11 @@ def test_versions_1_and_2_and_the_mtp_tail(ref):
     for bad in (v1 + tail, v2 + tail + b"\0", v2 + tail[:15]):
         with pytest.raises(PayloadError, match=pl.E_TRAILING):
             ref.session(ctx=64).load_payload(bad)
+    # 16 bytes whose average is no number are not an MTP tail (the spec gives the field no range)
+    for ewma in (float("nan"), float("inf")):
+        with pytest.raises(PayloadError, match=f"{pl.E_TRAILING}: 16 bytes .* no MTP tail: mtp_accept_ewma = "):
+            ref.session(ctx=64).load_payload(v2 + struct.pack("<IdI", 3, ewma, 41))
+    assert pl.read_payload(v2 + struct.pack("<IdI", 3, 2.5, 41), ref.config).mtp_tail == (3, 2.5, 41)
     with pytest.raises(ValueError, match="version"):
         s.save_payload(io.BytesIO(), version=3)
 

@@ -28,6 +28,7 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import io
+import math
 import os
 import struct
 from dataclasses import dataclass, field
@@ -297,11 +298,18 @@ def _read_prefix(s: _Source, cfg: ModelConfig, layout: SessionLayout | None):
 
 def _read_tail(s: _Source, h: Header) -> tuple[int, float, int] | None:
     extra = s.rest(MTP_TAIL_BYTES + 1)
+    body = s.pos - len(extra)
     if h.version >= 2 and len(extra) == MTP_TAIL_BYTES:
-        return MTP_TAIL.unpack(extra)
+        tail = MTP_TAIL.unpack(extra)
+        if not math.isfinite(tail[1]):  # an average of acceptances is a finite number
+            raise _fail(E_TRAILING, f"{MTP_TAIL_BYTES} bytes after the {body}-byte payload are no MTP tail: "
+                                    f"mtp_accept_ewma = {tail[1]!r}, expected a finite number")
+        return tail
     if extra:
         more = "more" if len(extra) > MTP_TAIL_BYTES else str(len(extra))
-        raise _fail(E_TRAILING, f"{more} bytes after the {s.pos - len(extra)}-byte payload")
+        # a file cut inside its identity trailer has no trailer to find: its rest reads as this
+        raise _fail(E_TRAILING, f"{more} bytes after the {body}-byte payload (or the file was cut short "
+                                f"inside its identity trailer)")
     return None
 
 
