@@ -75,6 +75,23 @@ def test_split8_digits_rebuild_h(tri, rng, planes):
     assert not q[0].any() and not xi[0].any()
 
 
+def test_split8_keeps_tiny_chunks_finite(tri):
+    """A chunk whose values are far below float32's normal range over Q_MAX still splits: its
+    scale is capped at 2^126, so its digits rebuild it (to half a step of 2^-126) and zeros stay
+    zero, where an unbounded scale overflowed to inf (zeros then became NaN)."""
+    h = np.zeros((2, 256), np.float32)
+    h[0, :2] = (1.0e-33, 3.3e-34)
+    h[1, :3] = (-2.0e-38, 5.0e-39, 0.0)
+    for planes in (3, 2):
+        tri.mm8_planes = planes
+        p0, p1, p2, xi, gh, gl = [t.cpu().numpy() for t in tri._split8(torch.from_numpy(h).to(tri.dev))]
+        q = 256 * p1.astype(np.int64) + p0.astype(np.int64) + (65536 * p2.astype(np.int64) if planes == 3 else 0)
+        back = q * np.repeat(xi.astype(np.float64), 256, axis=1)
+        assert np.isfinite(xi).all() and np.all(xi > 0)
+        assert np.all(np.abs(back - h.astype(np.float64)) <= 0.5 * 2.0 ** -126 * (1 + 1e-6)), planes
+        assert not q[:, 3:].any()
+
+
 @pytest.mark.parametrize("planes", [3, 2])
 def test_down_q2k_int8(tri, rng, planes):
     """out[a] = down_e·h[a] for expert-sorted assignments, E not a multiple of the row block:

@@ -8,8 +8,8 @@ base 256 with signed digits, q = 65536·p2 + 256·p1 + p0 (split8_kernel). Each 
 with the tile, summed over the super-block's 256 values in int32, is exact (|Σ| ≤ 128·45·256 <
 2^22, so it also converts to float32 exactly); the three combine in float32 once per
 super-block, where the fp16 path (kernels_mm16.py) runs two fp16 products on two fp16 terms of h.
-h is held to 2^-24 of its chunk's largest value (0.5 / X8_MAX), as the fp16 path holds it to
-2^-22 of each value. The top two planes go to the tensor cores stacked along M, one product of
+h is held to 0.5 / X8_MAX (6.0e-8, about 2^-24) of its chunk's largest value, as the fp16 path
+holds it to 2^-22 of each value. The top two planes go to the tensor cores stacked along M, one product of
 twice the tile's rows, and the lowest in a product of its own: products that share an operand's
 shared-memory tile run one after another. With two planes (PLANES 2: |q| ≤ X8_MAX2, 16 bits) a
 K-step is that one stacked product alone, but h is then held only to 2^-16 of its chunk's
@@ -41,6 +41,7 @@ X8_MAX = tl.constexpr(8355711.0)  # 127·(65536 + 256 + 1): q whose top digit (b
 X8_MAX2 = tl.constexpr(32639.0)  # 127·(256 + 1): the same with two digits
 G8_SHIFT = tl.constexpr(4096.0)  # a sub-block sum of q (< 16·X8_MAX < 2^27) over this is < 2^15
 G8_SHIFT2 = tl.constexpr(16.0)  # with two digits (< 16·X8_MAX2 < 2^19): exact in hi + lo
+_MIN_INV_SCALE = tl.constexpr(2.0 ** -126)  # 1/s's floor: s = QMAX / max|h| stays finite
 _DIGIT_HALF = tl.constexpr(128)  # signed base-256 digits: d = q − 256·((q + 128) >> 8) in [−128, 127]
 _Q2_FIELDS = tl.constexpr(0x03030303)  # the low 2-bit field of each byte
 # int32 -> float32 for |c| < 2^22 without an I2F: c + 1.5·2^23's bits is the float 1.5·2^23 + c
@@ -84,7 +85,8 @@ def split8_kernel(x_ptr, sx, p0_ptr, p1_ptr, p2_ptr, xi_ptr, gh_ptr, gl_ptr, R, 
                   PLANES: tl.constexpr = 3):
     """Rows [BR·program, +BR) and chunk c = program 1 of h [R, K] (row stride sx): the digits
     p0, p1, p2 [R, K] int8 of q = round(h·s), s = X8_MAX / max|h| over the chunk (PLANES 2:
-    X8_MAX2, and p2 is not written); xi [R, K/256] = 1/s (0 for an all-zero chunk); and the
+    X8_MAX2, and p2 is not written; s at most 2^126); xi [R, K/256] = 1/s (0 for an all-zero
+    chunk); and the
     16-value sums of q over G8_SHIFT (G8_SHIFT2) as gh + gl [R, K/16] fp16 (_hi_lo: to 2^-22 of
     each sum; exactly with two digits), which the min term multiplies."""
     QMAX, GSHIFT = _q_max(PLANES)
@@ -95,7 +97,10 @@ def split8_kernel(x_ptr, sx, p0_ptr, p1_ptr, p2_ptr, xi_ptr, gh_ptr, gl_ptr, R, 
     r64 = r.to(tl.int64)
     x = tl.load(x_ptr + r64[:, None] * sx + k[None, :], mask=rm[:, None], other=0.0)
     mx = tl.max(tl.abs(x), axis=1)
-    s = tl.where(mx > 0, QMAX / tl.where(mx > 0, mx, 1.0), 0.0)
+    # s at most 2^126, so that it stays finite for a chunk of tiny values (whose q then stay
+    # below QMAX) and 1/s normal
+    mxs = tl.maximum(mx, QMAX * _MIN_INV_SCALE)
+    s = QMAX / mxs
     q = tl.floor(x * s[:, None] + 0.5)
     q = tl.minimum(tl.maximum(q, -QMAX), QMAX).to(tl.int32)  # (the largest may round up past it)
     p0, p1, p2 = _digits(q, PLANES)
@@ -104,7 +109,7 @@ def split8_kernel(x_ptr, sx, p0_ptr, p1_ptr, p2_ptr, xi_ptr, gh_ptr, gl_ptr, R, 
     tl.store(p1_ptr + o, p1, mask=rm[:, None])
     if PLANES == 3:
         tl.store(p2_ptr + o, p2, mask=rm[:, None])
-    tl.store(xi_ptr + r64 * (K // 256) + c, mx / QMAX, mask=rm)
+    tl.store(xi_ptr + r64 * (K // 256) + c, tl.where(mx > 0, mxs / QMAX, 0.0), mask=rm)
     g = tl.sum(tl.reshape(q, [BR, 16, 16]), axis=2).to(tl.float32) / GSHIFT  # |sum| < 2^27: exact in float32
     g_hi, g_lo = _hi_lo(g)
     og = r64[:, None] * (K // 16) + c * 16 + tl.arange(0, 16)[None, :]
