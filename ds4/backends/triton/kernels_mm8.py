@@ -86,9 +86,8 @@ def split8_kernel(x_ptr, sx, p0_ptr, p1_ptr, p2_ptr, xi_ptr, gh_ptr, gl_ptr, R, 
     """Rows [BR·program, +BR) and chunk c = program 1 of h [R, K] (row stride sx): the digits
     p0, p1, p2 [R, K] int8 of q = round(h·s), s = X8_MAX / max|h| over the chunk (PLANES 2:
     X8_MAX2, and p2 is not written; s at most 2^126); xi [R, K/256] = 1/s (0 for an all-zero
-    chunk); and the
-    16-value sums of q over G8_SHIFT (G8_SHIFT2) as gh + gl [R, K/16] fp16 (_hi_lo: to 2^-22 of
-    each sum; exactly with two digits), which the min term multiplies."""
+    chunk); and the 16-value sums of q over G8_SHIFT (G8_SHIFT2) as gh + gl [R, K/16] fp16
+    (_hi_lo: to 2^-22 of each sum; exactly with two digits), which the min term multiplies."""
     QMAX, GSHIFT = _q_max(PLANES)
     r = tl.program_id(0) * BR + tl.arange(0, BR)
     rm = r < R
