@@ -75,6 +75,12 @@ def test_split8_digits_rebuild_h(tri, rng, planes):
     assert not q[0].any() and not xi[0].any()
 
 
+def test_split8_refuses_other_plane_counts(tri):
+    tri.mm8_planes = 4
+    with pytest.raises(ValueError, match=r"mm8_planes: expected one of \(3, 2\), got 4"):
+        tri._split8(torch.zeros((2, 256), dtype=torch.float32, device=tri.dev))
+
+
 def test_split8_keeps_tiny_chunks_finite(tri):
     """A chunk whose values are far below float32's normal range over Q_MAX still splits: its
     scale is capped at 2^126, so its digits rebuild it (to half a step of 2^-126) and zeros stay

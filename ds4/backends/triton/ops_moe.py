@@ -15,6 +15,7 @@ from .plumbing import MM_MIN, QWeight, _Combined, _Normed, _cdiv, _op, _pow2, _x
 from .tuning import INTEGER_PRECISIONS
 
 SWIGLU_BLOCK = 1024  # values per program of swiglu_kernel
+MM8_PLANES = (3, 2)  # the int8 down's digit planes of h (kernels_mm8.py)
 
 
 class _MoeOps:
@@ -249,6 +250,8 @@ class _MoeOps:
         """x [R, K] float32 -> its int8 digit planes p0, p1, p2 [R, K] (p2 is p1 itself, unwritten,
         with two planes), 1/s [R, K/256] and the 16-value sums of q over the planes' divisor as
         hi, lo [R, K/16] fp16 (split8_kernel)."""
+        if self.mm8_planes not in MM8_PLANES:
+            raise ValueError(f"mm8_planes: expected one of {MM8_PLANES}, got {self.mm8_planes!r}")
         R, Kd = x.shape
         planes = torch.empty((self.mm8_planes, R, Kd), dtype=torch.int8, device=self.dev)
         p0, p1, p2 = planes[0], planes[1], planes[-1]  # (one buffer: one product reads two planes at once)
