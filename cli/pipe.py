@@ -57,7 +57,7 @@ def open_split_engine(model: Path | None, backend: str, numerics: str, split_nex
     parameters the session will sample with. `connect` checks the chain now, so a refused
     hello is an error before the prompt is prefilled. Failures end the command with one
     `error:` line (exit code 1), like every other library error. The token comes from
-    `auth_token_file`, else `auth_token` (which warns), else DS4_WIRE_TOKEN; `tls_files` is
+    `auth_token_file`, else DS4_WIRE_TOKEN (`auth_token` is refused); `tls_files` is
     (--tls-cert, --tls-key, --tls-ca).
     """
     from ds4.pipeline import SplitEngine

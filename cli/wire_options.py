@@ -4,8 +4,8 @@
     warn_exposed(host, token)                               # a server beyond loopback, no token
     ctx = server_tls(tls_cert, tls_key, tls_ca)             # or client_tls(...); None without TLS
 
-The secret comes from `--auth-token-file FILE`, else `--auth-token VALUE` (which still works but
-warns: every local user can read a process's arguments), else `DS4_WIRE_TOKEN`.
+The secret comes from `--auth-token-file FILE`, else `DS4_WIRE_TOKEN`; `--auth-token VALUE` is
+refused (every local user can read a process's arguments).
 """
 
 from __future__ import annotations

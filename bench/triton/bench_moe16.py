@@ -6,8 +6,8 @@ gguf-py's dequantisation on a few tokens.
 Fewer experts than the model's 256 keep the weights small; the default 32 experts with 256
 tokens of 6 slots give an expert 48 assignments on average, as a 2048-token chunk does with 256.
 `--variants` times other backend settings on the same weights in the same run, each checked
-the same way (JSON: name -> attributes, e.g. `'{"i8": {"moe_down_i8": true}}'`: the int8 down of
-kernels_mm8.py). Small enough to run under Nsight Compute:
+the same way (JSON: name -> attributes, e.g. `'{"fp16down": {"moe_down_i8": false}}'`: the fp16
+down of kernels_mm16.py instead of the int8 one). Small enough to run under Nsight Compute:
 
     PYTHONPATH=. python bench/triton/bench_moe16.py --out moe16.csv
     ncu --clock-control none -k regex:'moe_.*mm(8|16)' -c 2 --section SpeedOfLight \\
