@@ -113,7 +113,7 @@ def test_down_q2k_int8(tri, rng, planes):
     p0, p1, p2, hi, gh, gl = tri._split8(torch.from_numpy(hs).to(tri.dev))
     out = torch.zeros((n * k, E), dtype=torch.float32, device=tri.dev)
     BN, KS, warps, stages = tri.mm8_tile
-    tri._launch(K8.moe_down_mm8_kernel, (T_, _cdiv(E, BN)), p0, p1, p2, hi, gh, gl, te, tr0, tend,
+    tri._launch(K8.moe_down_mm8_kernel, (T_, _cdiv(E, BN)), p0, hi, gh, gl, te, tr0, tend,
                 down.f32.view(torch.int32), down.b8.view(torch.int32), down.i16, out, E, F, down.RB, E * down.RB, p0.numel(),
                 BM=tri.moe16_bm, BN=BN, KS=KS, PLANES=planes, num_warps=warps, num_stages=stages)
     e = ids.reshape(-1)[order]
@@ -148,7 +148,7 @@ def test_int8_down_compiles_for_sm90_to_int8_wgmma():
     from ds4.backends.triton.tuning import TritonTuning
 
     BN, KS, warps, stages = TritonTuning().mm8_tile
-    types = {"p0_ptr": "*i8", "p1_ptr": "*i8", "p2_ptr": "*i8", "gh_ptr": "*fp16", "gl_ptr": "*fp16",
+    types = {"p_ptr": "*i8", "gh_ptr": "*fp16", "gl_ptr": "*fp16",
              "tile_e_ptr": "*i32", "tile_r0_ptr": "*i32", "tile_end_ptr": "*i32", "ww": "*i32", "ws": "*i32",
              "wh": "*i16"}
     aligned = tuple(types) + ("xi_ptr", "out_ptr", "E", "F", "RB", "EXP_BYTES", "PSTRIDE")

@@ -153,17 +153,17 @@ def _q2k_tile8(ww, ws, blk, r0, NR: tl.constexpr):
 
 
 @triton.jit
-def moe_down_mm8_kernel(p0_ptr, p1_ptr, p2_ptr, xi_ptr, gh_ptr, gl_ptr, tile_e_ptr, tile_r0_ptr, tile_end_ptr,
+def moe_down_mm8_kernel(p_ptr, xi_ptr, gh_ptr, gl_ptr, tile_e_ptr, tile_r0_ptr, tile_end_ptr,
                         ww, ws, wh, out_ptr, E, F, RB, EXP_BYTES, PSTRIDE,
                         BM: tl.constexpr, BN: tl.constexpr, KS: tl.constexpr, PLANES: tl.constexpr = 3):
     """Prefill down in Q2_K (Q2S: quant words ww, scale words ws, (d, dmin) halfwords wh):
     out_sorted[a, r] = down_e[r] · h[a] for one tile of expert e's assignments, h given as
-    split8_kernel's digits. Per super-block, in K-steps of KS values (a divisor of 256), the
-    digit planes' int8 products with the sc·q tile accumulate exactly in int32; then the float
-    scales and the min term. The planes lie PSTRIDE apart; the top two go to the tensor cores
-    stacked along M, one product of 2·BM rows (PLANES 2: p0 and p1; 3: p1 and p2, and p0 in a
-    product of its own). (Three products a K-step, one a plane, each waited for the one before:
-    they shared the operand's shared-memory tile.)"""
+    split8_kernel's digits: plane i at p_ptr + i·PSTRIDE. Per super-block, in K-steps of KS
+    values (a divisor of 256), the digit planes' int8 products with the sc·q tile accumulate
+    exactly in int32; then the float scales and the min term. The top two planes go to the
+    tensor cores stacked along M, one product of 2·BM rows (PLANES 2: p0 and p1; 3: p1 and p2,
+    and p0 in a product of its own), since products that share an operand's shared-memory tile
+    run one after another."""
     _, GSHIFT = _q_max(PLANES)
     tile = tl.program_id(0)
     pn = tl.program_id(1)
@@ -192,8 +192,8 @@ def moe_down_mm8_kernel(p0_ptr, p1_ptr, p2_ptr, xi_ptr, gh_ptr, gl_ptr, tile_e_p
                 for part in range(0, 256 // KS):
                     k0 = sb * 256 + part * KS
                     wt = tl.trans(_q2k_tile8(we, se, bo, part * (KS // 32), KS // 32))
-                    cc = tl.dot(tl.load(p0_ptr + xo2 + k0), wt, cc, out_dtype=tl.int32)
-                    c0 = tl.dot(tl.load(p0_ptr + xo + k0), wt, c0, out_dtype=tl.int32)
+                    cc = tl.dot(tl.load(p_ptr + xo2 + k0), wt, cc, out_dtype=tl.int32)
+                    c0 = tl.dot(tl.load(p_ptr + xo + k0), wt, c0, out_dtype=tl.int32)
                 c1, c2 = tl.split(tl.permute(tl.reshape(cc, [2, BM, BN]), (1, 2, 0)))
                 p = _i2f(c2) * 65536.0 + (_i2f(c1) * 256.0 + _i2f(c0))  # |c| ≤ 128·45·256 < 2^22
             else:
@@ -201,7 +201,7 @@ def moe_down_mm8_kernel(p0_ptr, p1_ptr, p2_ptr, xi_ptr, gh_ptr, gl_ptr, tile_e_p
                 for part in range(0, 256 // KS):
                     k0 = sb * 256 + part * KS
                     wt = tl.trans(_q2k_tile8(we, se, bo, part * (KS // 32), KS // 32))
-                    cc = tl.dot(tl.load(p0_ptr + xo2 + k0), wt, cc, out_dtype=tl.int32)
+                    cc = tl.dot(tl.load(p_ptr + xo2 + k0), wt, cc, out_dtype=tl.int32)
                 c0, c1 = tl.split(tl.permute(tl.reshape(cc, [2, BM, BN]), (1, 2, 0)))
                 p = _i2f(c1) * 256.0 + _i2f(c0)
             go = a64[:, None] * (F // 16) + sb * 16 + tl.arange(0, 16)[None, :]

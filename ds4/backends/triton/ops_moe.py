@@ -198,9 +198,9 @@ class _MoeOps:
                          flops=4 * n * k * F * E, nbytes=2 * gate.nbytes + 4 * n * k * (E + F))
         osort = torch.empty((n * k, E), dtype=torch.float32, device=self.dev)
         if dn16 and self.moe_down_i8 and self._x_lo:
-            p0, p1, p2, hi, gh, gl = self._split8(h)
+            p0, _, _, hi, gh, gl = self._split8(h)  # (the kernel finds the planes from p0)
             BN, KS, warps, stages = self.mm8_tile
-            self._launch(K8.moe_down_mm8_kernel, (T, _cdiv(E, BN)), p0, p1, p2, hi, gh, gl, tile_e, tile_r0,
+            self._launch(K8.moe_down_mm8_kernel, (T, _cdiv(E, BN)), p0, hi, gh, gl, tile_e, tile_r0,
                          tile_end, down.f32.view(torch.int32), down.b8.view(torch.int32), down.i16, osort, E, F,
                          down.RB, E * down.RB, p0.numel(), BM=BM, BN=BN, KS=KS, PLANES=self.mm8_planes, num_warps=warps,
                          num_stages=stages,
