@@ -147,10 +147,31 @@ def write_results(out: str, summary: dict, rows: list) -> None:
         w.writerows(rows)
 
 
+def write_model(path: str, cfg, types: dict, seed: int, reuse: bool) -> bool:
+    """Write the synthetic GGUF (make_synthetic), with a record of what it holds beside it
+    (path + ".json"); reuse: keep a file whose record is the same instead (the same arguments give
+    a byte-identical file, and the writing is most of a short check's time). Whether it wrote."""
+    record = {"config": {k: (list(v) if isinstance(v, tuple) else v) for k, v in dataclasses.asdict(cfg).items()},
+              "types": {k: int(v) for k, v in sorted(types.items())}, "seed": seed}
+    side = path + ".json"
+    if reuse and os.path.exists(path) and os.path.exists(side):
+        with open(side) as f:
+            if json.load(f) == record:
+                return False
+    if os.path.exists(side):
+        os.remove(side)  # (a record never outlives the file it describes)
+    make_synthetic(path, cfg, types, seed=seed)
+    with atomic_file(side, "w", private=False) as f:
+        json.dump(record, f)
+    return True
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--out", required=True)
     ap.add_argument("--gguf", default="/tmp/ds4-parity.gguf")
+    ap.add_argument("--reuse-gguf", action="store_true",
+                    help="keep --gguf if an earlier run wrote it with the same model arguments")
     ap.add_argument("--preset", default="flash")
     ap.add_argument("--ratios", default="0,4,128", help="compress ratio of each layer")
     ap.add_argument("--hash-layers", type=int, default=1)
@@ -181,9 +202,10 @@ def main(argv=None) -> int:
     cfg.validate()
     t0 = time.time()
     gate_type, down_type = EXPERT_MIXES[args.experts]
-    make_synthetic(args.gguf, cfg, {"ffn_gate_exps.weight": gate_type, "ffn_up_exps.weight": gate_type,
-                                    "ffn_down_exps.weight": down_type}, seed=args.seed)
-    print(f"wrote {args.gguf} ({os.path.getsize(args.gguf) / 2**30:.1f} GiB) in {time.time() - t0:.0f} s", flush=True)
+    types = {"ffn_gate_exps.weight": gate_type, "ffn_up_exps.weight": gate_type, "ffn_down_exps.weight": down_type}
+    wrote = write_model(args.gguf, cfg, types, args.seed, args.reuse_gguf)
+    print(f"{'wrote' if wrote else 'kept'} {args.gguf} ({os.path.getsize(args.gguf) / 2**30:.1f} GiB) in "
+          f"{time.time() - t0:.0f} s", flush=True)
     os.makedirs(args.out, exist_ok=True)
     prompts = [int(x) for x in args.prompts.split(",")]
     ctx = max(prompts) + args.steps + 1
