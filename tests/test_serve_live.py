@@ -197,6 +197,53 @@ def test_stop_sequences_across_tokens(oa, an):
     assert (m.stop_reason, m.stop_sequence, m.content[0].text) == ("stop_sequence", stop, want)
 
 
+def test_logprobs_line_up_with_a_reply_cut_by_a_stop_sequence(oa):
+    """The entries of a reply cut by a stop string are those of the tokens whose text it
+    returns: the tokens that completed the dropped stop string have none, streamed or not."""
+    kw = dict(model="ds4", messages=[{"role": "user", "content": "Tell me"}], max_tokens=4, temperature=0,
+              reasoning_effort="none", logprobs=True)
+    full = oa.chat.completions.create(**kw)
+    toks = [bytes(e.bytes) for e in full.choices[0].logprobs.content]
+    text = [t.decode("utf-8") for t in toks]
+    assert "".join(text) == full.choices[0].message.content and len(toks) == 4
+    i = next(k for k in range(1, len(text)) if text[k - 1] and text[k])
+    stop = text[i - 1][-1] + text[i][0]  # spans the boundary between two tokens' text
+    cut = "".join(text).find(stop)
+    starts = np.cumsum([0] + [len(t) for t in text])[:-1]
+    want = [t for t, at in zip(toks, starts) if at < cut]
+    r = oa.chat.completions.create(**kw, stop=[stop])
+    assert r.choices[0].finish_reason == "stop" and r.choices[0].message.content == "".join(text)[:cut]
+    assert [bytes(e.bytes) for e in r.choices[0].logprobs.content] == want
+    streamed = [bytes(e.bytes) for c in oa.chat.completions.create(**kw, stop=[stop], stream=True)
+                if c.choices and c.choices[0].logprobs for e in c.choices[0].logprobs.content]
+    assert streamed == want
+
+
+def test_anthropic_prefill_continues_the_reply(an, engine):
+    """A last assistant message is the start of the reply: the prompt ends with it, open (no
+    end of sentence, no new assistant turn), and the answer continues it; with thinking on too
+    (the prefilled turn closes the thinking, so the answer is text)."""
+    tok = engine.tokenizer
+    msgs = [{"role": "user", "content": "Hello"}, {"role": "assistant", "content": "Sure"}]
+    ids = chat_ids(tok, "Hello", think=False) + tok.encode("Sure")
+    m = an.messages.create(model="ds4", max_tokens=N, messages=msgs, extra_body=T0)
+    assert m.content[0].type == "text" and m.content[0].text == tok.decode(greedy_ids(engine, ids, N))
+    assert m.usage.input_tokens + (m.usage.cache_read_input_tokens or 0) == len(ids)
+    assert an.messages.count_tokens(model="ds4", messages=msgs).input_tokens == len(ids)
+    ids = chat_ids(tok, "Hello", think=True) + [tok.think_end_id] + tok.encode("Sure")
+    m = an.messages.create(model="ds4", max_tokens=N, messages=msgs, extra_body=T0,
+                           thinking={"type": "enabled", "budget_tokens": 1024})
+    assert [b.type for b in m.content] == ["text"]
+    assert m.content[0].text == tok.decode(greedy_ids(engine, ids, N))
+
+
+def test_a_model_is_retrieved_by_its_id(oa):
+    listed = oa.models.list().data
+    assert oa.models.retrieve(listed[0].id).id == listed[0].id
+    with pytest.raises(openai.NotFoundError, match="no model 'another'"):
+        oa.models.retrieve("another")
+
+
 def test_prefix_reuse_equals_cold(oa, an, engine):
     tok = engine.tokenizer
     first = [{"role": "user", "content": "Hello there"}]

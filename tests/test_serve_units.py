@@ -471,3 +471,15 @@ def test_a_waiting_job_whose_client_left_frees_its_queue_slot():
     finally:
         release.set()
         d.close()
+
+
+def test_finish_reason_of_tool_calls_cut_by_the_limit():
+    """Tool calls end the turn only when the reply ended (end of sequence or a stop string); a
+    reply the token limit cut inside its calls block says "length"."""
+    from ds4.serve.driver import finish_reason
+
+    assert finish_reason("stop", True) == "tool_calls"
+    assert finish_reason(None, True) == "length"
+    assert finish_reason(None, False) == "length"
+    assert finish_reason("stop", False) == "stop"
+    assert finish_reason("cancelled", True) == "cancelled"

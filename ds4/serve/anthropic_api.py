@@ -2,7 +2,9 @@
 
 The think mode follows `thinking`: {"type": "enabled", ...} thinks (the reasoning comes back as a
 thinking block), anything else answers without reasoning. `top_k` and `top_p` go to ds4's
-sampler; min_p stays at ds4's default unless the extension field `min_p` is given.
+sampler; min_p stays at ds4's default unless the extension field `min_p` is given. A last
+assistant message is the start of the reply (a prefill): the answer continues it, without
+repeating it.
 Usage: `input_tokens` counts the prompt tokens prefilled for this request, and
 `cache_read_input_tokens` those reused from the live session (their sum is the prompt's size).
 """
@@ -151,6 +153,8 @@ def conversation(req: _Prompt) -> Conversation:
             add_turn(conv, Turn("assistant", "".join(text), "".join(reasoning) if reasoning else None, calls))
         else:
             raise bad(f"{p}.role", f"expected user or assistant, got {role!r}")
+    # a last assistant message is the start of the reply, which the answer continues
+    conv.continue_last = bool(conv.turns) and conv.turns[-1].role == "assistant" and not conv.turns[-1].tool_calls
     if req.tools_on:
         for j, tool in enumerate(req.tools):
             if not isinstance(tool.get("name"), str):
@@ -286,11 +290,13 @@ def register(app: FastAPI, state: ServerState) -> None:
     @app.post("/v1/messages")
     async def messages(body: MessagesRequest, request: Request):
         think = _think(body)
-        prompt = await encode_prompt(state, conversation(body), think)
+        conv = conversation(body)
+        prompt = await encode_prompt(state, conv, think)
         check_prompt(state, prompt, "messages")
         n = max_tokens_for(state, body.max_tokens, "max_tokens", None, len(prompt))
         params = SamplingParams(body.temperature, body.top_k, body.top_p, body.min_p)
-        req = GenRequest(prompt, n, params, engine_seed(body.seed), think=think,
+        # (a continued reply is past its thinking: the prefilled turn closed it)
+        req = GenRequest(prompt, n, params, engine_seed(body.seed), think=think and not conv.continue_last,
                          stops=stops_from(body.stop_sequences, "stop_sequences"), tools=body.tools_on)
         job = submit(state, req)
         started = await first_event(job, request)

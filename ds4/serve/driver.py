@@ -365,10 +365,7 @@ class Driver:
             return
         t_decode = time.perf_counter() - t1
         pieces, calls = reply.finish()
-        if calls and reason != "cancelled":
-            reason = "tool_calls"
-        elif reason is None:
-            reason = "length"
+        reason = finish_reason(reason, bool(calls))
         m.prompt_tokens.inc(n_prompt)
         m.cached_tokens.inc(cached)
         m.generated_tokens.inc(generated)
@@ -437,6 +434,17 @@ class Driver:
             yield token, logprob
             if token == eos:
                 return
+
+
+def finish_reason(reason: str | None, calls: bool) -> str:
+    """Why a reply ended, as both APIs name it: reason None means the token limit. A reply whose
+    tool calls ended the turn (end of sequence or a stop string) finished with them; one cut by
+    the limit inside its calls block says "length", since calls after the cut may be missing."""
+    if reason is None:
+        return "length"
+    if calls and reason == "stop":
+        return "tool_calls"
+    return reason
 
 
 def same_text_prefix(tokenizer, held: list[int], prompt: list[int]) -> list[int]:

@@ -1,4 +1,4 @@
-"""The OpenAI API: GET /v1/models, POST /v1/chat/completions, POST /v1/completions.
+"""The OpenAI API: GET /v1/models, GET /v1/models/{id}, POST /v1/chat/completions, POST /v1/completions.
 
 Extensions: `top_k` and `min_p` (ds4's sampler; min_p defaults to ds4's 0.05), and the think
 mode: DS4 thinks by default, as `ds4 generate` does; `reasoning_effort: "none"` (or
@@ -245,6 +245,27 @@ def _chat_logprob(tok, lp: dict) -> dict:
     return entry
 
 
+class _HeldLogprobs:
+    """Logprob entries that go out with their tokens' text. A token whose text the reply holds
+    back (a possible stop string, the start of a character, trailing newlines) keeps its entry
+    until that text is released; the entries of text that never is (a matched stop string) are
+    dropped, so that the entries line up with the returned content."""
+
+    def __init__(self, tok):
+        self.tok, self.pending = tok, []
+
+    def add(self, lp: dict | None, channel: str | None) -> None:
+        if lp and channel == CONTENT:
+            self.pending.append(_chat_logprob(self.tok, lp))
+
+    def release(self, pieces) -> list:
+        """The held entries once pieces carry answer text (else none)."""
+        if not any(ch == CONTENT and text for ch, text in pieces):
+            return []
+        out, self.pending = self.pending, []
+        return out
+
+
 def _tool_call_json(call: ToolCall, index: int | None = None) -> dict:
     out = {"id": call.id, "type": "function",
            "function": {"name": call.name, "arguments": call.arguments_json}}
@@ -287,15 +308,14 @@ async def chat_chunks(evs, *, tok, cid: str, created: int, model: str, logprobs:
         return _sse({"id": cid, "object": "chat.completion.chunk", "created": created,
                      "model": model, "choices": [choice]})
 
+    held = _HeldLogprobs(tok)
+
     def pieces(pcs, lp=None, channel=None):
-        lps = {"content": [_chat_logprob(tok, lp)]} if lp and channel == CONTENT else None
+        held.add(lp, channel)
         for ch, text in pcs:
             key = "content" if ch == CONTENT else "reasoning_content"
-            yield chunk({key: text}, logprobs=lps if ch == CONTENT else None)
-            if ch == CONTENT:
-                lps = None
-        if lps:  # a token whose text is held back still gets its logprob
-            yield chunk({"content": ""}, logprobs=lps)
+            lps = held.release([(ch, text)]) if ch == CONTENT else []
+            yield chunk({key: text}, logprobs={"content": lps} if lps else None)
 
     yield chunk({"role": "assistant", "content": ""})
     async for ev in evs:
@@ -320,10 +340,18 @@ async def chat_chunks(evs, *, tok, cid: str, created: int, model: str, logprobs:
 def register(app: FastAPI, state: ServerState) -> None:
     tok = state.tokenizer
 
+    def model_object() -> dict:
+        return {"id": state.model_id, "object": "model", "created": state.created, "owned_by": "ds4"}
+
     @app.get("/v1/models")
     async def models() -> dict:
-        return {"object": "list", "data": [{"id": state.model_id, "object": "model",
-                                            "created": state.created, "owned_by": "ds4"}]}
+        return {"object": "list", "data": [model_object()]}
+
+    @app.get("/v1/models/{model:path}")
+    async def model(model: str) -> dict:
+        if model != state.model_id:
+            raise APIError(404, f"model: no model {model!r}; this server serves {state.model_id!r}", "model")
+        return model_object()
 
     @app.post("/v1/chat/completions")
     async def chat_completions(body: ChatRequest, request: Request):
@@ -348,13 +376,16 @@ def register(app: FastAPI, state: ServerState) -> None:
         cid, created = "chatcmpl-" + secrets.token_hex(12), int(time.time())
         if not body.stream:
             logprobs = [] if want_lp is not None else None
+            held = _HeldLogprobs(tok)
             async for ev in events(job, request):
-                if isinstance(ev, Token) and ev.logprob and logprobs is not None \
-                        and ev.channel == CONTENT:
-                    logprobs.append(_chat_logprob(tok, ev.logprob))
+                if isinstance(ev, Token) and logprobs is not None:
+                    held.add(ev.logprob, ev.channel)
+                    logprobs += held.release(ev.pieces)
                 elif isinstance(ev, Failed):
                     raise APIError(ev.status, ev.message, None, "api_error")
                 elif isinstance(ev, Finished):
+                    if logprobs is not None:
+                        logprobs += held.release(ev.pieces)
                     return chat_completion(ev, model=model, logprobs=logprobs, cid=cid, created=created)
             raise APIError(499, "the client closed the request")
 

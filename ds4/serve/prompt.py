@@ -10,7 +10,8 @@ ids of `ds4 generate --system S -p U` (ds4.core.chat.encode_prompt).
                   tool results -> <｜User｜><tool_result>...</tool_result>... (then any text)
                   assistant -> <｜Assistant｜> (<think>reasoning</think> | </think>) text
                                [DSML tool calls] <｜end▁of▁sentence｜>
-  then <｜Assistant｜> and <think> (thinking) or </think>.
+  then <｜Assistant｜> and <think> (thinking) or </think>; or, when the last turn is the start
+  of the reply (Conversation.continue_last), that turn without its <｜end▁of▁sentence｜>.
 
 An assistant turn keeps its reasoning when thinking and (tools are offered or it follows the
 last user turn, i.e. it is part of the current agent loop); earlier turns are closed with
@@ -45,6 +46,9 @@ class Conversation:
     turns: list[Turn] = field(default_factory=list)
     tools: list[ToolSpec] = field(default_factory=list)
     tool_choice: str | None = None  # None, "required" or a tool name (see render_tool_prompt)
+    # the last turn is the start of the reply, which the answer continues (Anthropic's prefilled
+    # assistant message): it stays open, with no generation prompt after it
+    continue_last: bool = False
 
 
 def _dsml_parts(text: str) -> list[Part]:
@@ -84,6 +88,8 @@ def conversation_parts(conv: Conversation, *, think: bool, think_max: bool = Fal
             parts.append((False, turn.text))
             if turn.tool_calls:
                 parts += _dsml_parts(render_tool_calls(turn.tool_calls))
+            if add_generation_prompt and conv.continue_last and i == len(conv.turns) - 1:
+                return [(special, text) for special, text in parts if special or text]
             parts.append((True, EOS))
         else:
             raise ValueError(f"turn role: expected user, assistant or tool, got {turn.role!r}")
