@@ -316,6 +316,18 @@ def test_raw_completions(oa, engine):
     assert r.usage.prompt_tokens == len(ids) and r.choices[0].finish_reason == "length"
 
 
+def test_completion_logprobs_have_text_offsets(oa):
+    """Legacy logprobs give each token's character offset in the returned text, streamed or not."""
+    kw = dict(model="ds4", prompt="<｜begin▁of▁sentence｜>Once upon a time", max_tokens=3, temperature=0, logprobs=2)
+    lp = oa.completions.create(**kw).choices[0].logprobs
+    assert len(lp.tokens) == 3 and len(lp.top_logprobs) == 3
+    assert lp.text_offset == [sum(len(t) for t in lp.tokens[:i]) for i in range(3)]
+    chunks = [c.choices[0].logprobs for c in oa.completions.create(**kw, stream=True)
+              if c.choices and c.choices[0].logprobs]
+    assert [t for c in chunks for t in c.tokens] == lp.tokens
+    assert [o for c in chunks for o in c.text_offset] == lp.text_offset
+
+
 def test_tool_history_renders_in_ds4_format(oa, an, engine):
     """An assistant tool call and its result, sent by each client, become the DSML block and the
     <tool_result> turn written out here by hand from spec §5."""

@@ -251,12 +251,12 @@ class _HeldLogprobs:
     until that text is released; the entries of text that never is (a matched stop string) are
     dropped, so that the entries line up with the returned content."""
 
-    def __init__(self, tok):
-        self.tok, self.pending = tok, []
+    def __init__(self, entry=lambda lp: lp):
+        self.entry, self.pending = entry, []
 
-    def add(self, lp: dict | None, channel: str | None) -> None:
+    def add(self, lp: dict | None, channel: str | None = CONTENT) -> None:
         if lp and channel == CONTENT:
-            self.pending.append(_chat_logprob(self.tok, lp))
+            self.pending.append(self.entry(lp))
 
     def release(self, pieces) -> list:
         """The held entries once pieces carry answer text (else none)."""
@@ -308,7 +308,7 @@ async def chat_chunks(evs, *, tok, cid: str, created: int, model: str, logprobs:
         return _sse({"id": cid, "object": "chat.completion.chunk", "created": created,
                      "model": model, "choices": [choice]})
 
-    held = _HeldLogprobs(tok)
+    held = _HeldLogprobs(lambda lp: _chat_logprob(tok, lp))
 
     def pieces(pcs, lp=None, channel=None):
         held.add(lp, channel)
@@ -376,7 +376,7 @@ def register(app: FastAPI, state: ServerState) -> None:
         cid, created = "chatcmpl-" + secrets.token_hex(12), int(time.time())
         if not body.stream:
             logprobs = [] if want_lp is not None else None
-            held = _HeldLogprobs(tok)
+            held = _HeldLogprobs(lambda lp: _chat_logprob(tok, lp))
             async for ev in events(job, request):
                 if isinstance(ev, Token) and logprobs is not None:
                     held.add(ev.logprob, ev.channel)
@@ -425,23 +425,28 @@ def register(app: FastAPI, state: ServerState) -> None:
         model = body.model or state.model_id
         cid, created = "cmpl-" + secrets.token_hex(12), int(time.time())
 
-        def lp_json(lps: list[dict]) -> dict | None:
+        def lp_json(lps: list[dict], start: int = 0) -> dict | None:
+            """OpenAI's legacy logprobs of lps, text_offset counting characters of the returned
+            text from start (the characters sent before these tokens)."""
             if body.logprobs is None:
                 return None
-            return {"tokens": [tok.token_bytes(x["id"]).decode("utf-8", errors="replace") for x in lps],
-                    "token_logprobs": [x["logprob"] for x in lps],
+            tokens = [tok.token_bytes(x["id"]).decode("utf-8", errors="replace") for x in lps]
+            return {"tokens": tokens, "token_logprobs": [x["logprob"] for x in lps],
                     "top_logprobs": [{tok.token_bytes(i).decode("utf-8", errors="replace"): v
                                       for i, v in x["top"]} for x in lps],
-                    "text_offset": []}
+                    "text_offset": [start + sum(len(t) for t in tokens[:i]) for i in range(len(tokens))]}
 
+        held = _HeldLogprobs()  # (an entry goes out with its token's text, as in a chat)
         if not body.stream:
             lps: list[dict] = []
             async for ev in events(job, request):
-                if isinstance(ev, Token) and ev.logprob:
-                    lps.append(ev.logprob)
+                if isinstance(ev, Token):
+                    held.add(ev.logprob)
+                    lps += held.release(ev.pieces)
                 elif isinstance(ev, Failed):
                     raise APIError(ev.status, ev.message, None, "api_error")
                 elif isinstance(ev, Finished):
+                    lps += held.release(ev.pieces)
                     return {"id": cid, "object": "text_completion", "created": created, "model": model,
                             "choices": [{"index": 0, "text": ev.text[CONTENT], "logprobs": lp_json(lps),
                                          "finish_reason": _finish_reason(ev)}],
@@ -454,16 +459,22 @@ def register(app: FastAPI, state: ServerState) -> None:
                                       "finish_reason": finish}]})
 
         async def stream():
+            sent = 0  # characters of text sent
             async for ev in events(job, request, stream=True):
                 if isinstance(ev, Token):
                     text = "".join(t for _, t in ev.pieces)
-                    if text or ev.logprob:
-                        yield chunk(text, lps=lp_json([ev.logprob]) if ev.logprob else None)
+                    held.add(ev.logprob)
+                    lps = held.release(ev.pieces)
+                    if text:
+                        yield chunk(text, lps=lp_json(lps, sent) if lps else None)
+                        sent += len(text)
                 elif isinstance(ev, Failed):
                     yield _sse(_error_json(ev.message))
                     return
                 elif isinstance(ev, Finished):
-                    yield chunk("".join(t for _, t in ev.pieces), _finish_reason(ev))
+                    lps = held.release(ev.pieces)
+                    yield chunk("".join(t for _, t in ev.pieces), _finish_reason(ev),
+                                lps=lp_json(lps, sent) if lps else None)
                     if body.include_usage:
                         yield _sse({"id": cid, "object": "text_completion", "created": created,
                                     "model": model, "choices": [], "usage": _usage(ev)})
