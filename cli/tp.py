@@ -158,7 +158,7 @@ def tp_worker(
     """
     import time
 
-    from ds4.tp import TPError, TPRefused, TPWorker
+    from ds4.tp import TPClosed, TPError, TPRefused, TPWorker
     from ds4.tp.link import Options
     from ds4.tp.rank import open_rank
     from ds4.tp.worker import WORKER_RANK
@@ -181,9 +181,11 @@ def tp_worker(
                 except TPRefused:
                     raise
                 except TPError as e:
-                    if time.monotonic() > deadline or "refused" not in str(e).lower():
+                    # (a leader not listening yet, or one that closed the connection before the
+                    # handshake ended, e.g. for a newer one while strangers kept it busy)
+                    if time.monotonic() > deadline or not isinstance(e, TPClosed):
                         raise
-                    time.sleep(0.2)  # the leader is not listening yet
+                    time.sleep(0.2)
             err.print(Text(f"tensor parallel: rank 1 ({backend}) joined the leader at {leader}",
                            style="dim"), soft_wrap=True)
             try:

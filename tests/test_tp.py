@@ -433,6 +433,57 @@ def test_a_stranger_stalling_in_the_proof_is_passed_by(engines):
     assert w.error is None, repr(w.error)
 
 
+def test_silent_strangers_filling_the_handshakes_do_not_keep_the_worker_out(engines):
+    """With a shared secret, as many silent connections as the leader handshakes at once do not
+    turn the worker away: a newer connection takes the place of the oldest whose peer has not
+    proven the secret (the leader used to close the newcomer, and the worker gave up)."""
+    from ds4.tp.link import MAX_HANDSHAKES
+
+    io_timeout = 20
+    opts = Options(auth_token="tok", gate_timeout_ms=GATE_MS, io_timeout=io_timeout)
+    tp = leader_on(engines.get("reference", "exact", 0), CTX, opts, wait_s=60)
+    strangers = [_Stranger(tp.address, lambda h: None) for _ in range(MAX_HANDSHAKES)]
+    w = None
+    t0 = time.monotonic()
+    try:
+        done = threading.Thread(target=tp.ensure_worker, daemon=True)
+        done.start()
+        time.sleep(1.0)  # (the leader has taken up every stranger)
+        w = ThreadWorker(tp.address, engine=engines.get("reference", "exact", 1), opts=opts)
+        done.join(io_timeout)
+        paired = time.monotonic() - t0
+        assert not done.is_alive()
+        assert tp_run(tp, PROMPT[:4], 2)[1]
+    finally:
+        for st in strangers:
+            st.close()
+        tp.close()
+        if w is not None:
+            w.join()
+    assert paired < io_timeout / 2, paired
+    assert w.error is None, repr(w.error)
+
+
+def test_past_its_deadline_the_leader_does_not_wait_for_a_silent_stranger(engines):
+    """A handshake under way at the deadline is waited for (up to the io timeout) only if its
+    peer has proven the secret or it began within PROOF_GRACE_S: a stranger that connected and
+    stays silent no longer stretches a short wait (the serve probe's) to the io timeout."""
+    from ds4.tp.link import PROOF_GRACE_S
+
+    io_timeout = 30
+    opts = Options(auth_token="tok", gate_timeout_ms=GATE_MS, io_timeout=io_timeout)
+    tp = leader_on(engines.get("reference", "exact", 0), CTX, opts, wait_s=1)
+    stranger = _Stranger(tp.address, lambda h: None)
+    t0 = time.monotonic()
+    try:
+        with pytest.raises(TPError, match="no worker joined within the wait of 1 s"):
+            tp.ensure_worker()
+    finally:
+        stranger.close()
+        tp.close()
+    assert time.monotonic() - t0 < 1 + PROOF_GRACE_S + 3, time.monotonic() - t0
+
+
 def test_the_leader_refuses_hashes_it_did_not_ask_for(engines, monkeypatch):
     """Hidden-state hashes from a worker of a pair without --debug-hash are a protocol error
     (they would pile up on the leader), not collected."""

@@ -5,7 +5,7 @@ the bytes are wire/ds4t/.
 """
 
 from .leader import TPEngine, TPSession
-from .link import TRANSPORTS, Options, TPError, TPRefused
+from .link import TRANSPORTS, Options, TPClosed, TPError, TPRefused
 from .worker import TPWorker
 
-__all__ = ["TPEngine", "TPSession", "TPWorker", "Options", "TPError", "TPRefused", "TRANSPORTS"]
+__all__ = ["TPEngine", "TPSession", "TPWorker", "Options", "TPError", "TPRefused", "TPClosed", "TRANSPORTS"]

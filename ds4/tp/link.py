@@ -47,6 +47,9 @@ DEFAULT_WAIT_S = 300.0  # how long a leader waits for its worker
 LISTEN_BACKLOG = 16
 MAX_HANDSHAKES = 16  # connections a leader handshakes at once
 ACCEPT_POLL_S = 0.05  # how often a waiting leader looks at the handshakes under way
+# past its deadline, how long a leader with a secret still waits for a handshake whose peer has
+# not proven it yet (a worker proves it within round trips of connecting; a stranger never does)
+PROOF_GRACE_S = 2.0
 
 
 class TPError(RuntimeError):
@@ -55,6 +58,11 @@ class TPError(RuntimeError):
 
 class TPRefused(TPError):
     """The peer is not a worker (leader) this end can pair with."""
+
+
+class TPClosed(TPError):
+    """The leader closed a connection before its handshake ended (not listening, busy, or it
+    dropped the connection for a newer one): joining again may succeed."""
 
 
 @dataclass
@@ -140,6 +148,8 @@ class _Arrival:
         self.addr = addr
         self.done = Future()  # -> (socket, peer hello, agreed ctx), or the error
         self.proven = threading.Event()  # its peer proved the shared secret
+        self.started = time.monotonic()
+        self.dropped = False  # cut for a newer connection (its handshake is ending)
 
     def cut(self) -> None:
         with contextlib.suppress(OSError):
@@ -149,10 +159,12 @@ class _Arrival:
 
 class _Arrivals:
     """The leader's accepted connections, each handshaken on a daemon thread of its own (at most
-    MAX_HANDSHAKES at once; one past that is closed at once). `next` hands out the oldest that
-    completed: the worker dials control, then data, each after the one before has completed, so
-    an older connection whose peer proved the secret (about to complete) is waited for, and one
-    that has not (a stranger stalling) is passed by; without a secret, accept order."""
+    MAX_HANDSHAKES at once: a newer connection takes the place of the oldest whose peer has not
+    proven the secret, so strangers that connect and stay silent cannot keep the worker out).
+    `next` hands out the oldest that completed: the worker dials control, then data, each after
+    the one before has completed, so an older connection whose peer proved the secret (about to
+    complete) is waited for, and one that has not (a stranger stalling) is passed by; without a
+    secret, accept order."""
 
     def __init__(self, listener: socket.socket, opts: Options, mine: ds4t.Hello):
         self.listener, self.opts, self.mine = listener, opts, mine
@@ -213,7 +225,8 @@ class _Arrivals:
                 return got
             now = time.monotonic()
             if now >= deadline:
-                if any(not a.done.done() for a in self.pending) and now < deadline + self.opts.io_timeout:
+                if any(self._may_be_the_worker(a, now) for a in self.pending) \
+                        and now < deadline + self.opts.io_timeout:
                     time.sleep(ACCEPT_POLL_S)  # (one that began in time may finish, as before)
                     continue
                 raise TPError(f"no worker joined within the wait of {wait_s:g} s ({what} connection)")
@@ -222,14 +235,29 @@ class _Arrivals:
                 sock, addr = self.listener.accept()
             except TimeoutError:
                 continue
-            if sum(not a.done.done() for a in self.pending) >= MAX_HANDSHAKES:
-                log.warning("tensor parallel: refused %s:%s: %d handshakes under way already",
-                            *addr[:2], MAX_HANDSHAKES)
-                sock.close()
-                continue
+            busy = [a for a in self.pending if not a.done.done() and not a.dropped]
+            if len(busy) >= MAX_HANDSHAKES:
+                victim = next((a for a in busy if not a.proven.is_set()), None)
+                if victim is None:
+                    log.warning("tensor parallel: refused %s:%s: %d handshakes under way already",
+                                *addr[:2], MAX_HANDSHAKES)
+                    sock.close()
+                    continue
+                log.warning("tensor parallel: dropped %s:%s, the oldest of %d handshakes under way, whose "
+                            "peer had not proven the secret, for a newer connection", *victim.addr[:2],
+                            MAX_HANDSHAKES)
+                victim.dropped = True
+                victim.cut()
             a = _Arrival(sock, addr)
             self.pending.append(a)
             threading.Thread(target=self._shake, args=(a,), daemon=True, name="ds4-tp-handshake").start()
+
+    def _may_be_the_worker(self, a: _Arrival, now: float) -> bool:
+        """Whether a handshake under way past the deadline is worth waiting for: its peer proved
+        the secret, or it began less than PROOF_GRACE_S ago; without a secret, any."""
+        if a.done.done() or a.dropped:
+            return False
+        return not self.opts.auth_token or a.proven.is_set() or now - a.started < PROOF_GRACE_S
 
     def close(self) -> None:
         """Drop the connections not handed out (their handshakes end on the closed socket)."""
@@ -322,6 +350,7 @@ def join_leader(host: str, port: int, model, opts: Options, connect_timeout: flo
     except (ds4t.DS4TError, OSError, ssl.SSLError) as e:
         for s in socks:
             s.close()
-        raise TPError(f"joining the leader at {host}:{port}: {e}") from None
+        closed = isinstance(e, (ds4t.DS4TClosed, ConnectionError))
+        raise (TPClosed if closed else TPError)(f"joining the leader at {host}:{port}: {e}") from None
     return Pair(ds4t.ControlChannel(socks[0], limits, ds4t.Role.LEADER, opts.io_timeout), partner,
                 socks[1], limits, peer, ctx, debug_hash)
