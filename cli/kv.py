@@ -43,7 +43,7 @@ def _parse_size(value: str) -> int:
     number = text[: len(text) - len(unit)]
     try:
         n = int(float(number) * _SIZE_UNITS[unit])
-    except ValueError:
+    except (ValueError, OverflowError):  # (OverflowError: inf)
         raise typer.BadParameter(f"expected a size such as 4294967296, 512M or 16G, got {value!r}") from None
     if n <= 0:
         raise typer.BadParameter(f"expected a positive size, got {value!r}")

@@ -336,6 +336,9 @@ def _raw_client(port: int, record: bytes) -> tuple[int, str]:
     (struct.pack("<4I", ds4k.MAGIC, 2, 0, 2) + b"{}", ds4k.BAD_RECORD, ["payload_bytes"]),
     (struct.pack("<4I", ds4k.MAGIC, 2, 0, 4000) + b"[" * 4000, ds4k.BAD_RECORD,
      ["nested 4000 deep", "flat JSON object"]),
+    # an integer past json's 4300-digit limit: named as the manifest's, not json's bare text
+    pytest.param(struct.pack("<4I", ds4k.MAGIC, 2, 0, 4419) + b'{"payload_bytes": ' + b"9" * 4400 + b"}",
+                 ds4k.BAD_RECORD, ["manifest: a value JSON cannot read"], id="a 4400-digit integer"),
     (struct.pack("<4I", ds4k.MAGIC, 2, 1, 2) + bytes(32) + b"{}", ds4k.AUTH_FAILED,
      ["has no auth token"]),
 ])

@@ -443,6 +443,7 @@ def test_cli_prefill_cap_is_the_chunk_the_payload_records(cli, ref, model_path, 
     ["decode", "-n", "4"],
     ["decode", "--load-kv", "x", "--recv-kv", "7000"],
     ["decode", "--load-kv", "x", "--max-kv-bytes", "lots"],
+    ["decode", "--load-kv", "x", "--max-kv-bytes", "inf"],  # (float('inf') overflows int())
 ])
 def test_cli_bad_options(cli, args):
     r = cli(*args)

@@ -94,6 +94,8 @@ class Manifest:
             obj = json.loads(text)
         except (UnicodeDecodeError, json.JSONDecodeError) as e:
             raise ValueError(f"manifest is not UTF-8 JSON ({e})") from None
+        except ValueError as e:  # json's own limits, e.g. an integer of over 4300 digits
+            raise ValueError(f"manifest: a value JSON cannot read ({e})") from None
         if not isinstance(obj, dict):
             raise ValueError("manifest is not a JSON object")
         for key in ("payload_bytes", "n_tokens", "ctx", "version", "created"):
