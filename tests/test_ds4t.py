@@ -367,6 +367,7 @@ def test_mutated_frames_are_refused_or_decoded_within_limits(frame, data):
     (h("43345344 0d000000 10000000 0000000000000000 40000000 00000000"), "prefill_cap"),
     (h("43345344 11000000 0c000000 0000000000000000 02000000"), "status"),
     (h("43345344 0a000000 14000000 00000000 03000000") + bytes(12), "vocab_first"),
+    (h("43345344 0a000000 14000000 f4010000 03000000") + bytes(12), "count"),  # the part from 500 has 501
     (h("43345344 05000000 04000000 00000000"), "bytes"),
     (h("43345344 07000000 00000000"), "type"),  # RDMA_INFO: not DS4
     (h("54345344 05000000 00000000"), "magic"),  # a hello's magic

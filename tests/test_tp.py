@@ -496,6 +496,28 @@ def test_the_leader_refuses_hashes_it_did_not_ask_for(engines, monkeypatch):
             tp_run(tp, PROMPT[:4], 1)
 
 
+def test_the_leader_refuses_logits_for_a_command_that_has_none(engines, monkeypatch):
+    """A worker's LOGITS for a command that left the leader's logits whole (a rewind to where
+    the session already is) is a protocol error; the leader used to append them, giving a row
+    of one and a half vocabularies."""
+    from ds4.engine import Session
+
+    rewind = Session.rewind
+
+    def rewind_and_send(self, pos):  # (the worker: new logits make it send them)
+        rewind(self, pos)
+        if self._logits is not None:
+            self._logits = self._logits.copy()
+
+    lead, work = engines.get("reference", "exact", 0), engines.get("reference", "exact", 1)
+    with threaded_pair(lead, work, CTX, check_worker=False) as tp:
+        s = tp.session()
+        s.sync(PROMPT[:4])
+        monkeypatch.setattr(Session, "rewind", rewind_and_send)
+        with pytest.raises(Exception, match="logits for a command that has none"):
+            s.rewind(4)
+
+
 def test_session_prefill_cap_reaches_the_worker(engines):
     lead, work = engines.get("reference", "exact", 0), engines.get("reference", "exact", 1)
     one = engines.get("reference", "exact", None).session(ctx=CTX, prefill_cap=4)

@@ -265,7 +265,9 @@ class TPSession(Session):
         if pair.debug_hash:
             _compare_hashes(mine, theirs, len(self._tokens))
         if worker_logits is not None:
-            if self._logits is None:
+            # (a command with logits leaves the leader's part here, short of the vocabulary; a
+            # no-op one, such as a rewind to where the session is, leaves them whole)
+            if self._logits is None or self._logits.size + worker_logits.size != self.engine.config.n_vocab:
                 raise ds4t.DS4TError("LOGITS", "the worker sent logits for a command that has none")
             self._logits = np.concatenate([self._logits, worker_logits])
         elif self._logits is not None and self._logits.size != self.engine.config.n_vocab:

@@ -249,10 +249,13 @@ class Logits:
     def decode(cls, buf: memoryview, limits: Limits) -> "Logits":
         first, count = cls.FIXED.unpack_from(buf)
         parts = limits.worker_vocab_parts()
-        if parts.get(first) != count:
+        if first not in parts:
             want = ", ".join(f"{f}+{c}" for f, c in parts.items())
             raise DS4TError("vocab_first", f"LOGITS for rows {first}+{count} is not a worker's "
                             f"vocab part ({want})")
+        if parts[first] != count:
+            raise DS4TError("count", f"LOGITS for rows {first}+{count}: the worker's part from row {first} "
+                            f"has {parts[first]} rows")
         stated = (len(buf) - cls.FIXED.size) // F32.itemsize
         if stated != count:
             raise DS4TError("count", f"LOGITS says {count} floats, its length holds {stated}")
