@@ -599,6 +599,31 @@ def test_control_channel_round_trip_and_stall(pair):
     assert e.value.field == "timeout" and time.monotonic() - t0 < 0.2 + SLACK
 
 
+def test_a_large_frame_may_take_longer_than_the_io_timeout(pair, monkeypatch):
+    """A frame's bytes get the io timeout plus their size at MIN_FRAME_RATE (a STATE frame is a
+    whole session): here, at a rate patched down to 200 bytes a second, a SYNC trickled over
+    2.5 io timeouts arrives, where one io timeout for the whole frame cut it off."""
+    from ds4.wire.ds4t import channels
+
+    monkeypatch.setattr(channels, "MIN_FRAME_RATE", 200)
+    work = ds4t.ControlChannel(pair[1], LIMITS, ds4t.Role.LEADER, io_timeout=0.2)
+    wire = ds4t.pack_frame(ds4t.Sync(1, np.arange(64)))
+    assert work.allowance(len(wire)) > 1.3  # (0.2 s + 280 bytes at 200 bytes a second)
+
+    def trickle():
+        for i in range(0, len(wire), len(wire) // 4 + 1):
+            pair[0].sendall(wire[i:i + len(wire) // 4 + 1])
+            time.sleep(0.15)
+
+    t = threading.Thread(target=trickle)
+    t.start()
+    try:
+        got = work.recv(idle_timeout=1)
+    finally:
+        t.join()
+    assert isinstance(got, ds4t.Sync) and got.tokens.tolist() == list(range(64))
+
+
 def test_an_idle_worker_waits_past_the_io_timeout(pair):
     work = ds4t.ControlChannel(pair[1], LIMITS, ds4t.Role.LEADER, io_timeout=0.05)
     timer = threading.Timer(0.3, lambda: pair[0].sendall(FRAMES[4][2]))  # STOP, after 6 io timeouts

@@ -6,6 +6,7 @@ shared-secret proof that runs right after the hellos when FLAG_AUTH is set.
 
 from __future__ import annotations
 
+import contextlib
 import select
 import socket
 import time
@@ -15,6 +16,11 @@ from .. import auth
 from .base import FLAG_AUTH, FRAME_HEADER, HELLO, PROTOCOL, DS4TClosed, DS4TError
 from .frames import Frame, Limits, pack_frame, read_frame
 from .hello import Hello, Role, check_peer
+
+# the slowest a frame's bytes may move past the io timeout: a STATE frame carries a whole session
+# (gigabytes at a long context on the real model), which no fixed timeout fits (as DS4K's
+# payload, whose deadline grows the same way)
+MIN_FRAME_RATE = 1 << 20  # bytes a second
 
 
 def _tls_pending(sock: socket.socket) -> bool:
@@ -60,20 +66,30 @@ class ControlChannel:
         self.peer_role = Role(peer_role)
         sock.settimeout(io_timeout)  # sends
 
+    def allowance(self, nbytes: int) -> float:
+        """Seconds a frame of nbytes may take: the io timeout, plus its bytes at MIN_FRAME_RATE."""
+        return self.io_timeout + nbytes / MIN_FRAME_RATE
+
     def send(self, frame: Frame) -> None:
+        data = pack_frame(frame)
+        allowed = self.allowance(len(data))
         try:
-            self.sock.sendall(pack_frame(frame))
+            self.sock.settimeout(allowed)  # (sendall's timeout covers the whole frame)
+            self.sock.sendall(data)
         except TimeoutError:
-            raise DS4TClosed("timeout", f"sending {frame.TYPE.name}: the peer did not read it "
-                             f"within {self.io_timeout:g} s") from None
+            raise DS4TClosed("timeout", f"sending {frame.TYPE.name}: the peer did not read its {len(data)} bytes "
+                             f"within {allowed:g} s") from None
         except OSError as e:
             raise DS4TClosed("eof", f"sending {frame.TYPE.name}: {e}") from None
+        finally:
+            with contextlib.suppress(OSError):  # (a socket the failure closed)
+                self.sock.settimeout(self.io_timeout)
 
     def recv(self, idle_timeout: float | None = None) -> Frame:
         """The next frame. The header may take `idle_timeout` (None: a worker idles until the
-        leader sends or closes); the rest of the frame must follow within the io timeout."""
+        leader sends or closes); the rest of the frame must follow within its allowance."""
         head = recv_exact(self.sock, FRAME_HEADER.size, idle_timeout, "control frame header")
-        return read_frame(lambda n: recv_exact(self.sock, n, self.io_timeout, "control frame"),
+        return read_frame(lambda n: recv_exact(self.sock, n, self.allowance(n), "control frame"),
                           self.limits, header=bytes(head), sender=self.peer_role)
 
 
