@@ -873,3 +873,25 @@ def test_gloo_gates_equal_tcp_gates_bit_for_bit(engines, model, tmp_path):
             dist.destroy_process_group()
     assert got[1] == want[1]
     assert np.array_equal(got[0], want[0]) and np.array_equal(got[2], want[2])
+
+
+@pytest.mark.parametrize("word, field, got, want", [
+    (1, "layer", "layer 3", "expected 2"),
+    (2, "gate", "gate 1", "expected 0"),
+    (3, "seq", "seq 8", "expected 7"),
+    (5, "rows", "rows 5", "expected 4"),
+    (6, "rank", "rank 0", "expected 1"),
+])
+def test_a_torch_gate_record_names_the_field_that_differs(word, field, got, want):
+    """The torch transport's record header: a desync names the field whose word differs, with
+    both values (it used to say "gate" for every field, and print a bare list)."""
+    from ds4.tp.partner import check_record_header
+    from ds4.wire import ds4t
+
+    mine = [ds4t.GATE_MAGIC, 2, 0, 7, 0, 4, 1, 0]  # layer 2, gate 0, seq 7, 4 rows, rank 1
+    theirs = list(mine)
+    theirs[word] += 1 if word != 6 else -1
+    check_record_header(list(mine), mine, 1)
+    with pytest.raises(ds4t.GateDesync, match=f"rank 1's record has {got}, {want}") as e:
+        check_record_header(theirs, mine, 1)
+    assert e.value.field == field

@@ -110,6 +110,22 @@ class WirePartner(_Base):
         self.channel.sock.close()
 
 
+# the words of an all-gathered record's header (TorchPartner._header) and the field each is
+RECORD_FIELDS = ("magic", "layer", "gate", "seq", "seq", "rows", "rank", "reserved")
+
+
+def check_record_header(head: list[int], want: list[int], rank: int) -> None:
+    """GateDesync naming the first field of rank's record header that differs from want's, with
+    both values (the words of TorchPartner._header; seq in two halves)."""
+    for word, (got, exp) in enumerate(zip(head, want)):
+        if got != exp:
+            field = RECORD_FIELDS[word]
+            if field == "seq":
+                got, exp = head[3] | (head[4] << 31), want[3] | (want[4] << 31)
+            raise ds4t.GateDesync(field, f"gate desync: rank {rank}'s record has {field} {got}, expected {exp} "
+                                  f"(layer {want[1]}, gate {want[2]}, seq {want[3] | (want[4] << 31)})")
+
+
 class TorchPartner(_Base):
     """Gates through a torch.distributed process group of two ranks (NCCL or gloo)."""
 
@@ -195,12 +211,7 @@ class TorchPartner(_Base):
         for r, head in enumerate(heads):
             want = self._header(il, gate, rows)
             want[6] = r
-            if head != want:
-                got = ds4t.GateHeader(head[1], ds4t.Gate(head[2]) if head[2] in (0, 1) else head[2],
-                                      head[3] | (head[4] << 31), head[5], head[6])
-                exp = ds4t.GateHeader(il, ds4t.Gate(int(gate)), self.seq, rows, r)
-                raise ds4t.GateDesync("gate", f"gate desync: expected {exp.describe()}, rank {r} "
-                                      f"sent {got.describe() if isinstance(got.gate, ds4t.Gate) else head}")
+            check_record_header(head, want, r)
         return both[:, HEADER_WORDS:].reshape(ds4t.N_RANK, rows, width)
 
     def close(self) -> None:
