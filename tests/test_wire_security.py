@@ -79,12 +79,17 @@ def test_client_proves_only_after_the_server_did():
 
 
 def test_token_sources_and_warnings(tmp_path):
+    long, env = "s3cret-0123456789abcdef", "env-0123456789abcdef"
     f = tmp_path / "token"
-    f.write_text("  s3cret\n")
+    f.write_text(f"  {long}\n")
     f.chmod(0o600)
-    assert auth.resolve_token(token_file=f, environ={"DS4_WIRE_TOKEN": "env"}) == ("s3cret", [])
-    assert auth.resolve_token(environ={"DS4_WIRE_TOKEN": "env"}) == ("env", [])
+    assert auth.resolve_token(token_file=f, environ={"DS4_WIRE_TOKEN": env}) == (long, [])
+    assert auth.resolve_token(environ={"DS4_WIRE_TOKEN": env}) == (env, [])
     assert auth.resolve_token(environ={}) == (None, [])
+    # a short secret loads, with a warning naming its length and the fix
+    token, warnings = auth.resolve_token(environ={"DS4_WIRE_TOKEN": "s3cret"})
+    assert token == "s3cret" and len(warnings) == 1
+    assert "is 6 bytes" in warnings[0] and f"at least {auth.MIN_TOKEN_BYTES}" in warnings[0]
     for file in (None, f):  # a secret on the command line is refused, with or without a file
         with pytest.raises(ValueError, match="--auth-token: a secret on the command line .* --auth-token-file"):
             auth.resolve_token(token_file=file, argv_token="argv", environ={"DS4_WIRE_TOKEN": "env"})
@@ -112,7 +117,7 @@ def test_cli_reads_the_token_file_and_refuses_argv(tmp_path):
     app = typer.Typer()
     register(app)
     f = tmp_path / "token"
-    f.write_text("tok")
+    f.write_text("tok-0123456789abcdef")
     f.chmod(0o600)
     runner = CliRunner()
     r = runner.invoke(app, ["kv-send", str(tmp_path / "none.dsv4"), "127.0.0.1:9",

@@ -45,6 +45,9 @@ CLIENT_LABEL = b"ds4 wire auth v2 client\0"
 TOKEN_ENV = "DS4_WIRE_TOKEN"
 # A token file is a secret, not a document: anything larger is the wrong file.
 MAX_TOKEN_FILE_BYTES = 4096
+# a secret shorter than this is warned about: a server proves it first, over a nonce the client
+# chose, so anyone who can connect may take a proof away and guess a short secret offline
+MIN_TOKEN_BYTES = 16
 
 
 class AuthError(Exception):
@@ -165,8 +168,12 @@ def resolve_token(*, token_file: str | os.PathLike | None = None, argv_token: st
         token, warning = read_token_file(token_file)
         if warning:
             warnings.append(warning)
-        return token, warnings
-    token = environ.get(TOKEN_ENV) or None
+    else:
+        token = environ.get(TOKEN_ENV) or None
+    if token is not None and len(token.encode()) < MIN_TOKEN_BYTES:
+        warnings.append(f"the auth token is {len(token.encode())} bytes: anyone who can connect may take a "
+                        f"proof of it away and guess a short one offline; use at least {MIN_TOKEN_BYTES} "
+                        "random bytes (e.g. `openssl rand -hex 32`)")
     return token, warnings
 
 
