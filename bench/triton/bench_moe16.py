@@ -1,7 +1,7 @@
 """One routed-MoE prefill layer at DS4 Flash's shapes on the Triton backend: the IQ2_XXS gate/up
 and Q2_K down experts through `backend.moe` (under bf16x3 the integer kernels: the gate/up on fp16
-tensor cores, kernels_mm16.py, the down on int8 ones, kernels_mm8.py), timed per kernel, with the layer's output checked against a float64 evaluation from
-gguf-py's dequantisation on a few tokens.
+tensor cores, kernels_mm16.py, the down on int8 ones, kernels_mm8.py), timed per kernel, with the
+layer's output checked against a float64 evaluation from gguf-py's dequantisation on a few tokens.
 
 Fewer experts than the model's 256 keep the weights small; the default 32 experts with 256
 tokens of 6 slots give an expert 48 assignments on average, as a 2048-token chunk does with 256.
@@ -20,11 +20,13 @@ import argparse
 import csv
 import json
 import os
+import sys
 import time
 
 import numpy as np
 import torch
 from gguf import GGMLQuantizationType as GQT
+from torch.profiler import ProfilerActivity, profile
 from gguf import quants as gq
 
 from ds4.backends.triton.backend import TritonBackend
@@ -32,6 +34,9 @@ from ds4.core.gguf_model import Tensor
 from ds4.core.quants import GGMLType as T
 from ds4.core.quants import random_blocks
 from ds4.core.tiny import preset_config
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # (run as a script or imported by path)
+from settings import check_settings  # noqa: E402
 
 LAYER = 4  # whose SwiGLU clamp the layer takes
 PROFILED_CALLS = 10
@@ -79,9 +84,7 @@ def main() -> None:
 
     variants = {"base": {}, **json.loads(a.variants)}
     for name, attrs in variants.items():  # every setting exists before anything is measured
-        for attr in attrs:
-            if not hasattr(be, attr):
-                raise SystemExit(f"--variants {name}: the backend has no setting {attr!r}")
+        check_settings(be, attrs, f"--variants {name}")
     base = {attr: getattr(be, attr) for attrs in variants.values() for attr in attrs}
     X = x.double().cpu().numpy()
     clamp = float(be.cfg.swiglu_clamp[LAYER])
@@ -109,8 +112,6 @@ def main() -> None:
         print(f"[{name}] kernels:", " ".join(kernels), flush=True)
         if dev != "cuda":
             continue
-        from torch.profiler import ProfilerActivity, profile
-
         layer()
         torch.cuda.synchronize()
         with profile(activities=[ProfilerActivity.CUDA]) as prof:
