@@ -138,6 +138,19 @@ def _tile_order(q, BN: tl.constexpr, NG: tl.constexpr):
 
 
 @triton.jit
+def _split_chunk(x_ptr, sx, R, BR: tl.constexpr):
+    """A split kernel's block of x [R, K] (row stride sx): rows [BR·program 0, +BR) of the
+    256-value chunk c = program 1 -> (the rows as int64, their mask, c, the chunk's K offsets,
+    the values [BR, 256], zero past row R)."""
+    r = tl.program_id(0) * BR + tl.arange(0, BR)
+    rm = r < R
+    c = tl.program_id(1)
+    k = c * 256 + tl.arange(0, 256)
+    r64 = r.to(tl.int64)
+    return r64, rm, c, k, tl.load(x_ptr + r64[:, None] * sx + k[None, :], mask=rm[:, None], other=0.0)
+
+
+@triton.jit
 def split16_kernel(x_ptr, sx, xh_ptr, xl_ptr, xi_ptr, gh_ptr, gl_ptr, R, K,
                    BR: tl.constexpr, SUMS: tl.constexpr, LO: tl.constexpr = True):
     """Rows [BR·program, +BR) and chunk c = program 1 of x [R, K] (row stride sx):
@@ -146,12 +159,7 @@ def split16_kernel(x_ptr, sx, xh_ptr, xl_ptr, xi_ptr, gh_ptr, gl_ptr, R, K,
     SUMS: also the 16-value sums of x·s, divided by 16 (so they stay below 2^15), as gh + gl
     [R, K/16] fp16: the Q2_K min term multiplies them. LO False: xh (and gh) alone, x·s rounded
     once to fp16 (the "f16" prefill precision); xl and gl are not written."""
-    r = tl.program_id(0) * BR + tl.arange(0, BR)
-    rm = r < R
-    c = tl.program_id(1)
-    k = c * 256 + tl.arange(0, 256)
-    r64 = r.to(tl.int64)
-    x = tl.load(x_ptr + r64[:, None] * sx + k[None, :], mask=rm[:, None], other=0.0)
+    r64, rm, c, k, x = _split_chunk(x_ptr, sx, R, BR)
     s, inv = _pow2_scale(tl.max(tl.abs(x), axis=1))
     xs = x * s[:, None]  # exact: a power of two
     hi, lo = _hi_lo(xs)

@@ -35,7 +35,7 @@ import triton
 import triton.language as tl
 
 from .kernels.common import _dot16, _hi_lo, _ld4
-from .kernels_mm16 import _join4, _join8, _q2k_mins, _q2k_scales, _tile_rows
+from .kernels_mm16 import _join4, _join8, _q2k_mins, _q2k_scales, _split_chunk, _tile_rows
 
 X8_MAX = tl.constexpr(8355711.0)  # 127·(65536 + 256 + 1): q whose top digit (base 256, signed) is 127
 X8_MAX2 = tl.constexpr(32639.0)  # 127·(256 + 1): the same with two digits
@@ -89,12 +89,7 @@ def split8_kernel(x_ptr, sx, p0_ptr, p1_ptr, p2_ptr, xi_ptr, gh_ptr, gl_ptr, R, 
     chunk); and the 16-value sums of q over G8_SHIFT (G8_SHIFT2) as gh + gl [R, K/16] fp16
     (_hi_lo: to 2^-22 of each sum; exactly with two digits), which the min term multiplies."""
     QMAX, GSHIFT = _q_max(PLANES)
-    r = tl.program_id(0) * BR + tl.arange(0, BR)
-    rm = r < R
-    c = tl.program_id(1)
-    k = c * 256 + tl.arange(0, 256)
-    r64 = r.to(tl.int64)
-    x = tl.load(x_ptr + r64[:, None] * sx + k[None, :], mask=rm[:, None], other=0.0)
+    r64, rm, c, k, x = _split_chunk(x_ptr, sx, R, BR)
     mx = tl.max(tl.abs(x), axis=1)
     # s at most 2^126, so that it stays finite for a chunk of tiny values (whose q then stay
     # below QMAX) and 1/s normal
