@@ -74,9 +74,8 @@ def chat(
     with library_errors():
         check_prefill_cap(prefill_cap, ctx)
     eng = open_engine(model, backend, numerics)
-    with library_errors():  # (the vocabulary is read here, on first use)
-        tok = eng.tokenizer
     with library_errors():
+        tok = eng.tokenizer  # (the vocabulary is read here, on first use)
         if ctx > eng.config.context_length:
             raise ValueError(f"--ctx {ctx} is more than the model's context_length "
                              f"{eng.config.context_length}")

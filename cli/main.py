@@ -315,9 +315,8 @@ def generate(
 def _generate(eng, prompt, n, params, rng, seed, nothink, system, ctx, prefill_cap=None, backend_note=None) -> None:
     from ds4.core.chat import encode_prompt
 
-    with library_errors():  # (the vocabulary is read here, on first use)
-        tok = eng.tokenizer
     with library_errors():
+        tok = eng.tokenizer  # (the vocabulary is read here, on first use)
         if ctx > eng.config.context_length:
             raise CLIError(f"--ctx {ctx} is more than the model's context_length "
                            f"{eng.config.context_length}")

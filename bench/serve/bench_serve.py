@@ -239,7 +239,7 @@ def main() -> None:
                    "head_cost_decode": 1 - s_dec / g_dec, "raw": syn}
         slug = re.sub(r"[^A-Za-z0-9]+", "-", f"{device}-{args.synthetic}").strip("-").lower()
         out = Path(args.out)
-        with atomic_file((out / f"results-{slug}.json"), "w", private=False) as f:
+        with atomic_file(out / f"results-{slug}.json", "w", private=False) as f:
             f.write(json.dumps(summary, indent=2) + "\n")
         with atomic_file(out / f"results-{slug}.csv", "w", private=False) as f:
             w = csv.writer(f)
@@ -292,7 +292,7 @@ def main() -> None:
                "head_cost_decode": 1 - s_dec / g_dec, "raw": {"generate_cli": gens, "generate": libs, "serve": serves}}
     slug = re.sub(r"[^A-Za-z0-9]+", "-", device).strip("-").lower()
     out = Path(args.out)
-    with atomic_file((out / f"results-{slug}.json"), "w", private=False) as f:
+    with atomic_file(out / f"results-{slug}.json", "w", private=False) as f:
         f.write(json.dumps(summary, indent=2) + "\n")
     with atomic_file(out / f"results-{slug}.csv", "w", private=False) as f:
         w = csv.writer(f)

@@ -61,8 +61,9 @@ class TPRefused(TPError):
 
 
 class TPClosed(TPError):
-    """The leader closed a connection before its handshake ended (not listening, busy, or it
-    dropped the connection for a newer one): joining again may succeed."""
+    """The leader's end of a connection closed or went silent before its handshake ended (not
+    listening, busy, dropping it for a newer one, or past the io timeout): joining again may
+    succeed."""
 
 
 @dataclass

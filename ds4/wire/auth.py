@@ -170,10 +170,11 @@ def resolve_token(*, token_file: str | os.PathLike | None = None, argv_token: st
             warnings.append(warning)
     else:
         token = environ.get(TOKEN_ENV) or None
-    if token is not None and len(token.encode()) < MIN_TOKEN_BYTES:
-        warnings.append(f"the auth token is {len(token.encode())} bytes: anyone who can connect may take a "
-                        f"proof of it away and guess a short one offline; use at least {MIN_TOKEN_BYTES} "
-                        "random bytes (e.g. `openssl rand -hex 32`)")
+    size = len(token.encode()) if token is not None else None
+    if size is not None and size < MIN_TOKEN_BYTES:
+        warnings.append(f"the auth token is {size} bytes: anyone who can connect may take a proof of it "
+                        f"away and guess a short one offline; use at least {MIN_TOKEN_BYTES} random bytes "
+                        "(e.g. `openssl rand -hex 32`)")
     return token, warnings
 
 

@@ -154,7 +154,7 @@ class Receiver:
                     continue
                 t = threading.Thread(target=serve, args=(conn, peer, holder), daemon=True,
                                      name=f"ds4k-{peer}")
-                threads[:] = [x for x in threads if x.is_alive()]  # (one a connection ever accepted: bounded)
+                threads[:] = [x for x in threads if x.is_alive()]  # (finished ones go: the list stays bounded)
                 threads.append(t)
                 t.start()
         finally:
