@@ -16,12 +16,12 @@ K-step is that one stacked product alone, but h is then held only to 2^-16 of it
 largest value, which at the real shapes put layer outputs past the accuracy bound the
 correctness harness asks for (bench/triton/README.md, "What was tried").
 
-Why: Nsight put the fp16 down at 80 % of the L1 / shared-memory throughput and 21 % of the tensor
-pipe. Here the decoded tile is one byte a value instead of two (half the shared-memory stores
-and half the bytes each product reads of it), the tile of h 3 bytes a value instead of 4, an
-int8 product runs at twice the fp16 rate, and the decoder's work is one integer multiply per 4
-values (sc times 4 two-bit fields, no carries between bytes), where the fp16 decoder spends
-about one instruction a value. The epilogue, three accumulators to float per super-block, costs
+Why: the fp16 down is bound by its L1 / shared-memory traffic, not by the tensor cores (Nsight,
+bench/triton/README.md "What was tried"). Here the decoded tile is one byte a value instead of
+two (half the shared-memory stores and half the bytes each product reads of it), the tile of h
+3 bytes a value instead of 4, an int8 product runs at twice the fp16 rate, and the decoder's
+work is one integer multiply per 4 values (sc times 4 two-bit fields, no carries between
+bytes), where the fp16 decoder spends about one instruction a value. The epilogue, three accumulators to float per super-block, costs
 back part of that.
 
 The min term dmin·Σ_s m_s·(Σ_{k∈s} h_k) stays a K = 16 fp16 product of the integers m ≤ 15 with
