@@ -895,3 +895,67 @@ def test_a_torch_gate_record_names_the_field_that_differs(word, field, got, want
     with pytest.raises(ds4t.GateDesync, match=f"rank 1's record has {got}, {want}") as e:
         check_record_header(theirs, mine, 1)
     assert e.value.field == field
+
+
+_CHUNK_RANK = """
+import sys
+from datetime import timedelta
+
+import numpy as np
+import torch.distributed as dist
+
+from ds4.core.tp_split import Gate
+from ds4.tp.partner import TorchPartner
+from ds4.wire import ds4t
+
+rank, port, rows = int(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3])
+store = dist.TCPStore("127.0.0.1", port, 2, rank == 0, timeout=timedelta(seconds=30))
+dist.init_process_group("gloo", store=store, rank=rank, world_size=2, timeout=timedelta(seconds=30))
+
+
+class Host:
+    @staticmethod
+    def to_numpy(x):
+        return x
+
+    @staticmethod
+    def from_numpy(x):
+        return x
+
+
+p = TorchPartner(rank, "cpu")
+try:
+    p.begin_chunk(7, rows, True)
+    p.gate(Host, 0, Gate.ATTN, np.full((rows, 4), rank + 1.0, np.float32))
+    print("summed")
+except ds4t.GateDesync as e:
+    print("desync", e.field, e, flush=True)
+p.close()
+"""
+
+
+@pytest.mark.skipif(not HAS_TORCH, reason="needs torch")
+@pytest.mark.parametrize("rows1", [3, 4])
+def test_torch_ranks_whose_chunks_differ_stop_before_a_gate(tmp_path, rows1):
+    """Two gloo ranks, the second's chunk one row longer: both name the rows before any gate
+    (an all-gather of unequal sizes aborted both processes inside gloo); equal chunks sum."""
+    import subprocess
+    import sys
+
+    script = tmp_path / "rank.py"
+    script.write_text(_CHUNK_RANK)
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([os.path.dirname(os.path.dirname(ds4.__file__)),
+                                                       os.environ.get("PYTHONPATH", "")]))
+    procs = [subprocess.Popen([sys.executable, str(script), str(r), str(port), str(rows)],
+                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
+             for r, rows in ((0, 3), (1, rows1))]
+    outs = [p.communicate(timeout=120)[0] for p in procs]
+    assert [p.returncode for p in procs] == [0, 0], outs
+    if rows1 == 3:
+        assert all(o.strip().endswith("summed") for o in outs), outs
+    else:
+        for o in outs:
+            assert "desync rows" in o and "chunk has rows" in o, outs

@@ -22,7 +22,7 @@ class Partner(Protocol):
     sum the ranks' partial sublayer outputs. Ranks on different backends also take the
     leader's routing (`routing`) and hidden state (`adopt`), which same-backend ranks already
     compute bit for bit (wire.md §2); `layer_done` sees the hidden state after each layer (the
-    --debug-hash check). None in the graph's arguments = one rank, the whole model."""
+    --debug-hash check); `begin_chunk` comes before a chunk's first gate. None in the graph's arguments = one rank, the whole model."""
 
     def gate(self, be, il: int, gate: Gate, partial) -> Any: ...
 
@@ -31,6 +31,8 @@ class Partner(Protocol):
     def adopt(self, be, il: int, gate: Gate, X) -> Any: ...
 
     def layer_done(self, be, il: int, X) -> None: ...
+
+    def begin_chunk(self, p0: int, rows: int, logits: bool) -> None: ...
 
 
 def attention_sublayer(be, L: LayerWeights, st, X, p0: int, tp: Partner | None = None):
@@ -106,6 +108,8 @@ def forward_chunk(be, w: ModelWeights, states: dict, tokens: np.ndarray, p0: int
     """Embed, all layers, and (optionally) the logits of the chunk's last token (a tensor-parallel
     rank: of its vocabulary part)."""
     be.begin_chunk(states, tokens, p0, logits)
+    if tp is not None:
+        tp.begin_chunk(p0, len(tokens), logits)
     X = be.embed(w.token_embd, tokens)
     X = run_layers(be, w, states, X, tokens, p0, range(w.cfg.n_layer), tp)
     return be.output_logits(X, w.output_hc, w.output_norm, w.output) if logits else None

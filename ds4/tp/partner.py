@@ -12,7 +12,9 @@ each runs.
 
 Both count gate records with the same `seq` (from 1, one per record) and check the peer's
 layer, gate, seq and row count before using its partial: a mismatch is a gate desync, never a
-silently wrong sum. A `canonical` partner (ranks on different backends) also swaps the ROUTE
+silently wrong sum. The torch transport first all-gathers a chunk record (position, rows) before
+a chunk's gates, since an all-gather whose sizes differ between the ranks fails no better than by
+aborting or hanging. A `canonical` partner (ranks on different backends) also swaps the ROUTE
 and HIDDEN records, and the worker adopts the leader's. With `debug_hash` a partner records a
 hash of the hidden state after every layer, which the worker reports and the leader compares
 (--debug-hash).
@@ -81,6 +83,10 @@ class _Base:
         rows = self._leaders(il, Gate.HIDDEN, x.reshape(x.shape[0], -1))
         return X if self.rank == 0 else be.from_numpy(rows.reshape(x.shape))
 
+    def begin_chunk(self, p0: int, rows: int, logits: bool) -> None:
+        """Before a chunk's first gate (a WirePartner's records carry their row count, checked
+        before their rows are read)."""
+
     def layer_done(self, be, il: int, X) -> None:
         if self.debug_hash:
             self.hashes.append(LayerHash(self.seq, il, hidden_hash(be.to_numpy(X))))
@@ -112,6 +118,14 @@ class WirePartner(_Base):
 
 # the words of an all-gathered record's header (TorchPartner._header) and the field each is
 RECORD_FIELDS = ("magic", "layer", "gate", "seq", "seq", "rows", "rank", "reserved")
+# the torch transport's chunk record (TorchPartner._chunk_header), all-gathered before a chunk's
+# first gate; not a wire record
+CHUNK_MAGIC = 0x44533448  # "DS4H"
+CHUNK_FIELDS = ("magic", "p0", "p0", "rows", "logits", "seq", "seq", "rank")
+
+
+def _two_halves(head: list[int], word: int) -> int:
+    return head[word] | (head[word + 1] << 31)
 
 
 def check_record_header(head: list[int], want: list[int], rank: int) -> None:
@@ -121,9 +135,22 @@ def check_record_header(head: list[int], want: list[int], rank: int) -> None:
         if got != exp:
             field = RECORD_FIELDS[word]
             if field == "seq":
-                got, exp = head[3] | (head[4] << 31), want[3] | (want[4] << 31)
+                got, exp = _two_halves(head, 3), _two_halves(want, 3)
             raise ds4t.GateDesync(field, f"gate desync: rank {rank}'s record has {field} {got}, expected {exp} "
-                                  f"(layer {want[1]}, gate {want[2]}, seq {want[3] | (want[4] << 31)})")
+                                  f"(layer {want[1]}, gate {want[2]}, seq {_two_halves(want, 3)})")
+
+
+def check_chunk_header(head: list[int], want: list[int], rank: int) -> None:
+    """GateDesync naming the first field of rank's chunk record (TorchPartner._chunk_header)
+    that differs from want's, with both values."""
+    for word, (got, exp) in enumerate(zip(head, want)):
+        if got != exp:
+            field = CHUNK_FIELDS[word]
+            if field in ("p0", "seq"):
+                first = CHUNK_FIELDS.index(field)
+                got, exp = _two_halves(head, first), _two_halves(want, first)
+            raise ds4t.GateDesync(field, f"gate desync: rank {rank}'s chunk has {field} {got}, expected {exp} "
+                                  f"(chunk at position {_two_halves(want, 1)} of {want[3]} rows)")
 
 
 class TorchPartner(_Base):
@@ -177,6 +204,31 @@ class TorchPartner(_Base):
         return [ds4t.GATE_MAGIC, il, int(gate), self.seq & 0x7FFFFFFF, self.seq >> 31,
                 rows, self.rank, 0]
 
+    def _chunk_header(self, p0: int, rows: int, logits: bool) -> list[int]:
+        return [CHUNK_MAGIC, p0 & 0x7FFFFFFF, p0 >> 31, rows, int(logits),
+                self.seq & 0x7FFFFFFF, self.seq >> 31, self.rank]
+
+    def begin_chunk(self, p0: int, rows: int, logits: bool) -> None:
+        """Both ranks' chunks checked alike before any gate: an all-gather of unequal sizes
+        is no error the group can report (gloo aborts the process, NCCL waits out its timeout),
+        and a gate's record size follows from the chunk's rows. One record of HEADER_WORDS a
+        chunk, so a decode step pays one small collective."""
+        torch = self.torch
+        mine = torch.tensor(self._chunk_header(p0, rows, logits), dtype=torch.int32,
+                            device=self.device).view(torch.float32)
+        parts = [torch.empty_like(mine) for _ in range(ds4t.N_RANK)]
+        self._all_gather(parts, mine, f"chunk at position {p0} of {rows} rows")
+        for r, part in enumerate(parts):
+            want = self._chunk_header(p0, rows, logits)
+            want[7] = r
+            check_chunk_header(part.view(torch.int32).cpu().tolist(), want, r)
+
+    def _all_gather(self, parts, mine, what: str) -> None:
+        try:
+            self.torch.distributed.all_gather(parts, mine, group=self.group)
+        except Exception as e:  # (a dead or frozen peer: the group's timeout, or its error)
+            raise ds4t.DS4TClosed("gate", f"{what}: torch.distributed all-gather failed: {e}") from None
+
     def _swap(self, il: int, gate: Gate, mine: np.ndarray) -> np.ndarray:
         both = self._gather(il, gate, self.torch.from_numpy(mine).to(self.device))
         return both[1 - self.rank].cpu().numpy()
@@ -201,11 +253,7 @@ class TorchPartner(_Base):
             torch.tensor(self._header(il, gate, rows), dtype=torch.int32, device=self.device))
         mine[HEADER_WORDS:].copy_(x.reshape(-1))
         parts = [torch.empty_like(mine) for _ in range(ds4t.N_RANK)]
-        try:
-            self.torch.distributed.all_gather(parts, mine, group=self.group)
-        except Exception as e:  # (a dead or frozen peer: the group's timeout, or its error)
-            raise ds4t.DS4TClosed("gate", f"gate layer {il} {Gate(gate).name} seq {self.seq}: "
-                                   f"torch.distributed all-gather failed: {e}") from None
+        self._all_gather(parts, mine, f"gate layer {il} {Gate(gate).name} seq {self.seq}")
         both = torch.stack(parts)
         heads = both[:, :HEADER_WORDS].contiguous().view(torch.int32).cpu().tolist()
         for r, head in enumerate(heads):
