@@ -167,6 +167,21 @@ def test_anthropic_stream_nonstream_usage(an, oa, engine):
     assert an.messages.count_tokens(model="ds4", messages=msgs).input_tokens == len(ids)
 
 
+def test_top_p_zero_keeps_the_most_probable_token(oa, an, engine):
+    """top_p 0 at temperature 1 is the greedy reply in both APIs (the nucleus of mass 0 is the
+    top token; it was refused, and ds4's sampler reads it as off)."""
+    tok = engine.tokenizer
+    msgs = [{"role": "user", "content": "Hello"}]
+    want = tok.decode(greedy_ids(engine, chat_ids(tok, "Hello", think=False), N))
+    for seed in (1, 2):
+        r = oa.chat.completions.create(model="ds4", messages=msgs, max_tokens=N, temperature=1, top_p=0,
+                                       seed=seed, reasoning_effort="none")
+        assert r.choices[0].message.content == want
+        m = an.messages.create(model="ds4", max_tokens=N, messages=msgs,
+                               extra_body={"temperature": 1, "top_p": 0, "seed": seed})
+        assert m.content[0].text == want
+
+
 def test_anthropic_thinking_block(an, engine):
     tok = engine.tokenizer
     m = an.messages.create(model="ds4", max_tokens=N, extra_body=T0,
@@ -369,7 +384,7 @@ def test_invalid_requests_400(server, oa, an):
              ({"response_format": {"type": "json_object"}}, "response_format"),
              ({"logit_bias": {"5": 10}}, "logit_bias"), ({"presence_penalty": 0.5}, "presence_penalty"),
              ({"frequency_penalty": -1}, "frequency_penalty"),
-             ({"max_tokens": 100000}, "max_tokens"), ({"top_p": 0}, "top_p"),
+             ({"max_tokens": 100000}, "max_tokens"), ({"top_p": -0.1}, "top_p"),
              ({"messages": [{"role": "robot", "content": "x"}]}, "messages[0].role"),
              ({"messages": [{"role": "user", "content": [{"type": "image_url"}]}]}, "messages[0].content[0].type")]
     for extra, param in cases:

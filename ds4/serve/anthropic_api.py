@@ -20,12 +20,11 @@ from fastapi import FastAPI, Request
 from fastapi.responses import StreamingResponse
 from pydantic import BaseModel, ConfigDict, Field
 
-from ds4.core.sampling import SamplingParams
 
 from .driver import Failed, Finished, GenRequest, Token
 from .prompt import Conversation, Turn, add_turn
 from .reply import CONTENT, REASONING
-from .shared import (APIError, ServerState, bad, check_prompt, encode_conversation, encode_prompt,
+from .shared import (APIError, ServerState, api_sampling, bad, check_prompt, encode_conversation, encode_prompt,
                      engine_seed, events, first_event, got, max_tokens_for, parse, stops_from, submit)
 from .tools import ToolCall, ToolSpec, new_call_id
 
@@ -56,7 +55,7 @@ class MessagesRequest(_Prompt):
     max_tokens: int
     stop_sequences: Optional[list[str]] = None
     temperature: float = Field(1.0, ge=0.0, le=1.0)
-    top_p: float = Field(1.0, gt=0.0, le=1.0)
+    top_p: float = Field(1.0, ge=0.0, le=1.0)
     top_k: int = Field(0, ge=0)
     min_p: float = Field(0.05, ge=0.0, le=1.0)
     seed: Optional[int] = Field(None, ge=0)
@@ -294,7 +293,7 @@ def register(app: FastAPI, state: ServerState) -> None:
         prompt = await encode_prompt(state, conv, think)
         check_prompt(state, prompt, "messages")
         n = max_tokens_for(state, body.max_tokens, "max_tokens", None, len(prompt))
-        params = SamplingParams(body.temperature, body.top_k, body.top_p, body.min_p)
+        params = api_sampling(body.temperature, body.top_k, body.top_p, body.min_p)
         # (a continued reply is past its thinking: the prefilled turn closed it)
         req = GenRequest(prompt, n, params, engine_seed(body.seed), think=think and not conv.continue_last,
                          stops=stops_from(body.stop_sequences, "stop_sequences"), tools=body.tools_on)

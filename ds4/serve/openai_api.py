@@ -24,7 +24,7 @@ from ds4.core.sampling import SamplingParams
 from .driver import Failed, Finished, GenRequest, Token
 from .prompt import Conversation, Turn, add_turn
 from .reply import CONTENT, REASONING
-from .shared import (MAX_SEED, MAX_TOP_LOGPROBS, MIN_SEED, APIError, ServerState, bad, check_prompt,
+from .shared import (MAX_SEED, MAX_TOP_LOGPROBS, MIN_SEED, APIError, ServerState, api_sampling, bad, check_prompt,
                      check_text, encode_prompt, engine_seed, events, first_event, got, max_tokens_for,
                      parse, stops_from, submit)
 from .tools import ToolCall, ToolSpec
@@ -43,7 +43,7 @@ class _Sampling(BaseModel):
     stream_options: Optional[dict] = None
     max_tokens: Optional[int] = None
     temperature: float = Field(1.0, ge=0.0, le=2.0)
-    top_p: float = Field(1.0, gt=0.0, le=1.0)
+    top_p: float = Field(1.0, ge=0.0, le=1.0)
     top_k: int = Field(0, ge=0)
     min_p: float = Field(0.05, ge=0.0, le=1.0)
     seed: Optional[int] = Field(None, ge=MIN_SEED, le=MAX_SEED)
@@ -67,7 +67,7 @@ class _Sampling(BaseModel):
         return data
 
     def sampling(self) -> SamplingParams:
-        return SamplingParams(self.temperature, self.top_k, self.top_p, self.min_p)
+        return api_sampling(self.temperature, self.top_k, self.top_p, self.min_p)
 
     def check_unsupported(self) -> None:
         """Refuse what this server would otherwise ignore: more than one choice, a JSON or

@@ -12,6 +12,7 @@ from typing import TypeVar
 from pydantic import BaseModel, ValidationError
 
 from ds4.core.chat import THINK_MAX_MIN_CONTEXT, Part, encode_parts
+from ds4.core.sampling import SamplingParams
 
 from .driver import Driver, Failed, Finished, GenRequest, Job, QueueFull, Started, next_event
 from .prompt import Conversation, conversation_parts
@@ -163,6 +164,15 @@ def stops_from(value, param: str) -> list[str]:
     if len(stops) > MAX_STOP_SEQUENCES:
         raise bad(param, f"expected at most {MAX_STOP_SEQUENCES} stop sequences, got {len(stops)}")
     return [s for s in stops if s]
+
+
+def api_sampling(temperature: float, top_k: int, top_p: float, min_p: float) -> SamplingParams:
+    """A request's sampling as ds4's. Both APIs take top_p in [0, 1]; ds4 reads a top_p outside
+    (0, 1] as off, but the smallest set of tokens holding a mass of at least 0 is the most
+    probable one alone, so top_p 0 is top_k 1."""
+    if top_p == 0.0:
+        return SamplingParams(temperature, 1, 1.0, min_p)
+    return SamplingParams(temperature, top_k, top_p, min_p)
 
 
 def default_seed() -> int:
