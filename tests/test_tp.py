@@ -528,6 +528,37 @@ def test_session_prefill_cap_reaches_the_worker(engines):
         assert rel(s.logits, one.logits) <= EXACT_RTOL
 
 
+def test_each_chunk_is_announced_to_the_partner_before_its_gates(engines):
+    """forward_chunk tells the partner a chunk's position, rows and whether it has logits before
+    the chunk's first gate (the torch transport checks both ranks' chunk there): a 10-token prompt
+    in chunks of 4, then one decode step. The partner here is one rank's: its gates add nothing."""
+    from ds4.tp.partner import _Base
+
+    events = []
+
+    class Recorder(_Base):
+        def begin_chunk(self, p0, rows, logits):
+            events.append(("chunk", p0, rows, logits))
+
+        def gate(self, be, il, gate, partial):
+            events.append(("gate",))
+            return partial
+
+    eng = engines.get("reference", "exact", None)
+    eng.partner = Recorder(0)
+    try:
+        s = eng.session(ctx=CTX, prefill_cap=4)
+        s.sync(PROMPT[:10])
+        s.eval(PROMPT[10])
+    finally:
+        eng.partner = None
+    chunks = [e[1:] for e in events if e[0] == "chunk"]
+    assert chunks == [(0, 4, False), (4, 4, False), (8, 2, True), (10, 1, True)]
+    starts = [i for i, e in enumerate(events) if e[0] == "chunk"]
+    gates_per_chunk = [starts[i + 1] - starts[i] - 1 for i in range(len(starts) - 1)]
+    assert starts[0] == 0 and gates_per_chunk == [2 * eng.config.n_layer] * 3
+
+
 TRITON_CPU_OPT_IN = "DS4_TEST_TP_TRITON"
 
 
@@ -959,3 +990,25 @@ def test_torch_ranks_whose_chunks_differ_stop_before_a_gate(tmp_path, rows1):
     else:
         for o in outs:
             assert "desync rows" in o and "chunk has rows" in o, outs
+
+
+@pytest.mark.parametrize("word, field, got, want", [
+    (2, "p0", "p0 2147483652", "expected 4"),  # (the high half of a position over 31 bits)
+    (3, "rows", "rows 3", "expected 2"),
+    (4, "logits", "logits 0", "expected 1"),
+    (5, "seq", "seq 10", "expected 9"),
+    (6, "seq", "seq 2147483657", "expected 9"),
+])
+def test_a_torch_chunk_record_names_the_field_that_differs(word, field, got, want):
+    """The chunk record's words as TorchPartner._chunk_header writes them, by hand: magic, p0 in
+    two halves, rows, logits, seq in two halves, rank."""
+    from ds4.tp.partner import CHUNK_MAGIC, check_chunk_header
+    from ds4.wire import ds4t
+
+    mine = [CHUNK_MAGIC, 4, 0, 2, 1, 9, 0, 1]  # position 4, 2 rows, logits, seq 9, rank 1
+    theirs = list(mine)
+    theirs[word] += 1 if word not in (4,) else -1
+    check_chunk_header(list(mine), mine, 1)
+    with pytest.raises(ds4t.GateDesync, match=f"rank 1's chunk has {got}, {want}") as e:
+        check_chunk_header(theirs, mine, 1)
+    assert e.value.field == field

@@ -22,7 +22,8 @@ class Partner(Protocol):
     sum the ranks' partial sublayer outputs. Ranks on different backends also take the
     leader's routing (`routing`) and hidden state (`adopt`), which same-backend ranks already
     compute bit for bit (wire.md §2); `layer_done` sees the hidden state after each layer (the
-    --debug-hash check); `begin_chunk` comes before a chunk's first gate. None in the graph's arguments = one rank, the whole model."""
+    --debug-hash check); `begin_chunk` comes before a chunk's first gate (forward_chunk). None
+    in the graph's arguments = one rank, the whole model."""
 
     def gate(self, be, il: int, gate: Gate, partial) -> Any: ...
 

@@ -20,7 +20,6 @@ from fastapi import FastAPI, Request
 from fastapi.responses import StreamingResponse
 from pydantic import BaseModel, ConfigDict, Field
 
-
 from .driver import Failed, Finished, GenRequest, Token
 from .prompt import Conversation, Turn, add_turn
 from .reply import CONTENT, REASONING

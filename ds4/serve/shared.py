@@ -169,9 +169,10 @@ def stops_from(value, param: str) -> list[str]:
 def api_sampling(temperature: float, top_k: int, top_p: float, min_p: float) -> SamplingParams:
     """A request's sampling as ds4's. Both APIs take top_p in [0, 1]; ds4 reads a top_p outside
     (0, 1] as off, but the smallest set of tokens holding a mass of at least 0 is the most
-    probable one alone, so top_p 0 is top_k 1."""
+    probable one alone, so top_p 0 is greedy (temperature 0: the same token as top_k 1, the
+    lowest id among equal maxima, on the engine's greedy path)."""
     if top_p == 0.0:
-        return SamplingParams(temperature, 1, 1.0, min_p)
+        return SamplingParams(0.0, top_k, 1.0, min_p)
     return SamplingParams(temperature, top_k, top_p, min_p)
 
 

@@ -12,12 +12,12 @@ each runs.
 
 Both count gate records with the same `seq` (from 1, one per record) and check the peer's
 layer, gate, seq and row count before using its partial: a mismatch is a gate desync, never a
-silently wrong sum. The torch transport first all-gathers a chunk record (position, rows) before
-a chunk's gates, since an all-gather whose sizes differ between the ranks fails no better than by
-aborting or hanging. A `canonical` partner (ranks on different backends) also swaps the ROUTE
-and HIDDEN records, and the worker adopts the leader's. With `debug_hash` a partner records a
-hash of the hidden state after every layer, which the worker reports and the leader compares
-(--debug-hash).
+silently wrong sum. The torch transport first all-gathers a chunk record (position, rows,
+logits, seq, rank) before a chunk's gates, since an all-gather whose sizes differ between the
+ranks fails no better than by aborting or hanging. A `canonical` partner (ranks on different
+backends) also swaps the ROUTE and HIDDEN records, and the worker adopts the leader's. With
+`debug_hash` a partner records a hash of the hidden state after every layer, which the worker
+reports and the leader compares (--debug-hash).
 """
 
 from __future__ import annotations
@@ -211,8 +211,8 @@ class TorchPartner(_Base):
     def begin_chunk(self, p0: int, rows: int, logits: bool) -> None:
         """Both ranks' chunks checked alike before any gate: an all-gather of unequal sizes
         is no error the group can report (gloo aborts the process, NCCL waits out its timeout),
-        and a gate's record size follows from the chunk's rows. One record of HEADER_WORDS a
-        chunk, so a decode step pays one small collective."""
+        and a gate's record size follows from the chunk's rows. One record of len(CHUNK_FIELDS)
+        words a chunk, so a decode step pays one small collective."""
         torch = self.torch
         mine = torch.tensor(self._chunk_header(p0, rows, logits), dtype=torch.int32,
                             device=self.device).view(torch.float32)
