@@ -14,8 +14,7 @@ torch = pytest.importorskip("torch")
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 pytest.importorskip("triton")
-gq = pytest.importorskip("gguf.quants")
-from gguf import GGMLQuantizationType as GQT  # noqa: E402
+pytest.importorskip("gguf.quants")
 
 from ds4.backends.triton import kernels_mm8 as K8  # noqa: E402
 from ds4.backends.triton.backend import TritonBackend, _cdiv  # noqa: E402
@@ -99,30 +98,24 @@ def test_split8_keeps_tiny_chunks_finite(tri):
         assert not q[:, 3:].any()
 
 
-@pytest.mark.parametrize("planes, w8", [(3, False), (2, False), (3, True)])
-def test_down_q2k_int8(tri, rng, planes, w8):
+@pytest.mark.parametrize("planes", [3, 2])
+def test_down_q2k_int8(tri, rng, planes):
     """out[a] = down_e·h[a] for expert-sorted assignments, E not a multiple of the row block:
     the error stays within what rounding h to its chunk's step allows (Σ|w|·step) plus the fp16
-    path's float32 bound on Σ|w|·|h|; the same with the weights' sc·q read from their int8 copy
-    (w8), of 4 experts one of which has no assignment."""
-    NE, F, E, n, k = 3 + w8, 512, 80, 30, 3
+    path's float32 bound on Σ|w|·|h|."""
+    NE, F, E, n, k = 3, 512, 80, 30, 3
     down, D, Dm = _experts(tri, T.Q2_K, F, E, NE, rng, terms=True)
     h = _activations(n * k, F, rng)
-    ids = np.stack([rng.choice(NE - w8, k, replace=False) for _ in range(n)])
+    ids = np.stack([rng.choice(NE, k, replace=False) for _ in range(n)])
     order, T_, te, tr0, tend = _schedule(tri, ids, NE)
     hs = h[order]
     tri.mm8_planes = planes
     p0, p1, p2, hi, gh, gl = tri._split8(torch.from_numpy(hs).to(tri.dev))
     out = torch.zeros((n * k, E), dtype=torch.float32, device=tri.dev)
-    BN, KS, warps, stages = tri.mm8w_tile if w8 else tri.mm8_tile
-    wt = p0
-    if w8:
-        counts = torch.from_numpy(np.bincount(ids.reshape(-1), minlength=NE)).to(tri.dev)
-        wt = tri._expand8(down, counts, E, F)
-        assert not counts[NE - 1]  # (the last expert has no assignment: its copy is skipped)
+    BN, KS, warps, stages = tri.mm8_tile
     tri._launch(K8.moe_down_mm8_kernel, (T_, _cdiv(E, BN)), p0, hi, gh, gl, te, tr0, tend,
                 down.f32.view(torch.int32), down.b8.view(torch.int32), down.i16, out, E, F, down.RB, E * down.RB, p0.numel(),
-                wt, BM=tri.moe16_bm, BN=BN, KS=KS, PLANES=planes, W8=w8, num_warps=warps, num_stages=stages)
+                BM=tri.moe16_bm, BN=BN, KS=KS, PLANES=planes, num_warps=warps, num_stages=stages)
     e = ids.reshape(-1)[order]
     h64 = hs.astype(np.float64)
     want = np.einsum("aek,ak->ae", D[e], h64)
@@ -144,66 +137,7 @@ def test_moe_prefill_end_to_end_int8_down(tri, rng, planes):
     tri.mm8_planes = planes
     got, want, scale, ran = _moe_layer(tri, rng, NE=5, n=20)
     assert "moe_down_mm8_kernel" in ran and "split8_kernel" in ran and "moe_down_mm16_kernel" not in ran, ran
-    assert "q2k_expand8_kernel" not in ran
     assert _rel_rows(got, want, scale) < {3: 2.0 ** -14, 2: 2.0 ** -8}[planes]
-
-
-def test_moe_prefill_end_to_end_int8_down_from_its_copy(tri, rng):
-    """The same with moe_down_w8: the down's sc·q expanded to int8 once, then read by the product."""
-    tri.mm8_planes, tri.moe_down_w8 = 3, True
-    try:
-        got, want, scale, ran = _moe_layer(tri, rng, NE=5, n=20)
-    finally:
-        tri.moe_down_w8 = False
-    assert "q2k_expand8_kernel" in ran and "moe_down_mm8_kernel" in ran, ran
-    assert _rel_rows(got, want, scale) < 2.0 ** -14
-
-
-def test_expand8_writes_sc_q_of_the_used_experts_only(tri, rng):
-    """q2k_expand8_kernel against gguf-py: each written value v of a used expert gives back the
-    decoded weight as d·v − dmin·m (d, dmin, m read from the 84-byte blocks by hand: scales[16] |
-    qs[64] | f16 d | f16 dmin, m the scales' high nibbles); an expert without assignments, here
-    one in the middle, keeps the buffer's marker (127: sc·q ≤ 45), and one with a single
-    assignment is written."""
-    from ds4.backends.triton.ops_moe import EXPAND8_ROWS
-    from ds4.core.gguf_model import Tensor
-    from ds4.core.quants import random_blocks
-
-    NE, F, E = 4, 512, 80
-    raw = random_blocks(T.Q2_K, NE * E * F, rng, scale=0.05)
-    dense = np.asarray(gq.dequantize(raw, GQT(int(T.Q2_K))), dtype=np.float64).reshape(NE, E, F)
-    down = tri.upload(Tensor("w", T.Q2_K, (F, E, NE), raw))
-    b = np.asarray(raw, np.uint8).reshape(-1, 84)
-    d = np.repeat(b[:, 80:82].copy().view(np.float16).astype(np.float64), 256, axis=1).reshape(NE, E, F)
-    mins = b[:, 82:84].copy().view(np.float16).astype(np.float64) * (b[:, :16] >> 4)
-    mins = np.repeat(mins, 16, axis=1).reshape(NE, E, F)
-    counts = torch.tensor([2, 0, 1, 3], dtype=torch.int64, device=tri.dev)
-    w8 = torch.full((NE, E, F), 127, dtype=torch.int8, device=tri.dev)
-    tri._launch(K8.q2k_expand8_kernel, (NE, _cdiv(E, EXPAND8_ROWS), F // 256), down.f32.view(torch.int32),
-                down.b8.view(torch.int32), counts, w8, E, F, down.RB, E * down.RB, BN=EXPAND8_ROWS, num_warps=4)
-    v = w8.cpu().numpy().astype(np.float64)
-    assert np.all(v[1] == 127)
-    used = [0, 2, 3]
-    assert np.all((0 <= v[used]) & (v[used] <= 45))
-    dv = d[used] * v[used]
-    # (gguf-py subtracts in float32: to its rounding of the terms)
-    assert np.all(np.abs(dv - mins[used] - dense[used]) <= 2.0 ** -24 * (np.abs(dv) + mins[used]))
-
-
-def test_int8_down_from_its_copy_is_bit_identical(tri, rng):
-    """The products are exact integers and the epilogue is the same: reading sc·q from the int8
-    copy gives the decoded tiles' output bit for bit (so the real-shape parity of the default
-    holds for it)."""
-    tri.mm8_planes = 3
-    seed = int(rng.integers(2**32))  # (the same layer twice)
-    outs = []
-    for w8 in (False, True):
-        tri.moe_down_w8 = w8
-        try:
-            outs.append(_moe_layer(tri, np.random.default_rng(seed), NE=5, n=20)[0])
-        finally:
-            tri.moe_down_w8 = False
-    assert np.array_equal(outs[0], outs[1])
 
 
 def test_int8_down_compiles_for_sm90_to_int8_wgmma():
@@ -213,20 +147,16 @@ def test_int8_down_compiles_for_sm90_to_int8_wgmma():
     per super-block."""
     from ds4.backends.triton.tuning import TritonTuning
 
-    tuning = TritonTuning()
+    BN, KS, warps, stages = TritonTuning().mm8_tile
     types = {"p_ptr": "*i8", "gh_ptr": "*fp16", "gl_ptr": "*fp16",
              "tile_e_ptr": "*i32", "tile_r0_ptr": "*i32", "tile_end_ptr": "*i32", "ww": "*i32", "ws": "*i32",
-             "wh": "*i16", "w8_ptr": "*i8"}
+             "wh": "*i16"}
     aligned = tuple(types) + ("xi_ptr", "out_ptr", "E", "F", "RB", "EXP_BYTES", "PSTRIDE")
-    runs = [(3, False, tuning.mm8_tile), (2, False, tuning.mm8_tile), (3, True, tuning.mm8w_tile)]
-    cases = [("kernels_mm8", "moe_down_mm8_kernel", dict(BM=64, BN=BN, KS=KS, PLANES=planes, W8=w8), types,
-              dict(num_warps=warps, num_stages=stages), aligned)
-             for planes, w8, (BN, KS, warps, stages) in runs]
-    for (planes, w8, (BN, KS, warps, stages)), (ptx, shared) in zip(runs, compile_sm90(cases)):
+    cases = [("kernels_mm8", "moe_down_mm8_kernel", dict(BM=64, BN=BN, KS=KS, PLANES=planes), types,
+              dict(num_warps=warps, num_stages=stages), aligned) for planes in (3, 2)]
+    for planes, (ptx, shared) in zip((3, 2), compile_sm90(cases)):
         s8 = re.findall(r"wgmma\.mma_async\S*\.s32\.s8\.s8", ptx)
         f16 = re.findall(r"wgmma\.mma_async\S*\.f16\.f16", ptx)
         # (per 32 values of K, 64 rows an instruction: 2·BM rows, and BM more with three planes)
         assert len(s8) == (3 if planes == 3 else 2) * (KS // 32) and len(f16) == 2, (planes, len(s8), len(f16))
         assert 0 < shared
-        # the copy's tiles (and the planes') go to shared memory by asynchronous copies, stages ahead
-        assert ("cp.async" in ptx) == (w8 and stages > 1), (planes, w8)

@@ -148,35 +148,9 @@ def _q2k_tile8(ww, ws, blk, r0, NR: tl.constexpr):
 
 
 @triton.jit
-def _w_tile8(we, se, bo, w8e, k0, part, KS: tl.constexpr, W8: tl.constexpr):
-    """The [KS, BN] int8 sc·q tile at K offset k0: from w8 (W8) or decoded from Q2S."""
-    if W8:
-        return tl.trans(tl.load(w8e + k0))
-    else:
-        return tl.trans(_q2k_tile8(we, se, bo, part * (KS // 32), KS // 32))
-
-
-@triton.jit
-def q2k_expand8_kernel(ww, ws, counts_ptr, w8_ptr, E, F, RB, EXP_BYTES, BN: tl.constexpr):
-    """Rows [BN·program 1, +BN) of expert program 0's Q2_K down (Q2S), super-block program 2, as
-    sc·q int8 into w8 [experts, E, F] (moe_down_mm8_kernel's W8 tiles); an expert without
-    assignments (counts) is skipped."""
-    e = tl.program_id(0)
-    if tl.load(counts_ptr + e) > 0:
-        sb = tl.program_id(2)
-        rows = tl.program_id(1) * BN + tl.arange(0, BN)
-        eb = e.to(tl.int64) * (EXP_BYTES // 84)
-        bo = tl.minimum(rows, E - 1) * (RB // 84) + sb
-        v = _q2k_tile8(ww + eb * 16, ws + eb * 4, bo, 0, 8)
-        o = (e.to(tl.int64) * E + rows)[:, None] * F + sb * 256 + tl.arange(0, 256)[None, :]
-        tl.store(w8_ptr + o, v, mask=(rows < E)[:, None])
-
-
-@triton.jit
 def moe_down_mm8_kernel(p_ptr, xi_ptr, gh_ptr, gl_ptr, tile_e_ptr, tile_r0_ptr, tile_end_ptr,
-                        ww, ws, wh, out_ptr, E, F, RB, EXP_BYTES, PSTRIDE, w8_ptr,
-                        BM: tl.constexpr, BN: tl.constexpr, KS: tl.constexpr, PLANES: tl.constexpr = 3,
-                        W8: tl.constexpr = False):
+                        ww, ws, wh, out_ptr, E, F, RB, EXP_BYTES, PSTRIDE,
+                        BM: tl.constexpr, BN: tl.constexpr, KS: tl.constexpr, PLANES: tl.constexpr = 3):
     """Prefill down in Q2_K (Q2S: quant words ww, scale words ws, (d, dmin) halfwords wh):
     out_sorted[a, r] = down_e[r] · h[a] for one tile of expert e's assignments, h given as
     split8_kernel's digits: plane i at p_ptr + i·PSTRIDE. Per super-block, in K-steps of KS
@@ -184,8 +158,7 @@ def moe_down_mm8_kernel(p_ptr, xi_ptr, gh_ptr, gl_ptr, tile_e_ptr, tile_r0_ptr, 
     exactly in int32; then the float scales and the min term. The top two planes go to the
     tensor cores stacked along M, one product of 2·BM rows (PLANES 2: p0 and p1; 3: p1 and p2,
     and p0 in a product of its own), since products that share an operand's shared-memory tile
-    run one after another. W8: the sc·q tiles are read from w8 (q2k_expand8_kernel) instead of
-    decoded here, so that the loads can be pipelined like a plain int8 product's."""
+    run one after another."""
     _, GSHIFT = _q_max(PLANES)
     tile = tl.program_id(0)
     pn = tl.program_id(1)
@@ -198,7 +171,6 @@ def moe_down_mm8_kernel(p_ptr, xi_ptr, gh_ptr, gl_ptr, tile_e_ptr, tile_r0_ptr, 
         se = ws + eb * 4
         he = wh + eb * 2
         rb = tl.minimum(rows, E - 1) * (RB // 84)
-        w8e = w8_ptr + (e.to(tl.int64) * E + tl.minimum(rows, E - 1))[:, None] * F + tl.arange(0, KS)[None, :]
         NS = F // 256
         xo = a64[:, None] * F + tl.arange(0, KS)[None, :]
         # the top two planes' rows stacked along M (PLANES 2: p0's BM rows, then p1's; 3: p1's,
@@ -214,7 +186,7 @@ def moe_down_mm8_kernel(p_ptr, xi_ptr, gh_ptr, gl_ptr, tile_e_ptr, tile_r0_ptr, 
                 c0 = tl.zeros([BM, BN], tl.int32)
                 for part in range(0, 256 // KS):
                     k0 = sb * 256 + part * KS
-                    wt = _w_tile8(we, se, bo, w8e, k0, part, KS, W8)
+                    wt = tl.trans(_q2k_tile8(we, se, bo, part * (KS // 32), KS // 32))
                     cc = tl.dot(tl.load(p_ptr + xo2 + k0), wt, cc, out_dtype=tl.int32)
                     c0 = tl.dot(tl.load(p_ptr + xo + k0), wt, c0, out_dtype=tl.int32)
                 c1, c2 = tl.split(tl.permute(tl.reshape(cc, [2, BM, BN]), (1, 2, 0)))
@@ -223,7 +195,7 @@ def moe_down_mm8_kernel(p_ptr, xi_ptr, gh_ptr, gl_ptr, tile_e_ptr, tile_r0_ptr, 
                 cc = tl.zeros([2 * BM, BN], tl.int32)
                 for part in range(0, 256 // KS):
                     k0 = sb * 256 + part * KS
-                    wt = _w_tile8(we, se, bo, w8e, k0, part, KS, W8)
+                    wt = tl.trans(_q2k_tile8(we, se, bo, part * (KS // 32), KS // 32))
                     cc = tl.dot(tl.load(p_ptr + xo2 + k0), wt, cc, out_dtype=tl.int32)
                 c0, c1 = tl.split(tl.permute(tl.reshape(cc, [2, BM, BN]), (1, 2, 0)))
                 p = _i2f(c1) * 256.0 + _i2f(c0)

@@ -16,7 +16,6 @@ from .tuning import INTEGER_PRECISIONS
 
 SWIGLU_BLOCK = 1024  # values per program of swiglu_kernel
 MM8_PLANES = (3, 2)  # the int8 down's digit planes of h (kernels_mm8.py)
-EXPAND8_ROWS = 32  # rows of W a q2k_expand8_kernel program writes (256 bytes each)
 
 
 class _MoeOps:
@@ -200,13 +199,12 @@ class _MoeOps:
         osort = torch.empty((n * k, E), dtype=torch.float32, device=self.dev)
         if dn16 and self.moe_down_i8 and self._x_lo:
             p0, _, _, hi, gh, gl = self._split8(h)  # (the kernel finds the planes from p0)
-            w8 = self._expand8(down, counts, E, F) if self.moe_down_w8 else p0
-            BN, KS, warps, stages = self.mm8w_tile if self.moe_down_w8 else self.mm8_tile
+            BN, KS, warps, stages = self.mm8_tile
             self._launch(K8.moe_down_mm8_kernel, (T, _cdiv(E, BN)), p0, hi, gh, gl, tile_e, tile_r0,
                          tile_end, down.f32.view(torch.int32), down.b8.view(torch.int32), down.i16, osort, E, F,
-                         down.RB, E * down.RB, p0.numel(), w8, BM=BM, BN=BN, KS=KS, PLANES=self.mm8_planes,
-                         W8=self.moe_down_w8, num_warps=warps, num_stages=stages, flops=2 * n * k * E * F,
-                         nbytes=(w8.numel() if self.moe_down_w8 else down.nbytes) + 4 * n * k * (E + F))
+                         down.RB, E * down.RB, p0.numel(), BM=BM, BN=BN, KS=KS, PLANES=self.mm8_planes, num_warps=warps,
+                         num_stages=stages,
+                         flops=2 * n * k * E * F, nbytes=down.nbytes + 4 * n * k * (E + F))
         elif dn16:
             hh, hl, hi, gh, gl = self._split16(h, sums=True)
             BN, KS, warps, stages = self.moe16_tile["down"]
@@ -247,17 +245,6 @@ class _MoeOps:
         self._launch(K16.split16_kernel, (_cdiv(R, BR), Kd // 256), x, x.stride(0), xh, xl, xi, gh, gl, R, Kd,
                      BR=BR, SUMS=sums, LO=self._x_lo, num_warps=4, nbytes=(8 if self._x_lo else 6) * R * Kd)
         return xh, xl, xi, gh, gl
-
-    def _expand8(self, down: QWeight, counts: torch.Tensor, E: int, F: int) -> torch.Tensor:
-        """The routed down's sc·q as int8 [experts, E, F] (q2k_expand8_kernel), the experts
-        without assignments left unwritten (counts)."""
-        NE = counts.shape[0]
-        w8 = torch.empty((NE, E, F), dtype=torch.int8, device=self.dev)
-        BN = EXPAND8_ROWS
-        self._launch(K8.q2k_expand8_kernel, (NE, _cdiv(E, BN), F // 256), down.f32.view(torch.int32),
-                     down.b8.view(torch.int32), counts, w8, E, F, down.RB, E * down.RB, BN=BN, num_warps=4,
-                     nbytes=down.nbytes + w8.numel())
-        return w8
 
     def _split8(self, x: torch.Tensor):
         """x [R, K] float32 -> its int8 digit planes p0, p1, p2 [R, K] (p2 is p1 itself, unwritten,

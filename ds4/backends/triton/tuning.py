@@ -81,11 +81,6 @@ class TritonTuning:
     moe_down_i8: bool = True
     mm8_planes: int = 3
     mm8_tile: tuple = (64, 128, 4, 1)
-    # that down reading its sc·q tiles from an int8 copy of the experts the chunk routes to,
-    # written before each prefill chunk's down (q2k_expand8_kernel; E·F bytes an expert), so that
-    # its loads pipeline; the product's tile as mm8_tile's (3 stages: 96 KiB of shared memory)
-    moe_down_w8: bool = False
-    mm8w_tile: tuple = (64, 128, 4, 3)
     # "f16" precision, Q8C and F16 linears: x in fp16 once per product (x16_kernel) and the Q8C
     # weights folded to fp16 as they load (matmul_f16w_kernel), one float32 accumulator over K.
     # Rows of x, rows of W, K-step (a divisor of 256), row tiles of x per W tile, warps, stages;
