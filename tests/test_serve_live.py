@@ -386,6 +386,14 @@ def test_invalid_requests_400(server, oa, an):
              ({"frequency_penalty": -1}, "frequency_penalty"),
              ({"max_tokens": 100000}, "max_tokens"), ({"top_p": -0.1}, "top_p"),
              ({"messages": [{"role": "robot", "content": "x"}]}, "messages[0].role"),
+             # (fields of OpenAI's this server would ignore, and a tool_choice without tools, as
+             # OpenAI refuses it)
+             ({"tool_choice": "required"}, "tool_choice"), ({"tool_choice": "bogus"}, "tool_choice"),
+             ({"functions": [{"name": "f", "parameters": {}}]}, "functions"),
+             ({"function_call": "auto"}, "function_call"), ({"modalities": ["text", "audio"]}, "modalities"),
+             ({"parallel_tool_calls": False, "tools": [{"type": "function", "function": {"name": "f"}}]},
+              "parallel_tool_calls"),
+             ({"tools": [{"type": "function", "function": {}}], "tool_choice": "none"}, "tools[0].function.name"),
              ({"messages": [{"role": "user", "content": [{"type": "image_url"}]}]}, "messages[0].content[0].type")]
     for extra, param in cases:
         with pytest.raises(openai.BadRequestError) as e:
@@ -409,6 +417,17 @@ def test_invalid_requests_400(server, oa, an):
     with pytest.raises(anthropic.BadRequestError) as e:
         an.messages.create(model="ds4", max_tokens=1, messages=[{"role": "system", "content": "x"}])
     assert "messages[0].role" in e.value.body["error"]["message"]
+    tools = [{"name": "f", "input_schema": {"type": "object", "properties": {}}}]
+    for extra, field in (({"tool_choice": {"type": "any"}}, "tool_choice"),
+                         ({"tools": tools, "tool_choice": {"type": "sometimes"}}, "tool_choice.type"),
+                         ({"tools": [{"name": 5}], "tool_choice": {"type": "none"}}, "tools[0].name")):
+        with pytest.raises(anthropic.BadRequestError) as e:
+            an.messages.create(model="ds4", max_tokens=1, messages=msgs, **extra)
+        assert e.value.body["error"]["message"].startswith(f"{field}: "), (extra, e.value.body)
+    # (parallel tool calls on and a text-only modality are what this server does anyway)
+    r = oa.chat.completions.create(model="ds4", messages=msgs, max_tokens=1, temperature=0, parallel_tool_calls=True,
+                                   tools=[{"type": "function", "function": {"name": "f"}}], modalities=["text"])
+    assert r.usage.completion_tokens == 1
     r = httpx.post(f"{server.url}/v1/messages", headers={**AUTH, "content-type": "application/json"},
                    content=b"{not json")
     assert r.status_code == 400 and r.json()["type"] == "error"
@@ -459,6 +478,21 @@ def test_wrong_types_inside_a_request_400(oa, an):
         'tool_choice.function.name: Input should be a valid string, got array ["f"]'
 
 
+def test_a_value_that_fits_no_member_of_a_union_names_the_field(oa, an):
+    """A field of several kinds (stop, system) is named as itself with the kinds it takes, not by
+    pydantic's member ("stop.str"); a member of the value's kind that fails further in names that
+    place."""
+    user = [{"role": "user", "content": "x"}]
+    for stop, param, message in ((5, "stop", "stop: expected a string or an array, got number 5"),
+                                 ([1], "stop[0]", "stop[0]: Input should be a valid string, got number 1")):
+        with pytest.raises(openai.BadRequestError) as e:
+            oa.chat.completions.create(model="ds4", max_tokens=1, messages=user, stop=stop)
+        assert (e.value.body["param"], e.value.body["message"]) == (param, message)
+    with pytest.raises(anthropic.BadRequestError) as e:
+        an.messages.create(model="ds4", max_tokens=1, messages=user, system=5)
+    assert e.value.body["error"]["message"] == "system: expected a string or an array, got number 5"
+
+
 def test_a_chunked_body_over_the_limit_413(server):
     """The body limit counts the bytes received: h11 reads a chunked body as chunked whatever
     Content-Length came with it, so a small Content-Length does not let a large body in."""
@@ -479,6 +513,25 @@ def test_a_chunked_body_over_the_limit_413(server):
         error = answer["error"]
         assert error["type"] == ("request_too_large" if path == "/v1/messages" else "invalid_request_error")
         assert f"more than {MAX_BODY} bytes" in error["message"]
+
+
+def test_a_chunked_body_without_a_length_is_served_up_to_the_limit(server):
+    """A body sent in chunks without a Content-Length (httpx with a generator) is read: it was
+    refused with 411; past the limit it is still a 413."""
+    def chunks(body: bytes):
+        for i in range(0, len(body), 1000):
+            yield body[i:i + 1000]
+
+    headers = {"Content-Type": "application/json", "Authorization": f"Bearer {KEY}"}
+    small = json.dumps({"messages": [{"role": "user", "content": "x"}], "max_tokens": 1,
+                        "temperature": 0}).encode()
+    big = json.dumps({"messages": [{"role": "user", "content": "x" * MAX_BODY}], "max_tokens": 1}).encode()
+    for path in ("/v1/chat/completions", "/v1/messages"):
+        r = httpx.post(f"{server.url}{path}", content=chunks(small), headers=headers, timeout=60)
+        assert r.status_code == 200, (path, r.text)
+        assert "content-length" not in r.request.headers
+        r = httpx.post(f"{server.url}{path}", content=chunks(big), headers=headers, timeout=60)
+        assert r.status_code == 413, (path, r.text)
 
 
 def test_openai_nulls_are_the_defaults_and_a_seed_is_any_int64(oa):

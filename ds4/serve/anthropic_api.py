@@ -153,12 +153,18 @@ def conversation(req: _Prompt) -> Conversation:
             raise bad(f"{p}.role", f"expected user or assistant, got {role!r}")
     # a last assistant message is the start of the reply, which the answer continues
     conv.continue_last = bool(conv.turns) and conv.turns[-1].role == "assistant" and not conv.turns[-1].tool_calls
+    if req.tool_choice is not None and not req.tools:
+        raise bad("tool_choice", "tool_choice may only be specified while providing tools")
+    specs = []
+    for j, tool in enumerate(req.tools or ()):  # (checked whatever tool_choice says)
+        if not isinstance(tool.get("name"), str):
+            raise bad(f"tools[{j}].name", f"expected a string, got {got(tool.get('name'))}")
+        specs.append(ToolSpec(tool["name"], tool.get("description") or "",
+                              tool.get("input_schema") or {"type": "object", "properties": {}}))
+    if req.tool_choice is not None and req.tool_choice.type not in ("auto", "any", "tool", "none"):
+        raise bad("tool_choice.type", f"expected auto, any, tool or none, got {req.tool_choice.type!r}")
     if req.tools_on:
-        for j, tool in enumerate(req.tools):
-            if not isinstance(tool.get("name"), str):
-                raise bad(f"tools[{j}].name", f"expected a string, got {got(tool.get('name'))}")
-            conv.tools.append(ToolSpec(tool["name"], tool.get("description") or "",
-                                       tool.get("input_schema") or {"type": "object", "properties": {}}))
+        conv.tools.extend(specs)
         choice = req.tool_choice or _ToolChoice(type="auto")
         kind = choice.type
         if kind == "any":

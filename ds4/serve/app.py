@@ -3,8 +3,8 @@
   * auth: with an API key set, every route but /health needs `Authorization: Bearer KEY` or
     `x-api-key: KEY` (compared in constant time), else 401;
   * limits: a request body over `max_body` bytes gets 413, before it is read where its
-    Content-Length says so, else once the bytes received pass it (a chunked body's length is
-    not the header's); one without a length 411; `max_tokens` above the server's limit 400;
+    Content-Length says so, else once the bytes received pass it (a chunked body, with or
+    without a Content-Length, is counted as it arrives); `max_tokens` above the server's limit 400;
   * errors: every refused request gets the calling API's own error JSON (OpenAI's `error`
     object with `param` naming the field, Anthropic's `{"type": "error", ...}`), 400 for an
     invalid field (never FastAPI's 422);
@@ -27,12 +27,12 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from . import DEFAULT_MAX_BODY, anthropic_api, openai_api
 from .driver import Driver
 from .metrics import CONTENT_TYPE_LATEST
-from .shared import APIError, ServerState, invalid
+from .shared import APIError, ServerState, first_invalid
 
 OPEN_PATHS = ("/health",)
 OTHER_ENDPOINT = "other"  # the request counter's label for a path the server does not serve
 _ANTHROPIC_KINDS = {400: "invalid_request_error", 401: "authentication_error",
-                    403: "permission_error", 404: "not_found_error", 411: "invalid_request_error",
+                    403: "permission_error", 404: "not_found_error",
                     413: "request_too_large", 429: "rate_limit_error", 503: "overloaded_error"}
 
 
@@ -110,10 +110,9 @@ class Guard:
                                                     "'Authorization: Bearer KEY' or 'x-api-key: KEY'",
                                          headers={"WWW-Authenticate": "Bearer"})
             elif scope["method"] == "POST":
+                # (a body without a length, chunked, is read up to the limit: limited_receive)
                 length = headers.get(b"content-length")
-                if length is None:
-                    refusal = error_response(path, 411, "the request needs a Content-Length")
-                elif not length.isdigit() or int(length) > self.max_body:
+                if length is not None and (not length.isdigit() or int(length) > self.max_body):
                     refusal = error_response(path, 413, f"the request body is {length.decode(errors='replace')} "
                                                         f"bytes; this server takes at most {self.max_body}")
             if refusal is not None:
@@ -145,7 +144,7 @@ def create_app(driver: Driver, *, model_id: str, max_tokens_limit: int, api_key:
         if first.get("type") == "json_invalid":
             error = APIError(400, "body: the body is not valid JSON", "body")
         else:
-            error = invalid({**first, "loc": [x for x in first.get("loc", ()) if x != "body"]})
+            error = first_invalid([{**x, "loc": [k for k in x.get("loc", ()) if k != "body"]} for x in e.errors()])
         return error_response(request.url.path, error.status, error.message, error.param)
 
     @app.exception_handler(StarletteHTTPException)

@@ -100,6 +100,28 @@ class ChatRequest(_Sampling):
     reasoning_effort: Optional[str] = None
     thinking: Optional[dict] = None
 
+    def check_unsupported(self) -> None:
+        """Also refuse the chat fields this server would ignore: the legacy functions (tools
+        take their place), audio, predicted outputs, web search, one tool call at most; and a
+        tool_choice without tools, as OpenAI does."""
+        super().check_unsupported()
+        extra = self.model_extra or {}
+        for name, instead in (("functions", "tools"), ("function_call", "tool_choice")):
+            if extra.get(name) is not None:
+                raise bad(name, f"this server takes {instead}, not the deprecated {name}: expected none")
+        for name in ("audio", "prediction", "web_search_options"):
+            if extra.get(name) is not None:
+                raise bad(name, f"this server does not do {name.replace('_', ' ')}: expected none, "
+                                f"got {got(extra[name])}")
+        modalities = extra.get("modalities")
+        if modalities is not None and modalities != ["text"]:
+            raise bad("modalities", f"this server answers in text: expected [\"text\"], got {got(modalities)}")
+        if extra.get("parallel_tool_calls") is False:
+            raise bad("parallel_tool_calls", "this server cannot hold a reply to one tool call: "
+                                             "expected true, got false")
+        if self.tool_choice is not None and not self.tools:
+            raise bad("tool_choice", "only allowed when tools are specified")
+
 
 class CompletionRequest(_Sampling):
     prompt: Union[str, list[str], list[int]]
@@ -190,14 +212,16 @@ def conversation(req: ChatRequest) -> Conversation:
         else:
             raise bad(f"{p}.role", "expected one of system, developer, user, assistant, tool, "
                                    f"function, got {role!r}")
+    specs = []
+    for j, tool in enumerate(req.tools or ()):  # (checked whatever tool_choice says)
+        fn = tool.get("function") if isinstance(tool, dict) else None
+        if tool.get("type", "function") != "function" or not isinstance(fn, dict) \
+                or not isinstance(fn.get("name"), str):
+            raise bad(f"tools[{j}].function.name", "expected a function tool with a name")
+        specs.append(ToolSpec(fn["name"], fn.get("description") or "",
+                              fn.get("parameters") or {"type": "object", "properties": {}}))
     if req.tools and req.tool_choice != "none":
-        for j, tool in enumerate(req.tools):
-            fn = tool.get("function") if isinstance(tool, dict) else None
-            if tool.get("type", "function") != "function" or not isinstance(fn, dict) \
-                    or not isinstance(fn.get("name"), str):
-                raise bad(f"tools[{j}].function.name", "expected a function tool with a name")
-            conv.tools.append(ToolSpec(fn["name"], fn.get("description") or "",
-                                       fn.get("parameters") or {"type": "object", "properties": {}}))
+        conv.tools.extend(specs)
         choice = req.tool_choice
         if choice in (None, "auto"):
             conv.tool_choice = None

@@ -58,6 +58,42 @@ def field_path(loc, prefix: str = "") -> str:
     return out
 
 
+# pydantic names the member of a union it tried as a step of an error's location ("str",
+# "list[str]", a model's class name): no field of either API is spelled like one
+_UNION_KINDS = {"str": "a string", "int": "an integer", "float": "a number", "bool": "a boolean",
+                "none": "null", "list": "an array", "dict": "an object"}
+
+
+def _union_step(key) -> bool:
+    return isinstance(key, str) and (key.split("[")[0] in _UNION_KINDS or "[" in key or key[:1].isupper())
+
+
+def _kind(step: str) -> str:
+    return _UNION_KINDS.get(step.split("[")[0], step)
+
+
+def first_invalid(errors: list[dict], prefix: str = "") -> APIError:
+    """The 400 of a validation's errors: the first one's (invalid), where its location runs
+    through a union, the union's field itself, with the kinds it takes, unless a member matched
+    the value's kind and failed further in (then that error, without the members' names)."""
+    first = errors[0]
+    loc = list(first.get("loc", ()))
+    at = next((i for i, key in enumerate(loc) if _union_step(key)), None)
+    if at is None:
+        return invalid(first, prefix)
+    head = loc[:at]
+    members = [e for e in errors if list(e.get("loc", ()))[:at] == head and len(e.get("loc", ())) > at]
+    deeper = [e for e in members if len(e["loc"]) > at + 1]
+    if deeper:
+        e = deeper[0]
+        return invalid({**e, "loc": head + [k for k in e["loc"][at:] if not _union_step(k)]}, prefix)
+    kinds = list(dict.fromkeys(_kind(e["loc"][at]) for e in members))
+    detail = f"expected {' or '.join(kinds)}"
+    if "input" in first:
+        detail += f", got {got(first['input'])}"
+    return bad(field_path(head, prefix) or "body", detail)
+
+
 def invalid(error: dict, prefix: str = "") -> APIError:
     """A 400 of one of pydantic's errors: the field's path (under `prefix`), what it expects,
     and what came."""
@@ -79,7 +115,7 @@ def parse(model: type[M], value, param: str) -> M:
     try:
         return model.model_validate(value)
     except ValidationError as e:
-        raise invalid(e.errors()[0], param) from None
+        raise first_invalid(e.errors(), param) from None
 
 
 @dataclass
