@@ -394,6 +394,9 @@ def test_invalid_requests_400(server, oa, an):
              ({"parallel_tool_calls": False, "tools": [{"type": "function", "function": {"name": "f"}}]},
               "parallel_tool_calls"),
              ({"tools": [{"type": "function", "function": {}}], "tool_choice": "none"}, "tools[0].function.name"),
+             # (a number or a boolean sent as a string is the wrong type, as OpenAI answers it)
+             ({"max_tokens": "2"}, "max_tokens"), ({"temperature": "0.5"}, "temperature"),
+             ({"max_tokens": 2.0}, "max_tokens"),
              ({"messages": [{"role": "user", "content": [{"type": "image_url"}]}]}, "messages[0].content[0].type")]
     for extra, param in cases:
         with pytest.raises(openai.BadRequestError) as e:
@@ -424,6 +427,14 @@ def test_invalid_requests_400(server, oa, an):
         with pytest.raises(anthropic.BadRequestError) as e:
             an.messages.create(model="ds4", max_tokens=1, messages=msgs, **extra)
         assert e.value.body["error"]["message"].startswith(f"{field}: "), (extra, e.value.body)
+    for path, body in (("/v1/chat/completions", {"messages": msgs, "max_tokens": 1, "stream": "yes"}),
+                       ("/v1/messages", {"messages": msgs, "max_tokens": "3"}),
+                       ("/v1/completions", {"prompt": "x", "max_tokens": 1, "logprobs": True})):
+        r = httpx.post(f"{server.url}{path}", headers=AUTH, json=body)
+        field = next(k for k, v in body.items() if isinstance(v, (str, bool)) and k not in ("prompt",))
+        assert r.status_code == 400, (path, r.text)
+        message = r.json()["error"]["message"]
+        assert message.startswith(f"{field}: Input should be a valid"), (path, message)
     # (parallel tool calls on and a text-only modality are what this server does anyway)
     r = oa.chat.completions.create(model="ds4", messages=msgs, max_tokens=1, temperature=0, parallel_tool_calls=True,
                                    tools=[{"type": "function", "function": {"name": "f"}}], modalities=["text"])

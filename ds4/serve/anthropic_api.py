@@ -29,14 +29,14 @@ from .tools import ToolCall, ToolSpec, new_call_id
 
 
 class _ToolChoice(BaseModel):
-    model_config = ConfigDict(extra="allow")  # (disable_parallel_tool_use)
+    model_config = ConfigDict(extra="allow", strict=True)  # (disable_parallel_tool_use)
 
     type: str
     name: Optional[str] = None
 
 
 class _Prompt(BaseModel):
-    model_config = ConfigDict(extra="allow")
+    model_config = ConfigDict(extra="allow", strict=True)
 
     model: Optional[str] = None
     messages: list[dict[str, Any]] = Field(min_length=1)
@@ -65,7 +65,7 @@ class MessagesRequest(_Prompt):
 # type has only its type checked; where it is refused is the turn's to say).
 
 class _Block(BaseModel):
-    model_config = ConfigDict(extra="allow")  # (cache_control, citations, signature, ...)
+    model_config = ConfigDict(extra="allow", strict=True)  # (cache_control, citations, signature, ...)
 
     type: str
 

@@ -36,7 +36,7 @@ THINK_MAX = ("max", "xhigh")
 
 
 class _Sampling(BaseModel):
-    model_config = ConfigDict(extra="allow")
+    model_config = ConfigDict(extra="allow", strict=True)
 
     model: Optional[str] = None
     stream: bool = False
@@ -140,14 +140,14 @@ class CompletionRequest(_Sampling):
 
 
 class _FunctionName(BaseModel):
-    model_config = ConfigDict(extra="allow")
+    model_config = ConfigDict(extra="allow", strict=True)
 
     name: str
 
 
 class _ToolChoice(BaseModel):
     """A tool_choice that names the function to call."""
-    model_config = ConfigDict(extra="allow")
+    model_config = ConfigDict(extra="allow", strict=True)
 
     type: str = "function"
     function: _FunctionName
