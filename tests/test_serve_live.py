@@ -420,6 +420,11 @@ def test_invalid_requests_400(server, oa, an):
     with pytest.raises(anthropic.BadRequestError) as e:
         an.messages.create(model="ds4", max_tokens=1, messages=[{"role": "system", "content": "x"}])
     assert "messages[0].role" in e.value.body["error"]["message"]
+    image = {"type": "image", "source": {"type": "base64", "media_type": "image/png", "data": "AAAA"}}
+    with pytest.raises(anthropic.BadRequestError) as e:  # (it was dropped without a word)
+        an.messages.create(model="ds4", max_tokens=1, messages=[{"role": "user", "content": [
+            {"type": "tool_result", "tool_use_id": "toolu_1", "content": [{"type": "text", "text": "x"}, image]}]}])
+    assert e.value.body["error"]["message"].startswith("messages[0].content[0].content[1].type: expected text")
     tools = [{"name": "f", "input_schema": {"type": "object", "properties": {}}}]
     for extra, field in (({"tool_choice": {"type": "any"}}, "tool_choice"),
                          ({"tools": tools, "tool_choice": {"type": "sometimes"}}, "tool_choice.type"),

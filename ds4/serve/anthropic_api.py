@@ -110,7 +110,12 @@ def _text(blocks: list[_Block]) -> str:
 
 
 def _result_text(block: _ToolResult, param: str) -> str:
-    text = _text(_blocks(block.content, f"{param}.content"))
+    blocks = _blocks(block.content, f"{param}.content")
+    for j, b in enumerate(blocks):  # (an image in a result was dropped without a word)
+        if not isinstance(b, _Text):
+            raise bad(f"{param}.content[{j}].type", f"expected text in a tool result (this server reads "
+                                                    f"text only), got {b.type!r}")
+    text = _text(blocks)
     return ("[error] " + text) if block.is_error else text
 
 
