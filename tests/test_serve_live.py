@@ -252,11 +252,17 @@ def test_anthropic_prefill_continues_the_reply(an, engine):
     assert m.content[0].text == tok.decode(greedy_ids(engine, ids, N))
 
 
-def test_a_model_is_retrieved_by_its_id(oa):
+def test_a_model_is_retrieved_by_its_id(server, oa):
+    label = 'ds4_requests_total{endpoint="/v1/models/{model:path}",status="%d"}'
+    text = httpx.get(f"{server.url}/metrics", headers=AUTH).text
+    before = {code: metric(server.url, label % code, AUTH) if label % code in text else 0 for code in (200, 404)}
     listed = oa.models.list().data
     assert oa.models.retrieve(listed[0].id).id == listed[0].id
     with pytest.raises(openai.NotFoundError, match="no model 'another'"):
         oa.models.retrieve("another")
+    # counted under the route, not "other" (a client still adds no series: one label for any id)
+    assert {code: metric(server.url, label % code, AUTH) for code in (200, 404)} == \
+        {200: before[200] + 1, 404: before[404] + 1}
 
 
 def test_prefix_reuse_equals_cold(oa, an, engine):

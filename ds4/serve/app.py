@@ -36,6 +36,17 @@ _ANTHROPIC_KINDS = {400: "invalid_request_error", 401: "authentication_error",
                     413: "request_too_large", 429: "rate_limit_error", 503: "overloaded_error"}
 
 
+def _matches(steps: list[str], parts: list[str]) -> bool:
+    """Whether a path's parts fit a route template's steps ("{name}" one non-empty part,
+    "{name:path}" all the rest)."""
+    for i, step in enumerate(steps):
+        if step.startswith("{") and step.endswith(":path}"):
+            return any(parts[i:])
+        if i >= len(parts) or not (step == parts[i] or (step.startswith("{") and parts[i])):
+            return False
+    return len(parts) == len(steps)
+
+
 def _is_anthropic(path: str) -> bool:
     return path.startswith("/v1/messages")
 
@@ -64,6 +75,17 @@ class BodyTooLarge(StarletteHTTPException):
 
 class Guard:
     """ASGI middleware: API key, body size, and the request counter."""
+
+    def _label(self, path: str) -> str:
+        """The request counter's endpoint label: a route's path, its template for a route with a
+        parameter (/v1/models/{model_id}), else OTHER_ENDPOINT (a client cannot add series)."""
+        if path in self.endpoints:
+            return path
+        parts = path.split("/")
+        for route in self.endpoints:
+            if "{" in route and _matches(route.split("/"), parts):
+                return route
+        return OTHER_ENDPOINT
 
     def __init__(self, app, *, api_key: str | None, max_body: int, metrics, endpoints: frozenset):
         self.app = app
@@ -124,7 +146,7 @@ class Guard:
             raise
         finally:
             if path.startswith("/v1/"):
-                label = path if path in self.endpoints else OTHER_ENDPOINT  # (a client cannot add series)
+                label = self._label(path)
                 self.metrics.requests.labels(label, str(status_box[0])).inc()
 
 
