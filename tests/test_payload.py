@@ -329,6 +329,21 @@ def test_load_into_a_larger_context_rebuilds_the_ring(ref):
         c.load_payload(data)
 
 
+@pytest.mark.parametrize("ctx", [7, 64])
+def test_a_window_cut_short_by_its_ctx_loads_into_a_larger_one(ref, ctx):
+    """Saved at a ctx below the sliding window (6 < 8), a session's raw window is its ctx and
+    holds every token: a larger ctx (a larger window) takes it, and decodes as a session that
+    ran there (`ds4 decode --ctx` was refused with a chunk-layout error)."""
+    assert 6 < ref.config.sliding_window
+    data = payload_of(prefilled(ref, PROMPT[:4], ctx=6, prefill_cap=6))
+    b = ref.session(ctx=ctx, prefill_cap=6)
+    b.load_payload(data)
+    want = prefilled(ref, PROMPT[:4], ctx=ctx, prefill_cap=6)
+    tb, _ = greedy(b, 2)
+    tw, _ = greedy(want, 2)
+    assert tb == tw and np.allclose(b.logits, want.logits, rtol=0, atol=1e-6 * np.abs(want.logits).max())
+
+
 @pytest.mark.parametrize("a, b", list(itertools.product(BACKENDS, BACKENDS)))
 def test_bit_parity_across_backends(model_path, a, b):
     """load → save gives back the input bytes on every backend; a payload saved on `a`, loaded on

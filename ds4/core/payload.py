@@ -249,7 +249,9 @@ def check_header(h: Header, cfg: ModelConfig, layout: SessionLayout | None = Non
         raise _fail(E_LAYOUT, "(n_layer, head_dim, indexer_head_dim, vocab) = "
                               f"{h.dims}, this model has {model_dims(cfg)}")
     if layout is not None:
-        if h.prefill_cap != layout.prefill_cap or h.raw_window != layout.raw_window:
+        # a window cut short by its session's ctx holds every token: a longer one takes it whole
+        cut = h.raw_window == min(cfg.sliding_window, h.ctx) == h.ctx < layout.raw_window
+        if h.prefill_cap != layout.prefill_cap or (h.raw_window != layout.raw_window and not cut):
             raise _fail(E_CHUNK, f"saved prefill_cap {h.prefill_cap}, raw_window {h.raw_window}; "
                                  f"current {layout.prefill_cap}, {layout.raw_window}")
     else:
