@@ -55,8 +55,10 @@ class _Group(TyperGroup):
                 rv = super().main(args, prog_name, complete_var, standalone_mode=False, **extra)
         except ClickException as e:
             ctx = getattr(e, "ctx", None)
-            hint = f" (see '{ctx.command_path} --help')" if ctx is not None else ""
-            print_error(e.format_message() + hint)
+            message = e.format_message()
+            if message.strip():  # (no command at all: the help was the answer, no error line)
+                hint = f" (see '{ctx.command_path} --help')" if ctx is not None else ""
+                print_error(message + hint)
             sys.exit(e.exit_code)
         except typer.Abort:
             err.print(Text("aborted", style="red"))

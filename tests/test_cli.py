@@ -58,6 +58,14 @@ def test_help_lists_commands():
         assert command in r.stdout
 
 
+def test_no_command_prints_the_help_without_an_empty_error():
+    """`ds4` alone answers with the help (exit 2, as click does); it ended with a line
+    "error:  (see 'ds4 --help')" holding no error."""
+    r = run()
+    assert r.exit_code == 2
+    assert "generate" in r.output and "error" not in r.output.lower(), r.output
+
+
 @pytest.mark.parametrize("command, options", [
     ("inspect", []),
     ("make-tiny", ["--preset", "--experts", "--seed", "--yes"]),
