@@ -146,6 +146,8 @@ def bench(
             raise CLIError("--tp-listen benchmarks one pair: leave out --compare")
 
         _check_model(model, ctx_max, gen_tokens)  # before the CSV is touched
+        if plot is not None and not plot.resolve().parent.is_dir():  # (not after the whole run)
+            raise CLIError(f"--plot: directory does not exist: {plot.parent}")
         append = csv_path is not None and _appends_to(csv_path, overwrite)
 
     table_console = out if csv_path is not None else err

@@ -402,6 +402,9 @@ def test_cli_csv_is_left_alone_when_the_run_cannot_start(model_path, tmp_path):
     assert out_csv.read_text() == "backend,device\nold,row\n"
     r = run("-m", model_path, *SMALL, "--csv", tmp_path / "no" / "dir.csv")
     assert r.exit_code == 1 and "directory does not exist" in r.stderr
+    # (a plot's directory too, before the run: it was found missing after it, the run lost)
+    r = run("-m", model_path, *SMALL, "--plot", tmp_path / "no" / "run.png")
+    assert r.exit_code == 1 and "--plot: directory does not exist" in r.stderr and "tokens/s" not in r.output
     r = run("-m", model_path, *SMALL, "--overwrite")
     assert r.exit_code == 1 and "give --csv" in r.stderr
     assert sorted(os.listdir(tmp_path)) == ["broken.gguf", "keep.csv"]  # no .part left
