@@ -13,12 +13,13 @@ cli/main.py registers the worker with `register(app)`; `generate` opens its engi
 from __future__ import annotations
 
 import logging
-import signal
 import sys
 from pathlib import Path
 from typing import Annotated, Optional
 
 import typer
+
+from ds4.core.atomic import signals_unwind
 
 from .common import CLIError, choose_backend, library_errors, resolve_model
 from .options import BackendOption, CtxOption, ModelOption, NumericsOption, check_range
@@ -143,13 +144,14 @@ def pipe_worker(
     print(f"listening on {host}:{worker.port} (layers {h.layer_first}:{h.layer_end} of "
           f"{h.n_layer}, {role}, {st.backend.name}, slots {h.n_slots}, ctx {h.n_ctx})", flush=True)
 
-    def _terminate(signum, frame):
-        raise KeyboardInterrupt
-
-    signal.signal(signal.SIGTERM, _terminate)
+    # Ctrl-C exits 130 and SIGTERM / SIGHUP 128 + the signal (signals_unwind's Terminated), as
+    # every other command does, each after the worker has stopped
     try:
-        worker.serve_forever()
+        with signals_unwind():
+            worker.serve_forever()
     except KeyboardInterrupt:
+        raise typer.Exit(130) from None
+    finally:
         worker.stop()
 
 

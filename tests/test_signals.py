@@ -129,6 +129,16 @@ def test_decode_recv_kv_stopped_while_waiting(tmp_path, model_path, sig):
     assert_clean(rc, err, sig, tmp_path / "tmp")
 
 
+@pytest.mark.parametrize("sig", SIGNALS + [signal.SIGHUP], ids=lambda s: signal.Signals(s).name)
+def test_pipe_worker_stopped_exits_as_every_command(tmp_path, model_path, sig):
+    """A stage stopped by a signal exits 128 + the signal (130 for Ctrl-C), as the README says of
+    every command: it exited 0, which a supervisor reads as a clean finish."""
+    p = start(tmp_path, DS4, "pipe-worker", "-m", model_path, 0, "3:5")
+    wait_line(p, p.stdout, "listening on ")
+    rc, err = stop(p, sig)
+    assert rc == 128 + sig and "Traceback" not in err, (rc, err)
+
+
 class StallingReceiver(threading.Thread):
     """A DS4K receiver that answers probes, accepts the manifest, then never replies."""
 
