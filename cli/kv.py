@@ -37,20 +37,21 @@ KV_TEMP_PREFIX = "ds4-kv-"  # a received or to-be-sent payload waits in such a t
 _SIZE_UNITS = {"": 1, "K": 1 << 10, "M": 1 << 20, "G": 1 << 30, "T": 1 << 40}
 
 
-def _parse_size(value: str) -> int:
+def _parse_size(value: str, option: str = "--max-kv-bytes") -> int:
     text = value.strip().upper().removesuffix("IB").removesuffix("B")
     unit = text[-1:] if text[-1:] in _SIZE_UNITS else ""
     number = text[: len(text) - len(unit)]
     try:
         n = int(float(number) * _SIZE_UNITS[unit])
     except (ValueError, OverflowError):  # (OverflowError: inf)
-        raise typer.BadParameter(f"expected a size such as 4294967296, 512M or 16G, got {value!r}") from None
+        raise typer.BadParameter(f"expected a size such as 4294967296, 512M or 16G, got {value!r}",
+                                 param_hint=f"'{option}'") from None
     if n <= 0:
-        raise typer.BadParameter(f"expected a positive size, got {value!r}")
+        raise typer.BadParameter(f"expected a positive size, got {value!r}", param_hint=f"'{option}'")
     return n
 
 
-def _check_hostport(value: str | None):
+def _check_hostport(value: str | None, option: str):
     if value is None:
         return None
     from ds4.wire.ds4k import parse_hostport
@@ -58,7 +59,7 @@ def _check_hostport(value: str | None):
     try:
         return parse_hostport(value)
     except ValueError as e:
-        raise typer.BadParameter(str(e)) from None
+        raise typer.BadParameter(str(e), param_hint=f"'{option}'") from None
 
 
 WaitOption = Annotated[Optional[float], typer.Option(
@@ -86,7 +87,7 @@ def prefill(
         "--prompt", "-p", metavar="TEXT", show_default=False,
         help="The user message; '-' reads it from stdin.")] = None,
     prompt_file: Annotated[Optional[Path], typer.Option(
-        "--prompt-file", metavar="FILE", dir_okay=False, show_default=False,
+        "--prompt-file", metavar="FILE", exists=True, dir_okay=False, readable=True, show_default=False,
         help="Read the user message from FILE (UTF-8).")] = None,
     save_kv: Annotated[Optional[Path], typer.Option(
         "--save-kv", metavar="FILE", dir_okay=False, show_default=False,
@@ -125,7 +126,7 @@ def prefill(
     if (save_kv is None) == (send_kv is None):
         raise typer.BadParameter("give exactly one of --save-kv and --send-kv",
                                  param_hint="'--save-kv' / '--send-kv'")
-    dest = _check_hostport(send_kv) if send_kv is not None else None
+    dest = _check_hostport(send_kv, "--send-kv") if send_kv is not None else None
     with library_errors():
         check_prefill_cap(prefill_cap, ctx)
         token = wire_token(auth_token, auth_token_file) if send_kv is not None else None
@@ -140,7 +141,11 @@ def prefill(
 
             probe_receiver(*dest, auth_token=token, timeout=io_timeout, tls=tls)
         if prompt_file is not None:
-            prompt = prompt_file.read_text(encoding="utf-8")
+            try:
+                prompt = prompt_file.read_text(encoding="utf-8")
+            except UnicodeDecodeError as e:
+                raise typer.BadParameter(f"{prompt_file} is not UTF-8 text: byte {e.start} is "
+                                         f"{e.object[e.start]:#04x}", param_hint="'--prompt-file'") from None
         elif prompt == "-":
             prompt = sys.stdin.read()
     tp = TpLeader.of(tp_listen, tp_transport, gate_timeout_ms, debug_hash, tp_wait)
@@ -314,7 +319,7 @@ def kv_send(
     from ds4.core.payload import ModelRef, check_payload, read_identity, verify_digest
     from ds4.wire.ds4k import send_payload
 
-    host, port = _check_hostport(dest)
+    host, port = _check_hostport(dest, "HOST:PORT")
     with library_errors():
         token = wire_token(auth_token, auth_token_file)
         tls = client_tls(tls_cert, tls_key, tls_ca)

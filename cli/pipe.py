@@ -43,6 +43,16 @@ MaxConnsOption = Annotated[int, typer.Option(
     help="Most client connections open at once; more are closed as soon as they connect.")]
 
 
+def _check_addr(value: str, option: str) -> None:
+    """HOST:PORT, or a parameter error naming `option`."""
+    from ds4.pipeline.common import parse_addr
+
+    try:
+        parse_addr(value)
+    except ValueError as e:
+        raise typer.BadParameter(str(e).removeprefix("address: "), param_hint=f"'{option}'") from None
+
+
 def open_split_engine(model: Path | None, backend: str, numerics: str, split_next: str,
                       layers: str | None, *, ctx: int | None = None, slots: int = 1,
                       snapshots: int = 0, sampling=None, auth_token: str | None = None,
@@ -63,6 +73,7 @@ def open_split_engine(model: Path | None, backend: str, numerics: str, split_nex
     """
     from ds4.pipeline import SplitEngine
 
+    _check_addr(split_next, "--split-next")
     with library_errors():
         if not layers:
             raise CLIError("--split-next needs --layers 0:A (the layers this head runs)")
@@ -123,6 +134,8 @@ def pipe_worker(
     """Serve layers A:B of a model as one pipeline stage (qkp5: wire.md §1 and ds4/wire/qkp.py)."""
     from ds4.pipeline import serve
 
+    if next_stage is not None:
+        _check_addr(next_stage, "--next")
     logging.basicConfig(stream=sys.stderr, level=logging.INFO if verbose else logging.WARNING,
                         format="pipe-worker: %(message)s")
     with library_errors():

@@ -466,6 +466,27 @@ def test_cli_bad_options(cli, args):
     assert "Traceback" not in r.output
 
 
+@pytest.mark.parametrize("args, option, says", [
+    (["prefill", "-p", "hi", "--send-kv", "localhost"], "--send-kv", "expected HOST:PORT"),
+    (["kv-send", "x.dsv4", "nohost"], "HOST:PORT", "expected HOST:PORT"),
+    (["kv-recv", "0", "-o", "x.dsv4", "--max-kv-bytes", "0"], "--max-kv-bytes", "expected a positive size"),
+    (["prefill", "--prompt-file", "nope.txt", "--save-kv", "x.dsv4"], "--prompt-file", "does not exist"),
+    (["prefill", "--prompt-file", "{bad}", "--save-kv", "x.dsv4"], "--prompt-file", "byte 2 is 0xff"),
+    (["generate", "-p", "hi", "--split-next", "nohost", "--layers", "0:2"], "--split-next", "expected HOST:PORT"),
+    (["pipe-worker", "0", "2:5", "--next", "nohost"], "--next", "expected HOST:PORT"),
+])
+def test_cli_option_errors_name_the_option(tmp_path, args, option, says):
+    """Values checked in a command's body name their option, as the parsed ones do (they said
+    "Invalid value: ...", or gave a bare OSError / UnicodeDecodeError for a prompt file)."""
+    bad = tmp_path / "bad.txt"
+    bad.write_bytes(b"ab\xffcd")
+    from cli.main import app
+
+    r = CliRunner().invoke(app, [a.replace("{bad}", str(bad)) for a in args])
+    assert r.exit_code == 2, r.output
+    assert f"Invalid value for '{option}'" in r.output and says in r.output, r.output
+
+
 def test_cli_decode_checks_a_payload_against_the_model_before_allocating(cli, model_path, good, tmp_path,
                                                                           monkeypatch):
     """A payload whose header asks for a context the model cannot hold (or whose body is not
