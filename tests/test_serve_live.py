@@ -429,7 +429,8 @@ def test_invalid_requests_400(server, oa, an):
     image = {"type": "image", "source": {"type": "base64", "media_type": "image/png", "data": "AAAA"}}
     with pytest.raises(anthropic.BadRequestError) as e:  # (it was dropped without a word)
         an.messages.create(model="ds4", max_tokens=1, messages=[{"role": "user", "content": [
-            {"type": "tool_result", "tool_use_id": "toolu_1", "content": [{"type": "text", "text": "x"}, image]}]}])
+            {"type": "tool_result", "tool_use_id": "toolu_1",
+             "content": [{"type": "text", "text": "x"}, image]}]}])
     assert e.value.body["error"]["message"].startswith("messages[0].content[0].content[1].type: expected text")
     tools = [{"name": "f", "input_schema": {"type": "object", "properties": {}}}]
     for extra, field in (({"tool_choice": {"type": "any"}}, "tool_choice"),
@@ -447,8 +448,9 @@ def test_invalid_requests_400(server, oa, an):
         message = r.json()["error"]["message"]
         assert message.startswith(f"{field}: Input should be a valid"), (path, message)
     # (parallel tool calls on and a text-only modality are what this server does anyway)
-    r = oa.chat.completions.create(model="ds4", messages=msgs, max_tokens=1, temperature=0, parallel_tool_calls=True,
-                                   tools=[{"type": "function", "function": {"name": "f"}}], modalities=["text"])
+    r = oa.chat.completions.create(model="ds4", messages=msgs, max_tokens=1, temperature=0,
+                                   parallel_tool_calls=True, modalities=["text"],
+                                   tools=[{"type": "function", "function": {"name": "f"}}])
     assert r.usage.completion_tokens == 1
     r = httpx.post(f"{server.url}/v1/messages", headers={**AUTH, "content-type": "application/json"},
                    content=b"{not json")

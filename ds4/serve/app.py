@@ -76,9 +76,16 @@ class BodyTooLarge(StarletteHTTPException):
 class Guard:
     """ASGI middleware: API key, body size, and the request counter."""
 
+    def __init__(self, app, *, api_key: str | None, max_body: int, metrics, endpoints: frozenset):
+        self.app = app
+        self.endpoints = endpoints  # the counter's endpoint labels; any other path counts as OTHER_ENDPOINT
+        self.key = api_key.encode() if api_key else None
+        self.max_body = max_body
+        self.metrics = metrics
+
     def _label(self, path: str) -> str:
         """The request counter's endpoint label: a route's path, its template for a route with a
-        parameter (/v1/models/{model_id}), else OTHER_ENDPOINT (a client cannot add series)."""
+        parameter (/v1/models/{model:path}), else OTHER_ENDPOINT (a client cannot add series)."""
         if path in self.endpoints:
             return path
         parts = path.split("/")
@@ -86,13 +93,6 @@ class Guard:
             if "{" in route and _matches(route.split("/"), parts):
                 return route
         return OTHER_ENDPOINT
-
-    def __init__(self, app, *, api_key: str | None, max_body: int, metrics, endpoints: frozenset):
-        self.app = app
-        self.endpoints = endpoints  # the counter's endpoint labels; any other path counts as OTHER_ENDPOINT
-        self.key = api_key.encode() if api_key else None
-        self.max_body = max_body
-        self.metrics = metrics
 
     def _authorized(self, headers: dict[bytes, bytes]) -> bool:
         given = headers.get(b"x-api-key")
