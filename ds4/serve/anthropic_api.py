@@ -23,8 +23,9 @@ from pydantic import BaseModel, ConfigDict, Field
 from .driver import Failed, Finished, GenRequest, Token
 from .prompt import Conversation, Turn, add_turn
 from .reply import CONTENT, REASONING
-from .shared import (APIError, ServerState, api_sampling, bad, check_prompt, encode_conversation, encode_prompt,
-                     engine_seed, events, first_event, got, max_tokens_for, parse, stops_from, submit)
+from .shared import (APIError, ServerState, api_sampling, bad, check_prompt, encode_conversation,
+                     encode_prompt, engine_seed, events, first_event, got, max_tokens_for, parse,
+                     stops_from, submit)
 from .tools import ToolCall, ToolSpec, new_call_id
 
 

@@ -24,9 +24,9 @@ from ds4.core.sampling import SamplingParams
 from .driver import Failed, Finished, GenRequest, Token
 from .prompt import Conversation, Turn, add_turn
 from .reply import CONTENT, REASONING
-from .shared import (MAX_SEED, MAX_TOP_LOGPROBS, MIN_SEED, APIError, ServerState, api_sampling, bad, check_prompt,
-                     check_text, encode_prompt, engine_seed, events, first_event, got, max_tokens_for,
-                     parse, stops_from, submit)
+from .shared import (MAX_SEED, MAX_TOP_LOGPROBS, MIN_SEED, APIError, ServerState, api_sampling, bad,
+                     check_prompt, check_text, encode_prompt, engine_seed, events, first_event, got,
+                     max_tokens_for, parse, stops_from, submit)
 from .tools import ToolCall, ToolSpec
 
 COMPLETIONS_DEFAULT_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
