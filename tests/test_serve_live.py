@@ -403,6 +403,7 @@ def test_invalid_requests_400(server, oa, an):
              # (a number or a boolean sent as a string is the wrong type, as OpenAI answers it)
              ({"max_tokens": "2"}, "max_tokens"), ({"temperature": "0.5"}, "temperature"),
              ({"max_tokens": 2.0}, "max_tokens"),
+             ({"stream_options": {"include_usage": True}}, "stream_options"),  # (without stream)
              ({"messages": [{"role": "user", "content": [{"type": "image_url"}]}]}, "messages[0].content[0].type")]
     for extra, param in cases:
         with pytest.raises(openai.BadRequestError) as e:

@@ -84,6 +84,8 @@ class _Sampling(BaseModel):
         for name in ("presence_penalty", "frequency_penalty"):
             if getattr(self, name) != 0.0:
                 raise bad(name, f"this server applies no penalties: expected 0, got {getattr(self, name)}")
+        if self.stream_options is not None and not self.stream:  # (as OpenAI refuses it)
+            raise bad("stream_options", "only allowed when stream is true")
 
     @property
     def include_usage(self) -> bool:
