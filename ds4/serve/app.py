@@ -36,17 +36,6 @@ _ANTHROPIC_KINDS = {400: "invalid_request_error", 401: "authentication_error",
                     413: "request_too_large", 429: "rate_limit_error", 503: "overloaded_error"}
 
 
-def _matches(steps: list[str], parts: list[str]) -> bool:
-    """Whether a path's parts fit a route template's steps ("{name}" one non-empty part,
-    "{name:path}" all the rest)."""
-    for i, step in enumerate(steps):
-        if step.startswith("{") and step.endswith(":path}"):
-            return any(parts[i:])
-        if i >= len(parts) or not (step == parts[i] or (step.startswith("{") and parts[i])):
-            return False
-    return len(parts) == len(steps)
-
-
 def _is_anthropic(path: str) -> bool:
     return path.startswith("/v1/messages")
 
@@ -76,9 +65,11 @@ class BodyTooLarge(StarletteHTTPException):
 class Guard:
     """ASGI middleware: API key, body size, and the request counter."""
 
-    def __init__(self, app, *, api_key: str | None, max_body: int, metrics, endpoints: frozenset):
+    def __init__(self, app, *, api_key: str | None, max_body: int, metrics, endpoints: dict):
         self.app = app
-        self.endpoints = endpoints  # the counter's endpoint labels; any other path counts as OTHER_ENDPOINT
+        # the counter's endpoint labels, each route's path with its compiled pattern; any other
+        # path counts as OTHER_ENDPOINT
+        self.endpoints = endpoints
         self.key = api_key.encode() if api_key else None
         self.max_body = max_body
         self.metrics = metrics
@@ -88,11 +79,7 @@ class Guard:
         parameter (/v1/models/{model:path}), else OTHER_ENDPOINT (a client cannot add series)."""
         if path in self.endpoints:
             return path
-        parts = path.split("/")
-        for route in self.endpoints:
-            if "{" in route and _matches(route.split("/"), parts):
-                return route
-        return OTHER_ENDPOINT
+        return next((route for route, pattern in self.endpoints.items() if pattern.match(path)), OTHER_ENDPOINT)
 
     def _authorized(self, headers: dict[bytes, bytes]) -> bool:
         given = headers.get(b"x-api-key")
@@ -188,5 +175,5 @@ def create_app(driver: Driver, *, model_id: str, max_tokens_limit: int, api_key:
     openai_api.register(app, state)
     anthropic_api.register(app, state)
     app.add_middleware(Guard, api_key=api_key, max_body=max_body, metrics=driver.metrics,
-                       endpoints=frozenset(route.path for route in app.routes))
+                       endpoints={route.path: route.path_regex for route in app.routes})
     return app
