@@ -128,29 +128,29 @@ def _two_halves(head: list[int], word: int) -> int:
     return head[word] | (head[word + 1] << 31)
 
 
-def check_record_header(head: list[int], want: list[int], rank: int) -> None:
-    """GateDesync naming the first field of rank's record header that differs from want's, with
-    both values (the words of TorchPartner._header; seq in two halves)."""
+def _check_words(head: list[int], want: list[int], fields: tuple, rank: int, record: str, where: str) -> None:
+    """GateDesync naming the first field of rank's `record` whose word differs from want's, with
+    both values; a field named twice in `fields` is one value in two 31-bit halves."""
     for word, (got, exp) in enumerate(zip(head, want)):
         if got != exp:
-            field = RECORD_FIELDS[word]
-            if field == "seq":
-                got, exp = _two_halves(head, 3), _two_halves(want, 3)
-            raise ds4t.GateDesync(field, f"gate desync: rank {rank}'s record has {field} {got}, expected {exp} "
-                                  f"(layer {want[1]}, gate {want[2]}, seq {_two_halves(want, 3)})")
+            field = fields[word]
+            if fields.count(field) == 2:
+                first = fields.index(field)
+                got, exp = _two_halves(head, first), _two_halves(want, first)
+            raise ds4t.GateDesync(field, f"gate desync: rank {rank}'s {record} has {field} {got}, "
+                                  f"expected {exp} ({where})")
+
+
+def check_record_header(head: list[int], want: list[int], rank: int) -> None:
+    """The words of TorchPartner._header against want's (_check_words)."""
+    _check_words(head, want, RECORD_FIELDS, rank, "record",
+                 f"layer {want[1]}, gate {want[2]}, seq {_two_halves(want, 3)}")
 
 
 def check_chunk_header(head: list[int], want: list[int], rank: int) -> None:
-    """GateDesync naming the first field of rank's chunk record (TorchPartner._chunk_header)
-    that differs from want's, with both values."""
-    for word, (got, exp) in enumerate(zip(head, want)):
-        if got != exp:
-            field = CHUNK_FIELDS[word]
-            if field in ("p0", "seq"):
-                first = CHUNK_FIELDS.index(field)
-                got, exp = _two_halves(head, first), _two_halves(want, first)
-            raise ds4t.GateDesync(field, f"gate desync: rank {rank}'s chunk has {field} {got}, expected {exp} "
-                                  f"(chunk at position {_two_halves(want, 1)} of {want[3]} rows)")
+    """The words of TorchPartner._chunk_header against want's (_check_words)."""
+    _check_words(head, want, CHUNK_FIELDS, rank, "chunk",
+                 f"chunk at position {_two_halves(want, 1)} of {want[3]} rows")
 
 
 class TorchPartner(_Base):
