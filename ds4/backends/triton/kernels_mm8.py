@@ -9,9 +9,9 @@ with the tile, summed over the super-block's 256 values in int32, is exact (|Σ|
 2^22, so it also converts to float32 exactly); the three combine in float32 once per
 super-block, where the fp16 path (kernels_mm16.py) runs two fp16 products on two fp16 terms of h.
 h is held to 0.5 / X8_MAX (6.0e-8, about 2^-24) of its chunk's largest value, as the fp16 path
-holds it to 2^-22 of each value. The top two planes go to the tensor cores stacked along M, one product of
-twice the tile's rows, and the lowest in a product of its own: products that share an operand's
-shared-memory tile run one after another. With two planes (PLANES 2: |q| ≤ X8_MAX2, 16 bits) a
+holds it to 2^-22 of each value. The top two planes go to the tensor cores stacked along M, one
+product of twice the tile's rows, and the lowest in a product of its own: products that share an
+operand's shared-memory tile run one after another. With two planes (PLANES 2: |q| ≤ X8_MAX2, 16 bits) a
 K-step is that one stacked product alone, but h is then held only to 2^-16 of its chunk's
 largest value, which at the real shapes put layer outputs past the accuracy bound the
 correctness harness asks for (bench/triton/README.md, "What was tried").
@@ -21,8 +21,8 @@ bench/triton/README.md "What was tried"). Here the decoded tile is one byte a va
 two (half the shared-memory stores and half the bytes each product reads of it), the tile of h
 3 bytes a value instead of 4, an int8 product runs at twice the fp16 rate, and the decoder's
 work is one integer multiply per 4 values (sc times 4 two-bit fields, no carries between
-bytes), where the fp16 decoder spends about one instruction a value. The epilogue, three accumulators to float per super-block, costs
-back part of that.
+bytes), where the fp16 decoder spends about one instruction a value. The epilogue, three
+accumulators to float per super-block, costs back part of that.
 
 The min term dmin·Σ_s m_s·(Σ_{k∈s} h_k) stays a K = 16 fp16 product of the integers m ≤ 15 with
 the sub-block sums of q, divided by G8_SHIFT so that they fit fp16, in two terms (hi + lo, 22 of
