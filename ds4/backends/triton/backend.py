@@ -57,7 +57,7 @@ from .ops_attention import TOPK_MAX_CHUNKS, _AttentionOps
 from .ops_hc import _HcOps
 from .ops_moe import _MoeOps
 from .plumbing import (
-    GRID_NIBBLES, QWeight, ROW_UNIT, Selection, _AttnParts, _Combined, _Expanded, _GraphEntry, _HeadNormed,
+    GRID_NIBBLES, QWeight, ROW_UNIT, Selection, _AttnOut, _AttnParts, _Combined, _Expanded, _GraphEntry, _HeadNormed,
     _IQ2_GROUPS, _Lazy, _Normed, _Roped, _Step, _Sum, _UNNORMED, _UNROLLED_VB, _VALUE_ROLES, _X16_ONLY, _cdiv,
     _grid_table, _ksign_table, _largest_pow2_divisor, _max_shared, _pow2, check_config,
 )
@@ -329,6 +329,8 @@ class TritonBackend(_LinearOps, _DecodeSteps, _HcOps, _AttentionOps, _MoeOps, Ba
         elif isinstance(x, _Roped):
             self._set_pos(x.p0)
             out = self._rope(x.x, x.il, inverse=False)
+        elif isinstance(x, _AttnOut):
+            out = x.launch(False)
         elif isinstance(x, _Expanded):
             X = x.X
             n, HC, E = X.shape

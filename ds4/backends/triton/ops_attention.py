@@ -9,7 +9,7 @@ import torch
 from ...core.rules import visible_compressed_rows
 from . import kernels as K
 from .plumbing import (
-    MM_MIN, Selection, _AttnParts, _Combined, _HeadNormed, _Normed, _Roped, _cdiv, _op, _pad_dim, _pow2,
+    MM_MIN, Selection, _AttnOut, _AttnParts, _Combined, _HeadNormed, _Normed, _Roped, _cdiv, _op, _pad_dim, _pow2,
 )
 
 
@@ -66,6 +66,11 @@ class _AttentionOps:
         self._set_pos(p0)
         if inverse and isinstance(x, _AttnParts) and x.val is None:
             return _Combined(x)
+        if inverse and isinstance(x, _AttnOut) and x.val is None:
+            out, x.launch = x.launch(True), None  # (launched once: a later plain read would be stale)
+            return out
+        if not inverse and self._fuses_query_rope(x):
+            return _Roped(x, il, p0)  # (the query: attention normalises and rotates it as it loads it)
         if not inverse and self.fuse_kv_store and isinstance(x, _Normed) and x.val is None and len(x.shape) == 2:
             return _Roped(x, il, p0)  # (the KV row: kv_store rotates and stores it in one launch)
         return self._rope(x, il, inverse)
@@ -168,12 +173,24 @@ class _AttentionOps:
             raise
         return Selection(idx, cnt, top_k)
 
+    def _fuses_query_rope(self, x) -> bool:
+        """Whether x, a prefill chunk's head-normed query, is left for attention to normalise and
+        rotate as it loads it (attn_fuse_rope)."""
+        return (self.attn_fuse_rope and self._step is None and isinstance(x, _HeadNormed) and x.val is None
+                and x.shape[0] > 1)
+
     @_op
     def attention(self, q, st, sinks, p0, il, selected):
         cfg = self.cfg
         self._set_pos(p0)
-        q = self._val(q)
-        n, H, D = q.shape
+        q_rope = (isinstance(q, _Roped) and q.val is None and isinstance(q.x, _HeadNormed)
+                  and (q.p0, q.il) == (p0, il) and q.shape[0] > 1)
+        if q_rope:
+            n, H, D = q.shape
+            q = self._val(q.x.x)  # (before its norm: [n, H·D] rows)
+        else:
+            q = self._val(q)
+            n, H, D = q.shape
         raw = st["raw"]
         W = min(cfg.sliding_window, raw.shape[0])
         m = cfg.ratio(il)
@@ -185,16 +202,23 @@ class _AttentionOps:
                   self._pos, sinks.vec)
         qscale = float(np.float32(np.sqrt(D)))
         f16 = bool(self.attn_f16 and self.ds4_numerics)
+        rope = (self._freq[il], cfg.rms_eps)
         if n > 1:
-            out = self._new((n, H, D))
             HBp, BR, warps, stages = ((16, 16, 8, 1) if self.interpret else
                                       self.attn_tile if f16 else self.attn_tile_tf32)
-            self._launch(K.attn_kernel, (n, _cdiv(H, HBp), 1), *common, self._dummy_f, self._dummy_f, out,
-                         H, W, raw.shape[0], max(m, 1), cfg.indexer_top_k, 1 << 30, qscale,
-                         D=D, HB=HBp, BR=BR, COMP=comp, SEL=sel, SINGLE=True, KEXACT=self.ds4_numerics,
-                         F16=f16, DP=_pad_dim(D), num_warps=warps, num_stages=stages,
-                         nbytes=n * (8 * H * D + (W + cfg.indexer_top_k) * D * raw.element_size()))
-            return out
+
+            def launch(rope_inverse: bool):
+                out = self._new((n, H, D))
+                self._launch(K.attn_kernel, (n, _cdiv(H, HBp), 1), *common, self._dummy_f, self._dummy_f, out,
+                             H, W, raw.shape[0], max(m, 1), cfg.indexer_top_k, 1 << 30, qscale, *rope,
+                             D=D, HB=HBp, BR=BR, COMP=comp, SEL=sel, SINGLE=True, KEXACT=self.ds4_numerics,
+                             F16=f16, DP=_pad_dim(D), NROT=cfg.n_rot, Q_ROPE=q_rope, ROPE_INV=rope_inverse,
+                             num_warps=warps, num_stages=stages,
+                             nbytes=n * (8 * H * D + (W + cfg.indexer_top_k) * D * raw.element_size()))
+                return out
+            if self.attn_fuse_rope and self._step is None:
+                return _AttnOut(launch, (n, H, D))
+            return launch(False)
         if self._step is not None:
             ncomp = (cfg.indexer_top_k if sel else st["comp"].shape[0]) if comp else 0
         else:
@@ -211,7 +235,7 @@ class _AttentionOps:
         lo = self._new((n, S, H))
         ao = self._new((n, S, H, D))
         self._launch(K.attn_kernel, (n, _cdiv(H, HB), S), *common, mo, lo, ao,
-                     H, W, raw.shape[0], max(m, 1), cfg.indexer_top_k, RS, qscale,
+                     H, W, raw.shape[0], max(m, 1), cfg.indexer_top_k, RS, qscale, *rope,
                      D=D, HB=HB, BR=ATTN_STEP, COMP=comp, SEL=sel, SINGLE=False, KEXACT=self.ds4_numerics,
                      F16=f16, DP=_pad_dim(D), num_warps=8,
                      nbytes=(W + ncomp) * D * _cdiv(H, HB) * raw.element_size() + 8 * S * H * D)

@@ -177,6 +177,16 @@ class _Combined(_Lazy):
         return self.parts.shape
 
 
+class _AttnOut(_Lazy):
+    """A prefill chunk's attention output, launched by the op that reads it (the next one, in the
+    graph): the inverse tail RoPE (rope(inverse=True)) has attn_kernel rotate it as it stores it;
+    any other reader gets it as it is. launch(rope_inverse) runs the kernel and returns its output."""
+    __slots__ = ("launch", "shape")
+
+    def __init__(self, launch, shape):
+        self.launch, self.shape, self.val = launch, shape, None
+
+
 class _Roped(_Lazy):
     """A normed row's tail RoPE (rope_kernel), launched when read, or by kv_store, which rotates
     and stores the KV row into the raw window in one launch."""

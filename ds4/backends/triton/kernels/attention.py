@@ -8,7 +8,7 @@ import triton
 import triton.language as tl
 from triton.language.extra.cuda import gdc_launch_dependents
 
-from .common import _NEG, _cache_rows, _cos_sin, _dot16, _dot_f32, _f16_round, _hi_lo, _pow2_scale, _qat_rows
+from .common import _NEG, _cache_rows, _dot16, _dot_f32, _f16_round, _hi_lo, _pow2_scale, _qat_rows, _tail_rope
 from .decode import _xq_store
 from .rules import rules
 
@@ -126,13 +126,7 @@ def comp_pool_kernel(kv_ptr, sc_ptr, ape_ptr, skv_ptr, ssc_ptr, nw_ptr, freq_ptr
         rs = tl.sqrt_rn((tl.sum(xe * xe, axis=1) + tl.sum(xo * xo, axis=1)) / D + eps)[:, None]
         xe = xe / rs * tl.load(nw_ptr + 2 * i, mask=im, other=0.0)[None, :]
         xo = xo / rs * tl.load(nw_ptr + 2 * i + 1, mask=im, other=0.0)[None, :]
-        k = i - (D - NROT) // 2
-        km = ((k >= 0) & im)[None, :]
-        theta = (w * M).to(tl.float32) * tl.load(freq_ptr + k, mask=(k >= 0) & im, other=0.0)
-        c, s = _cos_sin(theta)
-        ne, no = rules.rope_rotate(xe, xo, c[None, :], s[None, :])
-        ne = tl.where(km, ne, xe)
-        no = tl.where(km, no, xo)
+        ne, no = _tail_rope(xe, xo, i[None, :], im[None, :], w * M, freq_ptr, D, NROT, False)
         y = tl.reshape(tl.join(ne, no), [1, 2 * HD])
         if MODE == 1:
             y = _cache_rows(y, D - NROT)
@@ -193,10 +187,11 @@ def comp_update_kernel(kv_ptr, sc_ptr, ape_ptr, skv_ptr, ssc_ptr, pos_ptr, n,
 @triton.jit
 def attn_kernel(q_ptr, raw_ptr, comp_ptr, sel_ptr, cnt_ptr, pos_ptr, sink_ptr,
                 mo_ptr, lo_ptr, ao_ptr,
-                H, W, RAWCAP, M, TOPK, RS, qscale,
+                H, W, RAWCAP, M, TOPK, RS, qscale, freq_ptr, eps,
                 D: tl.constexpr, HB: tl.constexpr, BR: tl.constexpr,
                 COMP: tl.constexpr, SEL: tl.constexpr, SINGLE: tl.constexpr, KEXACT: tl.constexpr,
-                F16: tl.constexpr = False, DP: tl.constexpr = 0):
+                F16: tl.constexpr = False, DP: tl.constexpr = 0, NROT: tl.constexpr = 0,
+                Q_ROPE: tl.constexpr = False, ROPE_INV: tl.constexpr = False):
     """Heads [hg·HB, +HB) of query t over its candidate rows [sp·RS, +RS): the raw window
     (positions max(0, p−W+1)..p, ring rows) then the visible (COMP) or selected (SEL) compressed
     rows. K = V. SINGLE: all rows in one program, sink included, normalised output; otherwise
@@ -210,7 +205,13 @@ def attn_kernel(q_ptr, raw_ptr, comp_ptr, sel_ptr, cnt_ptr, pos_ptr, sink_ptr,
     shared memory.
 
     DP: D padded to a power of two (0: D is one); the pad is zero in q and in the rows, so it
-    adds nothing to a score, and is never stored."""
+    adds nothing to a score, and is never stored.
+
+    Q_ROPE: q_ptr holds the query before its per-head RMSNorm and tail RoPE (freq_ptr, NROT),
+    which the program applies as it loads q, as rope_kernel would; ROPE_INV (SINGLE): the output
+    takes the inverse tail RoPE before it is stored. A prefill chunk's query and output then make
+    no trip through memory of their own (each is n·H·D floats, read and written once more by a
+    rope_kernel launch)."""
     t = tl.program_id(0)
     hg = tl.program_id(1)
     sp = tl.program_id(2)
@@ -232,7 +233,17 @@ def attn_kernel(q_ptr, raw_ptr, comp_ptr, sel_ptr, cnt_ptr, pos_ptr, sink_ptr,
     DA: tl.constexpr = D if DP == 0 else DP
     d = tl.arange(0, DA)
     dm = d[None, :] < D
-    q = tl.load(q_ptr + (t * H + h[:, None]).to(tl.int64) * D + d[None, :], mask=hm[:, None] & dm, other=0.0)
+    if Q_ROPE:
+        i = tl.arange(0, DA // 2)
+        im = i < D // 2
+        j = tl.arange(0, 2)
+        pr = (t * H + h[:, None, None]).to(tl.int64) * D + 2 * i[None, :, None] + j[None, None, :]
+        qe, qo = tl.split(tl.load(q_ptr + pr, mask=(hm[:, None] & im[None, :])[:, :, None], other=0.0))
+        rs = tl.sqrt_rn((tl.sum(qe * qe, axis=1) + tl.sum(qo * qo, axis=1)) / D + eps)[:, None]
+        qe, qo = _tail_rope(qe / rs, qo / rs, i[None, :], im[None, :], pos, freq_ptr, D, NROT, False)
+        q = tl.reshape(tl.join(qe, qo), [HB, DA])
+    else:
+        q = tl.load(q_ptr + (t * H + h[:, None]).to(tl.int64) * D + d[None, :], mask=hm[:, None] & dm, other=0.0)
     m_i = tl.full([HB], _NEG, tl.float32)
     l_i = tl.zeros([HB], tl.float32)
     acc = tl.zeros([HB, DA], tl.float32)
@@ -279,6 +290,11 @@ def attn_kernel(q_ptr, raw_ptr, comp_ptr, sel_ptr, cnt_ptr, pos_ptr, sink_ptr,
         f = tl.exp(m_i - mx)
         den = l_i * f + tl.exp(sink - mx)
         o = acc * (f / den)[:, None]
+        if ROPE_INV:
+            i = tl.arange(0, DA // 2)
+            oe, oo = tl.split(tl.reshape(o, [HB, DA // 2, 2]))
+            oe, oo = _tail_rope(oe, oo, i[None, :], (i < D // 2)[None, :], pos, freq_ptr, D, NROT, True)
+            o = tl.reshape(tl.join(oe, oo), [HB, DA])
         tl.store(ao_ptr + (t * H + h[:, None]).to(tl.int64) * D + d[None, :], o, mask=hm[:, None] & dm)
     else:
         pb = (t * nsp + sp) * H + h
@@ -320,16 +336,7 @@ def attn_combine_kernel(mo_ptr, lo_ptr, ao_ptr, sink_ptr, freq_ptr, pos_ptr, out
     v = tl.load(ab[:, :, None] + j[None, None, :], mask=lm[:, :, None], other=0.0)  # [SP, BI, 2]
     xe, xo = tl.split(tl.sum(v * f[:, None, None], axis=0) / den)
     if ROPE_INV:
-        k = i - (D - NROT) // 2
-        km = (k >= 0) & im
-        pos = tl.load(pos_ptr) + t
-        theta = pos.to(tl.float32) * tl.load(freq_ptr + k, mask=km, other=0.0)
-        c, s = _cos_sin(theta)
-        ne, no = rules.rope_rotate(xe, xo, c, -s)
-        ne = tl.where(km, ne, xe)
-        no = tl.where(km, no, xo)
-        xe = ne
-        xo = no
+        xe, xo = _tail_rope(xe, xo, i, im, tl.load(pos_ptr) + t, freq_ptr, D, NROT, True)
     ob = out_ptr + (t * H + h).to(tl.int64) * D + 2 * i
     tl.store(ob[:, None] + j[None, :], tl.join(xe, xo), mask=im[:, None])
     if XQ8:

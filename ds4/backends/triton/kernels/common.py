@@ -101,6 +101,21 @@ def _cos_sin(x):
 
 
 @triton.jit
+def _tail_rope(xe, xo, i, im, pos, freq_ptr, D: tl.constexpr, NROT: tl.constexpr, INVERSE: tl.constexpr):
+    """The tail RoPE at position pos of the pairs i (mask im) of a D-value row, xe / xo their
+    even / odd values (i broadcasts against them): the pairs of the last NROT dims rotate by
+    pos·freq, the others pass unchanged; INVERSE rotates back."""
+    k = i - (D - NROT) // 2
+    km = (k >= 0) & im
+    theta = pos.to(tl.float32) * tl.load(freq_ptr + k, mask=km, other=0.0)
+    c, s = _cos_sin(theta)
+    if INVERSE:
+        s = -s
+    ne, no = rules.rope_rotate(xe, xo, c, s)
+    return tl.where(km, ne, xe), tl.where(km, no, xo)
+
+
+@triton.jit
 def _ld_f16(wh, byte_off, mask):
     return tl.load(wh + byte_off // 2, mask=mask, other=0).to(tl.float16, bitcast=True).to(tl.float32)
 

@@ -8,7 +8,7 @@ import triton
 import triton.language as tl
 from triton.language.extra.cuda import gdc_launch_dependents
 
-from .common import T_F16, _cache_rows, _cos_sin, _dot_f32, _qat_rows, _swiglu, _wtile
+from .common import T_F16, _cache_rows, _dot_f32, _qat_rows, _swiglu, _tail_rope, _wtile
 from .decode import _xq_store
 from .rules import rules
 
@@ -237,18 +237,8 @@ def rope_kernel(x_ptr, out_ptr, nw_ptr, freq_ptr, pos_ptr, ROWS, eps,
         if NORM == 1:
             xe = xe * tl.load(nw_ptr + 2 * i, mask=im, other=0.0)[None, :]
             xo = xo * tl.load(nw_ptr + 2 * i + 1, mask=im, other=0.0)[None, :]
-    k = i - (D - NROT) // 2
-    km = (k >= 0) & im
     pos = tl.load(pos_ptr) + t
-    theta = pos.to(tl.float32) * tl.load(freq_ptr + k, mask=km, other=0.0)
-    c, s = _cos_sin(theta)
-    c = c[None, :]
-    s = s[None, :]
-    if INVERSE:
-        s = -s
-    ne, no = rules.rope_rotate(xe, xo, c, s)
-    ne = tl.where(km[None, :], ne, xe)
-    no = tl.where(km[None, :], no, xo)
+    ne, no = _tail_rope(xe, xo, i[None, :], im[None, :], pos, freq_ptr, D, NROT, INVERSE)
     if RING:
         y = tl.reshape(tl.join(ne, no), [BR, 2 * HDP])  # (the pad past D is zero)
         if DS4:
