@@ -18,6 +18,7 @@ import typer
 from rich.text import Text
 
 from ds4.core.chat import DEFAULT_SYSTEM
+from ds4.wire.address import LOOPBACK, format_hostport
 
 from .tp import (DEFAULT_GATE_TIMEOUT_MS, DEFAULT_TP_WAIT_S, DebugHashOption, GateTimeoutOption,
                  TpLeader, TpListenOption, TpTransportOption, TpWaitOption)
@@ -28,7 +29,7 @@ from .wire_options import (DEFAULT_IO_TIMEOUT, AuthTokenFileOption, AuthTokenOpt
                            warn_exposed, wire_token)
 from .options import (MAX_SEED, BackendOption, CtxOption, MinPOption, ModelOption, NoThinkOption,
                       NumericsOption, PrefillCapOption, SeedOption, SystemOption, TempOption, TokensOption,
-                      TopKOption, TopPOption, check_range)
+                      TopKOption, TopPOption, check_hostport, check_range)
 
 KV_TEMP_PREFIX = "ds4-kv-"  # a received or to-be-sent payload waits in such a temporary directory
 
@@ -49,17 +50,6 @@ def _parse_size(value: str, option: str = "--max-kv-bytes") -> int:
     if n <= 0:
         raise typer.BadParameter(f"expected a positive size, got {value!r}", param_hint=f"'{option}'")
     return n
-
-
-def _check_hostport(value: str | None, option: str):
-    if value is None:
-        return None
-    from ds4.wire.ds4k import parse_hostport
-
-    try:
-        return parse_hostport(value)
-    except ValueError as e:
-        raise typer.BadParameter(str(e), param_hint=f"'{option}'") from None
 
 
 WaitOption = Annotated[Optional[float], typer.Option(
@@ -94,7 +84,8 @@ def prefill(
         help="Write the session payload to FILE (atomically).")] = None,
     send_kv: Annotated[Optional[str], typer.Option(
         "--send-kv", metavar="HOST:PORT", show_default=False,
-        help="Send the session payload to a `ds4 decode --recv-kv` or `ds4 kv-recv` there.")] = None,
+        help="Send the session payload to a `ds4 decode --recv-kv` or `ds4 kv-recv` there "
+             "(:PORT: on this machine; an IPv6 host in brackets, [::1]:PORT).")] = None,
     model: ModelOption = None,
     nothink: NoThinkOption = False,
     system: SystemOption = DEFAULT_SYSTEM,
@@ -126,7 +117,7 @@ def prefill(
     if (save_kv is None) == (send_kv is None):
         raise typer.BadParameter("give exactly one of --save-kv and --send-kv",
                                  param_hint="'--save-kv' / '--send-kv'")
-    dest = _check_hostport(send_kv, "--send-kv") if send_kv is not None else None
+    dest = check_hostport(send_kv, "--send-kv", default_host=LOOPBACK) if send_kv is not None else None
     with library_errors():
         check_prefill_cap(prefill_cap, ctx)
         token = wire_token(auth_token, auth_token_file) if send_kv is not None else None
@@ -302,7 +293,8 @@ def kv_send(
         metavar="FILE", dir_okay=False, show_default=False, help="The payload to send.")],
     dest: Annotated[str, typer.Argument(
         metavar="HOST:PORT", show_default=False, help="Where a `ds4 kv-recv` or "
-        "`ds4 decode --recv-kv` listens.")],
+        "`ds4 decode --recv-kv` listens (:PORT: on this machine; an IPv6 host in brackets, "
+        "[::1]:PORT).")],
     model: ModelOption = None,
     auth_token_file: AuthTokenFileOption = None,
     auth_token: AuthTokenOption = None,
@@ -319,7 +311,7 @@ def kv_send(
     from ds4.core.payload import ModelRef, check_payload, read_identity, verify_digest
     from ds4.wire.ds4k import send_payload
 
-    host, port = _check_hostport(dest, "HOST:PORT")
+    host, port = check_hostport(dest, "HOST:PORT", default_host=LOOPBACK)
     with library_errors():
         token = wire_token(auth_token, auth_token_file)
         tls = client_tls(tls_cert, tls_key, tls_ca)
@@ -409,8 +401,7 @@ def _receive(port, path, host, fingerprint, config, limit, token, io_timeout, wa
         with signals_unwind(), Receiver(port, host=host, fingerprint=fingerprint, config=config,
                                         max_bytes=limit, auth_token=token, timeout=io_timeout,
                                         tls=tls) as r:
-            shown = f"[{r.host}]" if ":" in r.host else r.host
-            err.print(Text(f"listening on {shown}:{r.port}", style="dim"), soft_wrap=True)
+            err.print(Text(f"listening on {format_hostport(r.host, r.port)}", style="dim"), soft_wrap=True)
             return r.receive(path, wait)
     finally:
         logger.removeHandler(handler)
