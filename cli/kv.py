@@ -23,11 +23,11 @@ from ds4.wire.address import LOOPBACK, format_hostport
 from .tp import (DEFAULT_GATE_TIMEOUT_MS, DEFAULT_TP_WAIT_S, DebugHashOption, GateTimeoutOption,
                  TpLeader, TpListenOption, TpTransportOption, TpWaitOption)
 from .common import (CLIError, check_output, check_prefill_cap, err, human_bytes, library_errors, open_engine,
-                     out, rate, resolve_model, stream_reply)
+                     out, prompt_file_text, prompt_text, rate, resolve_model, stream_reply)
 from .wire_options import (DEFAULT_IO_TIMEOUT, AuthTokenFileOption, AuthTokenOption, IoTimeoutOption,
                            TlsCaOption, TlsCertOption, TlsKeyOption, client_tls, server_tls, warn,
                            warn_exposed, wire_token)
-from .options import (MAX_SEED, BackendOption, CtxOption, MinPOption, ModelOption, NoThinkOption,
+from .options import (MAX_SEED, PROMPT_HELP, BackendOption, CtxOption, MinPOption, ModelOption, NoThinkOption,
                       NumericsOption, PrefillCapOption, SeedOption, SystemOption, TempOption, TokensOption,
                       TopKOption, TopPOption, check_hostport, check_range)
 
@@ -74,11 +74,11 @@ ListenPort = Annotated[int, typer.Argument(
 
 def prefill(
     prompt: Annotated[Optional[str], typer.Option(
-        "--prompt", "-p", metavar="TEXT", show_default=False,
-        help="The user message; '-' reads it from stdin.")] = None,
+        "--prompt", "-p", metavar="TEXT", show_default=False, help=PROMPT_HELP)] = None,
     prompt_file: Annotated[Optional[Path], typer.Option(
         "--prompt-file", metavar="FILE", exists=True, dir_okay=False, readable=True, show_default=False,
-        help="Read the user message from FILE (UTF-8).")] = None,
+        help="Read the user message from FILE: UTF-8, byte for byte (a trailing newline or a "
+             "\\r\\n stays in the message).")] = None,
     save_kv: Annotated[Optional[Path], typer.Option(
         "--save-kv", metavar="FILE", dir_okay=False, show_default=False,
         help="Write the session payload to FILE (atomically).")] = None,
@@ -131,14 +131,7 @@ def prefill(
             from ds4.wire.ds4k import probe_receiver
 
             probe_receiver(*dest, auth_token=token, timeout=io_timeout, tls=tls)
-        if prompt_file is not None:
-            try:
-                prompt = prompt_file.read_text(encoding="utf-8")
-            except UnicodeDecodeError as e:
-                raise typer.BadParameter(f"{prompt_file} is not UTF-8 text: byte {e.start} is "
-                                         f"{e.object[e.start]:#04x}", param_hint="'--prompt-file'") from None
-        elif prompt == "-":
-            prompt = sys.stdin.read()
+        prompt = prompt_file_text(prompt_file) if prompt_file is not None else prompt_text(prompt)
     tp = TpLeader.of(tp_listen, tp_transport, gate_timeout_ms, debug_hash, tp_wait)
     # The leader is a TLS server, --send-kv a client: --tls-ca alone (trust the receiver) leaves
     # the pair's link plain; with --tls-cert/--tls-key both use them (and --tls-ca also asks the

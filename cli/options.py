@@ -93,9 +93,11 @@ PrefillCapOption = Annotated[Optional[int], typer.Option(
 
 # ---- prompt -------------------------------------------------------------------------------------
 
+PROMPT_HELP = ("The user message; '-' reads it from stdin, less one trailing newline (\\n or "
+               "\\r\\n, as echo and a here-string add).")
+
 PromptOption = Annotated[str, typer.Option(
-    "--prompt", "-p", metavar="TEXT", show_default=False,
-    help="The user message; '-' reads it from stdin.")]
+    "--prompt", "-p", metavar="TEXT", show_default=False, help=PROMPT_HELP)]
 
 SystemOption = Annotated[str, typer.Option(
     "--system", metavar="TEXT",
