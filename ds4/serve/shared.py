@@ -19,7 +19,6 @@ from .prompt import Conversation, conversation_parts
 
 MAX_SEED = (1 << 64) - 1
 MIN_SEED = -(1 << 63)  # OpenAI's seed is a signed 64-bit integer; the engine takes its 64 bits
-MAX_STOP_SEQUENCES = 16
 MAX_TOP_LOGPROBS = 20
 
 
@@ -193,12 +192,14 @@ def max_tokens_for(state: ServerState, requested: int | None, param: str, defaul
     return min(requested, room)
 
 
-def stops_from(value, param: str) -> list[str]:
+def stops_from(value, param: str, limit: int, whose: str) -> list[str]:
+    """A request's stop strings (a string or a list of them), at most `limit` of them (`whose`
+    limit it is, for the error); empty ones match nothing and are dropped."""
     if value is None:
         return []
     stops = [value] if isinstance(value, str) else list(value)
-    if len(stops) > MAX_STOP_SEQUENCES:
-        raise bad(param, f"expected at most {MAX_STOP_SEQUENCES} stop sequences, got {len(stops)}")
+    if len(stops) > limit:
+        raise bad(param, f"expected at most {limit} stop sequences ({whose}), got {len(stops)}")
     return [s for s in stops if s]
 
 
