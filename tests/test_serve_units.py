@@ -550,3 +550,53 @@ def test_anthropic_stop_sequences_keep_the_servers_own_limit(tok):
         "message": f"stop_sequences: expected at most {MAX_STOP_SEQUENCES} stop sequences (this "
                    f"server's limit), got {MAX_STOP_SEQUENCES + 1}"}}
     assert submitted == []
+
+
+def test_max_tokens_past_the_context_is_refused_naming_the_context(tok):
+    """A request whose prompt and max_tokens pass the server's context gets a 400 naming the
+    field, the context, the prompt's tokens and the value (as OpenAI and Anthropic answer it);
+    it was cut to what the context left, in silence. One that fits exactly is taken whole, and
+    one that asks for no limit gets what the context leaves. The prompts' sizes are counted
+    here from the chat template of spec §5, by hand."""
+    submitted = []
+    oa, an, _ = _official_clients(tok, _queue_full(submitted))
+    msgs = [{"role": "user", "content": "hi"}]
+    # BOS <｜User｜>hi <｜Assistant｜> and <think> (OpenAI's default) or </think> (Anthropic's)
+    chat = len([tok.bos_id, tok.user_id] + tok.encode("hi") + [tok.assistant_id, tok.think_start_id])
+
+    def message(param, prompt, asked):
+        return (f"{param}: expected at most {APP_CTX - prompt} (the server's context of {APP_CTX} "
+                f"tokens less the prompt's {prompt} tokens), got {asked}")
+
+    openai_calls = [  # (the call with a limit, its field, the prompt's tokens)
+        (lambda n: oa.chat.completions.create(model="ds4", messages=msgs, max_tokens=n),
+         "max_tokens", chat),
+        (lambda n: oa.chat.completions.create(model="ds4", messages=msgs, max_completion_tokens=n),
+         "max_completion_tokens", chat),
+        (lambda n: oa.completions.create(model="ds4", prompt="hi", max_tokens=n),
+         "max_tokens", len(tok.encode("hi")))]
+    for call, param, prompt in openai_calls:
+        room = APP_CTX - prompt
+        with pytest.raises(openai.RateLimitError):  # (every check passed: the stand-in's 429)
+            call(room)
+        req = submitted.pop()
+        assert (len(req.prompt), req.max_tokens) == (prompt, room)
+        with pytest.raises(openai.BadRequestError) as e:
+            call(room + 1)
+        assert e.value.status_code == 400 and e.value.body["param"] == param
+        assert e.value.body["message"] == message(param, prompt, room + 1)
+        assert submitted == []
+
+    room = APP_CTX - chat
+    with pytest.raises(anthropic.RateLimitError):
+        an.messages.create(model="ds4", max_tokens=room, messages=msgs)
+    assert submitted.pop().max_tokens == room
+    with pytest.raises(anthropic.BadRequestError) as e:
+        an.messages.create(model="ds4", max_tokens=room + 1, messages=msgs)
+    assert e.value.body == {"type": "error", "error": {
+        "type": "invalid_request_error", "message": message("max_tokens", chat, room + 1)}}
+    assert submitted == []
+
+    with pytest.raises(openai.RateLimitError):  # no limit asked for: what the context leaves
+        oa.chat.completions.create(model="ds4", messages=msgs)
+    assert submitted.pop().max_tokens == APP_CTX - chat

@@ -181,6 +181,11 @@ def check_prompt(state: ServerState, prompt: list[int], param: str) -> None:
 
 def max_tokens_for(state: ServerState, requested: int | None, param: str, default: int | None,
                    prompt_len: int) -> int:
+    """The most tokens a reply may have. A request that asks for none gets the endpoint's
+    `default` or, without one, what the context leaves (up to the server's limit), cut to fit.
+    One that asks for more than the context leaves after its prompt is refused, as OpenAI and
+    Anthropic refuse it, rather than cut short in silence: its client would take a reply ended
+    by the context for one ended by its own limit."""
     room = state.ctx - prompt_len
     if requested is None:
         return min(room, state.max_tokens_limit) if default is None else min(default, room)
@@ -189,7 +194,10 @@ def max_tokens_for(state: ServerState, requested: int | None, param: str, defaul
     if requested > state.max_tokens_limit:
         raise bad(param, f"expected at most {state.max_tokens_limit} (the server's limit), "
                          f"got {requested}")
-    return min(requested, room)
+    if requested > room:
+        raise bad(param, f"expected at most {room} (the server's context of {state.ctx} tokens less "
+                         f"the prompt's {prompt_len} tokens), got {requested}")
+    return requested
 
 
 def stops_from(value, param: str, limit: int, whose: str) -> list[str]:
