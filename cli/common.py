@@ -95,6 +95,40 @@ def progress_callback(description: str, transient: bool = False) -> Iterator[Cal
             state["bar"].stop()
 
 
+# ---- the prompt ---------------------------------------------------------------------------------
+
+STDIN_PROMPT = "-"  # `-p -`: the prompt is stdin's text
+# the line ends a prompt from stdin may end with, longest first ("\r\n" is one newline, not "\n"
+# after a kept "\r")
+_NEWLINES = ("\r\n", "\n")
+
+
+def strip_one_newline(text: str) -> str:
+    """`text` less one trailing newline ("\n" or "\r\n"), if it ends with one."""
+    for newline in _NEWLINES:
+        if text.endswith(newline):
+            return text[:-len(newline)]
+    return text
+
+
+def prompt_text(prompt: str) -> str:
+    """The user message of `-p PROMPT`: PROMPT, or for `-p -` stdin's text less one trailing
+    newline. `echo` and a shell's here-string (`<<<`) end the text with a newline that is not
+    part of the message; a second one, typed on purpose, is kept."""
+    return strip_one_newline(sys.stdin.read()) if prompt == STDIN_PROMPT else prompt
+
+
+def prompt_file_text(path: Path, option: str = "--prompt-file") -> str:
+    """The user message in FILE, byte for byte as UTF-8: no newline is stripped or translated
+    ("\r\n" stays), since a file, unlike stdin, holds exactly what its writer meant to send."""
+    data = path.read_bytes()
+    try:
+        return data.decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise typer.BadParameter(f"{path} is not UTF-8 text: byte {e.start} is {data[e.start]:#04x}",
+                                 param_hint=f"'{option}'") from None
+
+
 def check_output(dest: Path, option: str, model_path: Path | None) -> None:
     """Refuse an output path that is the model file the command reads: the output's rename
     would replace the model with a payload."""

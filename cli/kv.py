@@ -18,17 +18,18 @@ import typer
 from rich.text import Text
 
 from ds4.core.chat import DEFAULT_SYSTEM
+from ds4.wire.address import LOOPBACK, format_hostport
 
 from .tp import (DEFAULT_GATE_TIMEOUT_MS, DEFAULT_TP_WAIT_S, DebugHashOption, GateTimeoutOption,
                  TpLeader, TpListenOption, TpTransportOption, TpWaitOption)
 from .common import (CLIError, check_output, check_prefill_cap, err, human_bytes, library_errors, open_engine,
-                     out, rate, resolve_model, stream_reply)
+                     out, prompt_file_text, prompt_text, rate, resolve_model, stream_reply)
 from .wire_options import (DEFAULT_IO_TIMEOUT, AuthTokenFileOption, AuthTokenOption, IoTimeoutOption,
                            TlsCaOption, TlsCertOption, TlsKeyOption, client_tls, server_tls, warn,
                            warn_exposed, wire_token)
-from .options import (MAX_SEED, BackendOption, CtxOption, MinPOption, ModelOption, NoThinkOption,
+from .options import (MAX_SEED, PROMPT_HELP, BackendOption, CtxOption, MinPOption, ModelOption, NoThinkOption,
                       NumericsOption, PrefillCapOption, SeedOption, SystemOption, TempOption, TokensOption,
-                      TopKOption, TopPOption, check_range)
+                      TopKOption, TopPOption, check_hostport, check_range)
 
 KV_TEMP_PREFIX = "ds4-kv-"  # a received or to-be-sent payload waits in such a temporary directory
 
@@ -49,17 +50,6 @@ def _parse_size(value: str, option: str = "--max-kv-bytes") -> int:
     if n <= 0:
         raise typer.BadParameter(f"expected a positive size, got {value!r}", param_hint=f"'{option}'")
     return n
-
-
-def _check_hostport(value: str | None, option: str):
-    if value is None:
-        return None
-    from ds4.wire.ds4k import parse_hostport
-
-    try:
-        return parse_hostport(value)
-    except ValueError as e:
-        raise typer.BadParameter(str(e), param_hint=f"'{option}'") from None
 
 
 WaitOption = Annotated[Optional[float], typer.Option(
@@ -84,17 +74,18 @@ ListenPort = Annotated[int, typer.Argument(
 
 def prefill(
     prompt: Annotated[Optional[str], typer.Option(
-        "--prompt", "-p", metavar="TEXT", show_default=False,
-        help="The user message; '-' reads it from stdin.")] = None,
+        "--prompt", "-p", metavar="TEXT", show_default=False, help=PROMPT_HELP)] = None,
     prompt_file: Annotated[Optional[Path], typer.Option(
         "--prompt-file", metavar="FILE", exists=True, dir_okay=False, readable=True, show_default=False,
-        help="Read the user message from FILE (UTF-8).")] = None,
+        help="Read the user message from FILE: UTF-8, byte for byte (a trailing newline or a "
+             "\\r\\n stays in the message).")] = None,
     save_kv: Annotated[Optional[Path], typer.Option(
         "--save-kv", metavar="FILE", dir_okay=False, show_default=False,
         help="Write the session payload to FILE (atomically).")] = None,
     send_kv: Annotated[Optional[str], typer.Option(
         "--send-kv", metavar="HOST:PORT", show_default=False,
-        help="Send the session payload to a `ds4 decode --recv-kv` or `ds4 kv-recv` there.")] = None,
+        help="Send the session payload to a `ds4 decode --recv-kv` or `ds4 kv-recv` there "
+             "(:PORT: on this machine; an IPv6 host in brackets, [::1]:PORT).")] = None,
     model: ModelOption = None,
     nothink: NoThinkOption = False,
     system: SystemOption = DEFAULT_SYSTEM,
@@ -126,7 +117,7 @@ def prefill(
     if (save_kv is None) == (send_kv is None):
         raise typer.BadParameter("give exactly one of --save-kv and --send-kv",
                                  param_hint="'--save-kv' / '--send-kv'")
-    dest = _check_hostport(send_kv, "--send-kv") if send_kv is not None else None
+    dest = check_hostport(send_kv, "--send-kv", default_host=LOOPBACK) if send_kv is not None else None
     with library_errors():
         check_prefill_cap(prefill_cap, ctx)
         token = wire_token(auth_token, auth_token_file) if send_kv is not None else None
@@ -140,14 +131,7 @@ def prefill(
             from ds4.wire.ds4k import probe_receiver
 
             probe_receiver(*dest, auth_token=token, timeout=io_timeout, tls=tls)
-        if prompt_file is not None:
-            try:
-                prompt = prompt_file.read_text(encoding="utf-8")
-            except UnicodeDecodeError as e:
-                raise typer.BadParameter(f"{prompt_file} is not UTF-8 text: byte {e.start} is "
-                                         f"{e.object[e.start]:#04x}", param_hint="'--prompt-file'") from None
-        elif prompt == "-":
-            prompt = sys.stdin.read()
+        prompt = prompt_file_text(prompt_file) if prompt_file is not None else prompt_text(prompt)
     tp = TpLeader.of(tp_listen, tp_transport, gate_timeout_ms, debug_hash, tp_wait)
     # The leader is a TLS server, --send-kv a client: --tls-ca alone (trust the receiver) leaves
     # the pair's link plain; with --tls-cert/--tls-key both use them (and --tls-ca also asks the
@@ -302,7 +286,8 @@ def kv_send(
         metavar="FILE", dir_okay=False, show_default=False, help="The payload to send.")],
     dest: Annotated[str, typer.Argument(
         metavar="HOST:PORT", show_default=False, help="Where a `ds4 kv-recv` or "
-        "`ds4 decode --recv-kv` listens.")],
+        "`ds4 decode --recv-kv` listens (:PORT: on this machine; an IPv6 host in brackets, "
+        "[::1]:PORT).")],
     model: ModelOption = None,
     auth_token_file: AuthTokenFileOption = None,
     auth_token: AuthTokenOption = None,
@@ -319,7 +304,7 @@ def kv_send(
     from ds4.core.payload import ModelRef, check_payload, read_identity, verify_digest
     from ds4.wire.ds4k import send_payload
 
-    host, port = _check_hostport(dest, "HOST:PORT")
+    host, port = check_hostport(dest, "HOST:PORT", default_host=LOOPBACK)
     with library_errors():
         token = wire_token(auth_token, auth_token_file)
         tls = client_tls(tls_cert, tls_key, tls_ca)
@@ -409,8 +394,7 @@ def _receive(port, path, host, fingerprint, config, limit, token, io_timeout, wa
         with signals_unwind(), Receiver(port, host=host, fingerprint=fingerprint, config=config,
                                         max_bytes=limit, auth_token=token, timeout=io_timeout,
                                         tls=tls) as r:
-            shown = f"[{r.host}]" if ":" in r.host else r.host
-            err.print(Text(f"listening on {shown}:{r.port}", style="dim"), soft_wrap=True)
+            err.print(Text(f"listening on {format_hostport(r.host, r.port)}", style="dim"), soft_wrap=True)
             return r.receive(path, wait)
     finally:
         logger.removeHandler(handler)

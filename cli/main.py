@@ -32,7 +32,7 @@ from .tp import (DEFAULT_GATE_TIMEOUT_MS, DEFAULT_TP_WAIT_S, DebugHashOption, Ga
 from .wire_options import (DEFAULT_IO_TIMEOUT, AuthTokenFileOption, AuthTokenOption, IoTimeoutOption, TlsCaOption,
                            TlsCertOption, TlsKeyOption)
 from .common import (CLIError, rate, stream_reply, err, human_bytes, library_errors, open_engine, out, print_error,
-                     print_field, progress_callback, resolve_model, check_prefill_cap)
+                     print_field, progress_callback, prompt_text, resolve_model, check_prefill_cap)
 from .options import (MAX_SEED, BackendOption, CtxOption, MinPOption, ModelArgument, ModelOption,
                       NoThinkOption, NumericsOption, PrefillCapOption, PromptOption, SeedOption, SystemOption,
                       TempOption, TokensOption, TopKOption, TopPOption, check_range)
@@ -277,8 +277,7 @@ def generate(
     """
     from ds4.core.sampling import Rng, SamplingParams
 
-    if prompt == "-":
-        prompt = sys.stdin.read()
+    prompt = prompt_text(prompt)
     with contextlib.suppress(AttributeError, ValueError):  # any text must reach a non-UTF-8 stdout
         sys.stdout.reconfigure(errors="replace")
     if seed is None:

@@ -43,6 +43,19 @@ def check_range(lo: float | None = None, hi: float | None = None, *, lo_open: bo
     return callback
 
 
+def check_hostport(value: str, option: str, *, default_host: str | None = None,
+                   any_port: bool = False) -> tuple[str, int]:
+    """An address option's value as (host, port), read by ds4.wire.address's one rule (see
+    parse_hostport for default_host and any_port); a bad one is a command-line error naming
+    `option` (exit 2)."""
+    from ds4.wire.address import AddressError, parse_hostport
+
+    try:
+        return parse_hostport(value, option, default_host=default_host, any_port=any_port)
+    except AddressError as e:
+        raise typer.BadParameter(e.detail, param_hint=f"'{option}'") from None
+
+
 # ---- model and engine ---------------------------------------------------------------------------
 
 ModelOption = Annotated[Optional[Path], typer.Option(
@@ -80,9 +93,11 @@ PrefillCapOption = Annotated[Optional[int], typer.Option(
 
 # ---- prompt -------------------------------------------------------------------------------------
 
+PROMPT_HELP = ("The user message; '-' reads it from stdin, less one trailing newline (\\n or "
+               "\\r\\n, as echo and a here-string add).")
+
 PromptOption = Annotated[str, typer.Option(
-    "--prompt", "-p", metavar="TEXT", show_default=False,
-    help="The user message; '-' reads it from stdin.")]
+    "--prompt", "-p", metavar="TEXT", show_default=False, help=PROMPT_HELP)]
 
 SystemOption = Annotated[str, typer.Option(
     "--system", metavar="TEXT",

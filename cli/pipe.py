@@ -22,7 +22,7 @@ import typer
 from ds4.core.atomic import signals_unwind
 
 from .common import CLIError, choose_backend, library_errors, resolve_model
-from .options import BackendOption, CtxOption, ModelOption, NumericsOption, check_range
+from .options import BackendOption, CtxOption, ModelOption, NumericsOption, check_hostport, check_range
 from .wire_options import (DEFAULT_IO_TIMEOUT, AuthTokenFileOption, AuthTokenOption, IoTimeoutOption, TlsCaOption,
                            TlsCertOption, TlsKeyOption, client_tls, server_tls, warn_exposed,
                            wire_token)
@@ -32,7 +32,7 @@ from .wire_options import (DEFAULT_IO_TIMEOUT, AuthTokenFileOption, AuthTokenOpt
 SplitNextOption = Annotated[Optional[str], typer.Option(
     "--split-next", metavar="HOST:PORT", show_default=False,
     help="Run only layers --layers 0:A here and the rest on the `ds4 pipe-worker` chain at "
-         "HOST:PORT.")]
+         "HOST:PORT (an IPv6 host in brackets, [::1]:PORT).")]
 
 LayersOption = Annotated[Optional[str], typer.Option(
     "--layers", metavar="0:A", show_default=False,
@@ -41,16 +41,6 @@ LayersOption = Annotated[Optional[str], typer.Option(
 MaxConnsOption = Annotated[int, typer.Option(
     "--max-conns", metavar="N", callback=check_range(1, 1 << 16),
     help="Most client connections open at once; more are closed as soon as they connect.")]
-
-
-def _check_addr(value: str, option: str) -> None:
-    """HOST:PORT, or a parameter error naming `option`."""
-    from ds4.pipeline.common import parse_addr
-
-    try:
-        parse_addr(value)
-    except ValueError as e:
-        raise typer.BadParameter(str(e).removeprefix("address: "), param_hint=f"'{option}'") from None
 
 
 def open_split_engine(model: Path | None, backend: str, numerics: str, split_next: str,
@@ -73,7 +63,7 @@ def open_split_engine(model: Path | None, backend: str, numerics: str, split_nex
     """
     from ds4.pipeline import SplitEngine
 
-    _check_addr(split_next, "--split-next")
+    next_addr = check_hostport(split_next, "--split-next")
     with library_errors():
         if not layers:
             raise CLIError("--split-next needs --layers 0:A (the layers this head runs)")
@@ -81,7 +71,7 @@ def open_split_engine(model: Path | None, backend: str, numerics: str, split_nex
         tls = client_tls(*tls_files)
         path = resolve_model(model)
         backend = choose_backend(backend, announce)
-        eng = SplitEngine.open(path, split_next, layers, backend=backend, numerics=numerics,
+        eng = SplitEngine.open(path, next_addr, layers, backend=backend, numerics=numerics,
                                slots=slots, snapshots=snapshots, sampling=sampling,
                                auth_token=token or "", ctx=ctx, io_timeout=io_timeout, tls=tls)
         if connect:
@@ -120,7 +110,8 @@ def pipe_worker(
     auth_token: AuthTokenOption = None,
     next_stage: Annotated[Optional[str], typer.Option(
         "--next", metavar="HOST:PORT", show_default=False,
-        help="The next stage (required unless B is the model's layer count).")] = None,
+        help="The next stage (required unless B is the model's layer count; an IPv6 host in "
+             "brackets, [::1]:PORT).")] = None,
     io_timeout: IoTimeoutOption = DEFAULT_IO_TIMEOUT,
     idle_timeout: Annotated[float, typer.Option(
         "--idle-timeout", metavar="SECONDS", callback=check_range(0.0, lo_open=True),
@@ -134,8 +125,7 @@ def pipe_worker(
     """Serve layers A:B of a model as one pipeline stage (qkp5: wire.md §1 and ds4/wire/qkp.py)."""
     from ds4.pipeline import serve
 
-    if next_stage is not None:
-        _check_addr(next_stage, "--next")
+    next_addr = check_hostport(next_stage, "--next") if next_stage is not None else None
     logging.basicConfig(stream=sys.stderr, level=logging.INFO if verbose else logging.WARNING,
                         format="pipe-worker: %(message)s")
     with library_errors():
@@ -148,7 +138,7 @@ def pipe_worker(
         backend = choose_backend(backend)
         worker = serve(path, layers, port=port, backend=backend, numerics=numerics, slots=slots,
                        ctx=ctx, snapshots=snapshots, max_rows=min(max_rows, ctx), host=host,
-                       auth_token=token, next_addr=next_stage, io_timeout=io_timeout,
+                       auth_token=token, next_addr=next_addr, io_timeout=io_timeout,
                        idle_timeout=idle_timeout, max_conns=max_conns, tls_server=tls_server,
                        tls_client=tls_client)
     st = worker.stage

@@ -107,7 +107,8 @@ def serve(
              f"'x-api-key: KEY'; {API_KEY_ENV} sets it too.")] = None,
     max_tokens: Annotated[Optional[int], typer.Option(
         "--max-tokens-limit", metavar="N", callback=check_range(1), show_default="--ctx",
-        help="Largest max_tokens a request may ask for (400 above it).")] = None,
+        help="Largest max_tokens a request may ask for (400 above it; a max_tokens past --ctx "
+             "with the prompt's tokens is a 400 too).")] = None,
     max_body: Annotated[int, typer.Option(
         "--max-body", metavar="BYTES", callback=check_range(1024),
         help="Largest request body (413 above it).")] = DEFAULT_MAX_BODY,

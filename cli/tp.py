@@ -18,8 +18,10 @@ from typing import Annotated, Optional
 import typer
 from rich.text import Text
 
+from ds4.wire.address import format_hostport
+
 from .common import CLIError, choose_backend, err, library_errors, resolve_model
-from .options import BackendOption, ModelOption, NumericsOption, check_range
+from .options import BackendOption, ModelOption, NumericsOption, check_hostport, check_range
 from .wire_options import (DEFAULT_IO_TIMEOUT, AuthTokenFileOption, AuthTokenOption, IoTimeoutOption, TlsCaOption,
                            TlsCertOption, TlsKeyOption, client_tls, server_tls, warn_exposed,
                            wire_token)
@@ -33,7 +35,7 @@ TpListenOption = Annotated[Optional[str], typer.Option(
     "--tp-listen", metavar="HOST:PORT", show_default=False, rich_help_panel="Tensor parallel",
     help="Run as rank 0 of a tensor-parallel pair: listen on HOST:PORT and wait for a "
          "`ds4 tp-worker --leader HOST:PORT`, which holds the other half of the experts, heads "
-         "and vocabulary.")]
+         "and vocabulary. Port 0 picks a free one (the wait line says which).")]
 
 TpTransportOption = Annotated[str, typer.Option(
     "--tp-transport", metavar="tcp|nccl|gloo", rich_help_panel="Tensor parallel",
@@ -56,13 +58,6 @@ TpWaitOption = Annotated[float, typer.Option(
     "--tp-wait", metavar="SECONDS", callback=check_range(0.0, lo_open=True),
     rich_help_panel="Tensor parallel",
     help="How long the leader waits for its worker to join.")]
-
-
-def parse_hostport(value: str, option: str) -> tuple[str, int]:
-    host, sep, port = value.rpartition(":")
-    if not sep or not host or not port.isdigit() or not 0 <= int(port) <= 65535:
-        raise CLIError(f"{option}: expected HOST:PORT, got {value!r}")
-    return host.strip("[]"), int(port)
 
 
 @dataclass(frozen=True)
@@ -100,7 +95,8 @@ def open_tp_engine(model: Path | None, backend: str, numerics: str, listen: str,
     from ds4.tp.link import Options
 
     with library_errors():
-        addr = parse_hostport(listen, "--tp-listen")
+        # (port 0: a free port, which the wait line names, as every other listener takes it)
+        addr = check_hostport(listen, "--tp-listen", any_port=True)
         token = wire_token(auth_token, auth_token_file)
         warn_exposed(addr[0], token)
         opts = Options(transport=transport, auth_token=token, tls=server_tls(*tls_files),
@@ -110,7 +106,7 @@ def open_tp_engine(model: Path | None, backend: str, numerics: str, listen: str,
 
         def waiting(where):
             err.print(Text(f"tensor parallel: rank 0 ({backend}) waiting up to {wait_s:g} s for "
-                           f"`ds4 tp-worker --leader {where[0]}:{where[1]}` ...", style="dim"),
+                           f"`ds4 tp-worker --leader {format_hostport(*where)}` ...", style="dim"),
                       soft_wrap=True)
 
         eng = TPEngine.open(path, addr, backend=backend, numerics=numerics, ctx=ctx, opts=opts,
@@ -164,7 +160,7 @@ def tp_worker(
     from ds4.tp.worker import WORKER_RANK
 
     with library_errors():
-        addr = parse_hostport(leader, "--leader")
+        addr = check_hostport(leader, "--leader")
         token = wire_token(auth_token, auth_token_file)
         opts = Options(transport=transport, auth_token=token, tls=client_tls(tls_cert, tls_key, tls_ca),
                        gate_timeout_ms=gate_timeout_ms, io_timeout=io_timeout)

@@ -368,11 +368,6 @@ def test_sender_errors(eng, payload):
         send_payload(payload, "127.0.0.1", port, timeout=1.0, connect_timeout=0.3)
     with pytest.raises(ValueError, match="unsupported session payload version.*expected 0x34565344, version 1 or 2"):
         send_payload(b"not a payload at all, but long enough to have a header......", "127.0.0.1", port)
-    assert ds4k.parse_hostport("[::1]:7000") == ("::1", 7000)
-    assert ds4k.parse_hostport(":7000") == ("127.0.0.1", 7000)
-    for bad in ("host", "host:0", "host:70000", "host:x"):
-        with pytest.raises(ValueError, match="HOST:PORT"):
-            ds4k.parse_hostport(bad)
 
 
 # ---- CLI ----------------------------------------------------------------------------------------

@@ -483,3 +483,120 @@ def test_finish_reason_of_tool_calls_cut_by_the_limit():
     assert finish_reason(None, False) == "length"
     assert finish_reason("stop", False) == "stop"
     assert finish_reason("cancelled", True) == "cancelled"
+
+
+# ---- the official clients against the app over a stand-in driver ---------------------------------
+
+def _official_clients(tok, submit):
+    """(openai client, anthropic client, stand-in driver) talking to create_app's app in process
+    (the test client is an httpx client, which both official clients take)."""
+    client, driver = _app_client(tok, submit)
+    oa = openai.OpenAI(base_url=f"{client.base_url}/v1", api_key="-", http_client=client, max_retries=0)
+    an = anthropic.Anthropic(base_url=str(client.base_url), api_key="-", http_client=client, max_retries=0)
+    return oa, an, driver
+
+
+def _queue_full(submitted: list):
+    """A stand-in submit that keeps the request (it passed every check) and answers 429."""
+    from ds4.serve.driver import QueueFull
+
+    def submit(req):
+        submitted.append(req)
+        raise QueueFull(1)
+
+    return submit
+
+
+OPENAI_MAX_STOP = 4  # OpenAI's API reference: `stop`, "up to 4 sequences"
+
+
+def test_openai_takes_at_most_four_stop_strings(tok):
+    """OpenAI's `stop` takes up to 4 strings: 4 go to the generation, 5 are a 400 naming `stop`,
+    the limit and the count (they were taken, up to 16)."""
+    submitted = []
+    oa, _, _ = _official_clients(tok, _queue_full(submitted))
+    msgs = [{"role": "user", "content": "hi"}]
+    stops = [f"s{i}" for i in range(OPENAI_MAX_STOP + 1)]
+    calls = (lambda stop: oa.chat.completions.create(model="ds4", messages=msgs, max_tokens=1, stop=stop),
+             lambda stop: oa.completions.create(model="ds4", prompt="hi", max_tokens=1, stop=stop))
+    for call in calls:
+        with pytest.raises(openai.RateLimitError):  # (every check passed: the stand-in's 429)
+            call(stops[:OPENAI_MAX_STOP])
+        assert submitted.pop().stops == stops[:OPENAI_MAX_STOP]
+        with pytest.raises(openai.BadRequestError) as e:
+            call(stops)
+        assert e.value.status_code == 400 and e.value.body["param"] == "stop"
+        assert e.value.body["message"] == (f"stop: expected at most {OPENAI_MAX_STOP} stop sequences "
+                                           f"(OpenAI's limit), got {OPENAI_MAX_STOP + 1}")
+        assert submitted == []
+
+
+def test_anthropic_stop_sequences_keep_the_servers_own_limit(tok):
+    """Anthropic documents no limit on stop_sequences: more than OpenAI's 4 are taken, up to the
+    server's own bound, and one more is a 400 naming the field, the limit and the count."""
+    from ds4.serve.anthropic_api import MAX_STOP_SEQUENCES
+
+    submitted = []
+    _, an, _ = _official_clients(tok, _queue_full(submitted))
+    msgs = [{"role": "user", "content": "hi"}]
+    stops = [f"s{i}" for i in range(MAX_STOP_SEQUENCES + 1)]
+    with pytest.raises(anthropic.RateLimitError):
+        an.messages.create(model="ds4", max_tokens=1, messages=msgs, stop_sequences=stops[:-1])
+    assert submitted.pop().stops == stops[:-1]
+    with pytest.raises(anthropic.BadRequestError) as e:
+        an.messages.create(model="ds4", max_tokens=1, messages=msgs, stop_sequences=stops)
+    assert e.value.body == {"type": "error", "error": {
+        "type": "invalid_request_error",
+        "message": f"stop_sequences: expected at most {MAX_STOP_SEQUENCES} stop sequences (this "
+                   f"server's limit), got {MAX_STOP_SEQUENCES + 1}"}}
+    assert submitted == []
+
+
+def test_max_tokens_past_the_context_is_refused_naming_the_context(tok):
+    """A request whose prompt and max_tokens pass the server's context gets a 400 naming the
+    field, the context, the prompt's tokens and the value (as OpenAI and Anthropic answer it);
+    it was cut to what the context left, in silence. One that fits exactly is taken whole, and
+    one that asks for no limit gets what the context leaves. The prompts' sizes are counted
+    here from the chat template of spec §5, by hand."""
+    submitted = []
+    oa, an, _ = _official_clients(tok, _queue_full(submitted))
+    msgs = [{"role": "user", "content": "hi"}]
+    # BOS <｜User｜>hi <｜Assistant｜> and <think> (OpenAI's default) or </think> (Anthropic's)
+    chat = len([tok.bos_id, tok.user_id] + tok.encode("hi") + [tok.assistant_id, tok.think_start_id])
+
+    def message(param, prompt, asked):
+        return (f"{param}: expected at most {APP_CTX - prompt} (the server's context of {APP_CTX} "
+                f"tokens less the prompt's {prompt} tokens), got {asked}")
+
+    openai_calls = [  # (the call with a limit, its field, the prompt's tokens)
+        (lambda n: oa.chat.completions.create(model="ds4", messages=msgs, max_tokens=n),
+         "max_tokens", chat),
+        (lambda n: oa.chat.completions.create(model="ds4", messages=msgs, max_completion_tokens=n),
+         "max_completion_tokens", chat),
+        (lambda n: oa.completions.create(model="ds4", prompt="hi", max_tokens=n),
+         "max_tokens", len(tok.encode("hi")))]
+    for call, param, prompt in openai_calls:
+        room = APP_CTX - prompt
+        with pytest.raises(openai.RateLimitError):  # (every check passed: the stand-in's 429)
+            call(room)
+        req = submitted.pop()
+        assert (len(req.prompt), req.max_tokens) == (prompt, room)
+        with pytest.raises(openai.BadRequestError) as e:
+            call(room + 1)
+        assert e.value.status_code == 400 and e.value.body["param"] == param
+        assert e.value.body["message"] == message(param, prompt, room + 1)
+        assert submitted == []
+
+    room = APP_CTX - chat
+    with pytest.raises(anthropic.RateLimitError):
+        an.messages.create(model="ds4", max_tokens=room, messages=msgs)
+    assert submitted.pop().max_tokens == room
+    with pytest.raises(anthropic.BadRequestError) as e:
+        an.messages.create(model="ds4", max_tokens=room + 1, messages=msgs)
+    assert e.value.body == {"type": "error", "error": {
+        "type": "invalid_request_error", "message": message("max_tokens", chat, room + 1)}}
+    assert submitted == []
+
+    with pytest.raises(openai.RateLimitError):  # no limit asked for: what the context leaves
+        oa.chat.completions.create(model="ds4", messages=msgs)
+    assert submitted.pop().max_tokens == APP_CTX - chat

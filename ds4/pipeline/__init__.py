@@ -35,7 +35,7 @@ Modules: `common` (limits, errors, parsing, `topk_for`), `stage` (a worker's com
 
 from .common import (DEFAULT_CONNECT_TIMEOUT, DEFAULT_IDLE_TIMEOUT, DEFAULT_IO_TIMEOUT,
                      DEFAULT_MAX_CONNS, DEFAULT_MAX_ROWS, OPEN_RETRY_PAUSES, PipelineError,
-                     PipelineRefused, covers, parse_addr, parse_layers, topk_for)
+                     PipelineRefused, covers, parse_layers, topk_for)
 from .head import SplitEngine, SplitSession, SplitSnapshot, next_token
 from .stage import Stage, rows_to_backend
 from .worker import Worker, serve
@@ -43,6 +43,6 @@ from .worker import Worker, serve
 __all__ = [
     "DEFAULT_CONNECT_TIMEOUT", "DEFAULT_IDLE_TIMEOUT", "DEFAULT_IO_TIMEOUT", "DEFAULT_MAX_CONNS",
     "DEFAULT_MAX_ROWS", "OPEN_RETRY_PAUSES", "PipelineError", "PipelineRefused", "SplitEngine",
-    "SplitSession", "SplitSnapshot", "Stage", "Worker", "covers", "next_token", "parse_addr",
-    "parse_layers", "rows_to_backend", "serve", "topk_for",
+    "SplitSession", "SplitSnapshot", "Stage", "Worker", "covers", "next_token", "parse_layers",
+    "rows_to_backend", "serve", "topk_for",
 ]

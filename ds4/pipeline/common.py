@@ -1,5 +1,5 @@
-"""What both sides of a split share: limits, errors, address and layer parsing, and what the
-last stage must return for a sampler (`topk_for`)."""
+"""What both sides of a split share: limits, errors, layer parsing, and what the last stage must
+return for a sampler (`topk_for`). Addresses are read by `ds4.wire.address`."""
 
 from __future__ import annotations
 
@@ -38,14 +38,6 @@ def parse_layers(text: str | range, n_layer: int) -> range:
     if r.step != 1 or not 0 <= r.start < r.stop <= n_layer:
         raise ValueError(f"layers: expected A:B with 0 <= A < B <= {n_layer}, got {r.start}:{r.stop}")
     return r
-
-
-def parse_addr(text: str) -> tuple[str, int]:
-    """'HOST:PORT' -> (host, port)."""
-    host, sep, port = str(text).rpartition(":")
-    if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
-        raise ValueError(f"address: expected HOST:PORT, got {text!r}")
-    return host.strip("[]"), int(port)
 
 
 def topk_for(params: SamplingParams | None) -> int:

@@ -18,8 +18,9 @@ from ..core.sampling import GREEDY, Rng, SamplingParams, sample
 from ..core.state import SessionLayout
 from ..engine import Engine, EngineFront, Session, Snapshot, check_tokens, common_prefix
 from ..wire import qkp
+from ..wire.address import parse_hostport
 from .common import (DEFAULT_CONNECT_TIMEOUT, DEFAULT_IO_TIMEOUT, OPEN_RETRY_PAUSES, PipelineError,
-                     PipelineRefused, covers, parse_addr, parse_layers, topk_for)
+                     PipelineRefused, covers, parse_layers, topk_for)
 from .link import _Link
 
 log = logging.getLogger("ds4.pipeline")
@@ -50,7 +51,7 @@ class SplitEngine(EngineFront):
         self.n_snapshots = snapshots
         self.sampling = sampling
         self.ctx = ctx
-        addr = parse_addr(next_addr) if isinstance(next_addr, str) else next_addr
+        addr = parse_hostport(next_addr, "next_addr") if isinstance(next_addr, str) else next_addr
         token = auth_token if auth_token is not None else os.environ.get("DS4_WIRE_TOKEN")
         self.link = _Link(addr, token=token or None, exact=engine.numerics == "exact",
                           check=self._check_hello, io_timeout=io_timeout,

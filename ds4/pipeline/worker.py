@@ -11,9 +11,10 @@ from queue import Queue
 
 from ..engine import Engine
 from ..wire import qkp
+from ..wire.address import parse_hostport
 from ..wire.deadline import Deadline
 from .common import (DEFAULT_CONNECT_TIMEOUT, DEFAULT_IDLE_TIMEOUT, DEFAULT_IO_TIMEOUT,
-                     DEFAULT_MAX_CONNS, DEFAULT_MAX_ROWS, parse_addr, parse_layers)
+                     DEFAULT_MAX_CONNS, DEFAULT_MAX_ROWS, parse_layers)
 from .stage import Stage
 
 log = logging.getLogger("ds4.pipeline")
@@ -41,7 +42,7 @@ class Worker:
         self.stage = stage
         self.host = host
         self.auth_token = auth_token or None
-        self.next_addr = parse_addr(next_addr) if isinstance(next_addr, str) else next_addr
+        self.next_addr = parse_hostport(next_addr, "next_addr") if isinstance(next_addr, str) else next_addr
         self.io_timeout = io_timeout
         self.idle_timeout = idle_timeout
         self.connect_timeout = connect_timeout

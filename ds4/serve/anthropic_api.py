@@ -28,6 +28,10 @@ from .shared import (APIError, ServerState, api_sampling, bad, check_prompt, enc
                      stops_from, submit)
 from .tools import ToolCall, ToolSpec, new_call_id
 
+# Anthropic documents no limit on stop_sequences; this server's own bound keeps the work of
+# matching every one against each token's text small
+MAX_STOP_SEQUENCES = 16
+
 
 class _ToolChoice(BaseModel):
     model_config = ConfigDict(extra="allow", strict=True)  # (disable_parallel_tool_use)
@@ -299,6 +303,7 @@ def register(app: FastAPI, state: ServerState) -> None:
 
     @app.post("/v1/messages")
     async def messages(body: MessagesRequest, request: Request):
+        stops = stops_from(body.stop_sequences, "stop_sequences", MAX_STOP_SEQUENCES, "this server's limit")
         think = _think(body)
         conv = conversation(body)
         prompt = await encode_prompt(state, conv, think)
@@ -307,7 +312,7 @@ def register(app: FastAPI, state: ServerState) -> None:
         params = api_sampling(body.temperature, body.top_k, body.top_p, body.min_p)
         # (a continued reply is past its thinking: the prefilled turn closed it)
         req = GenRequest(prompt, n, params, engine_seed(body.seed), think=think and not conv.continue_last,
-                         stops=stops_from(body.stop_sequences, "stop_sequences"), tools=body.tools_on)
+                         stops=stops, tools=body.tools_on)
         job = submit(state, req)
         started = await first_event(job, request)
         model = body.model or state.model_id

@@ -4,7 +4,8 @@
     `x-api-key: KEY` (compared in constant time), else 401;
   * limits: a request body over `max_body` bytes gets 413, before it is read where its
     Content-Length says so, else once the bytes received pass it (a chunked body, with or
-    without a Content-Length, is counted as it arrives); `max_tokens` above the server's limit 400;
+    without a Content-Length, is counted as it arrives); `max_tokens` above the server's limit, or
+    past the context with the prompt, 400;
   * errors: every refused request gets the calling API's own error JSON (OpenAI's `error`
     object with `param` naming the field, Anthropic's `{"type": "error", ...}`), 400 for an
     invalid field (never FastAPI's 422);

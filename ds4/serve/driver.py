@@ -333,6 +333,9 @@ class Driver:
 
         eos = self.tokenizer.eos_id
         reply = ReplyStream(self.tokenizer, think=req.think, stops=req.stops, tools=req.tools)
+        # (the endpoint fitted max_tokens to the prompt as the client's text tokenizes; spelled
+        # with the session's own tokens (same_text_prefix) it can be longer, and the context
+        # still bounds the reply)
         n = min(req.max_tokens, s.ctx - n_prompt)
         generated, reason = 0, None
         steps = self._steps(s, n, req, Rng(req.seed))

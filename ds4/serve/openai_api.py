@@ -30,6 +30,7 @@ from .shared import (MAX_SEED, MAX_TOP_LOGPROBS, MIN_SEED, APIError, ServerState
 from .tools import ToolCall, ToolSpec
 
 COMPLETIONS_DEFAULT_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
+MAX_STOP = 4  # OpenAI's API takes "up to 4 sequences" in `stop`, and refuses more
 MAX_COMPLETION_LOGPROBS = 5
 THINK_OFF = ("none",)
 THINK_MAX = ("max", "xhigh")
@@ -382,6 +383,7 @@ def register(app: FastAPI, state: ServerState) -> None:
     @app.post("/v1/chat/completions")
     async def chat_completions(body: ChatRequest, request: Request):
         body.check_unsupported()
+        stops = stops_from(body.stop, "stop", MAX_STOP, "OpenAI's limit")
         if body.max_tokens is not None and body.max_completion_tokens is not None:
             raise bad("max_completion_tokens", "give max_tokens or max_completion_tokens, not both")
         think, think_max = think_mode(body)
@@ -395,7 +397,7 @@ def register(app: FastAPI, state: ServerState) -> None:
         if body.top_logprobs is not None and not body.logprobs:
             raise bad("top_logprobs", "needs logprobs: true")
         req = GenRequest(prompt, n, body.sampling(), engine_seed(body.seed), think=think,
-                         stops=stops_from(body.stop, "stop"), tools=bool(conv.tools), logprobs=want_lp)
+                         stops=stops, tools=bool(conv.tools), logprobs=want_lp)
         job = submit(state, req)
         await first_event(job, request)
         model = body.model or state.model_id
@@ -423,6 +425,7 @@ def register(app: FastAPI, state: ServerState) -> None:
     @app.post("/v1/completions")
     async def completions(body: CompletionRequest, request: Request):
         body.check_unsupported()
+        stops = stops_from(body.stop, "stop", MAX_STOP, "OpenAI's limit")
         if body.echo:
             raise bad("echo", "echo is not supported")
         p = body.prompt
@@ -445,7 +448,7 @@ def register(app: FastAPI, state: ServerState) -> None:
         n = max_tokens_for(state, body.max_tokens, "max_tokens", COMPLETIONS_DEFAULT_MAX_TOKENS,
                            len(prompt))
         req = GenRequest(prompt, n, body.sampling(), engine_seed(body.seed),
-                         stops=stops_from(body.stop, "stop"), logprobs=body.logprobs)
+                         stops=stops, logprobs=body.logprobs)
         job = submit(state, req)
         await first_event(job, request)
         model = body.model or state.model_id

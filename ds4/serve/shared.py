@@ -19,7 +19,6 @@ from .prompt import Conversation, conversation_parts
 
 MAX_SEED = (1 << 64) - 1
 MIN_SEED = -(1 << 63)  # OpenAI's seed is a signed 64-bit integer; the engine takes its 64 bits
-MAX_STOP_SEQUENCES = 16
 MAX_TOP_LOGPROBS = 20
 
 
@@ -182,6 +181,11 @@ def check_prompt(state: ServerState, prompt: list[int], param: str) -> None:
 
 def max_tokens_for(state: ServerState, requested: int | None, param: str, default: int | None,
                    prompt_len: int) -> int:
+    """The most tokens a reply may have. A request that asks for none gets the endpoint's
+    `default` or, without one, what the context leaves (up to the server's limit), cut to fit.
+    One that asks for more than the context leaves after its prompt is refused, as OpenAI and
+    Anthropic refuse it, rather than cut short in silence: its client would take a reply ended
+    by the context for one ended by its own limit."""
     room = state.ctx - prompt_len
     if requested is None:
         return min(room, state.max_tokens_limit) if default is None else min(default, room)
@@ -190,15 +194,20 @@ def max_tokens_for(state: ServerState, requested: int | None, param: str, defaul
     if requested > state.max_tokens_limit:
         raise bad(param, f"expected at most {state.max_tokens_limit} (the server's limit), "
                          f"got {requested}")
-    return min(requested, room)
+    if requested > room:
+        raise bad(param, f"expected at most {room} (the server's context of {state.ctx} tokens less "
+                         f"the prompt's {prompt_len} tokens), got {requested}")
+    return requested
 
 
-def stops_from(value, param: str) -> list[str]:
+def stops_from(value, param: str, limit: int, whose: str) -> list[str]:
+    """A request's stop strings (a string or a list of them), at most `limit` of them (`whose`
+    limit it is, for the error); empty ones match nothing and are dropped."""
     if value is None:
         return []
     stops = [value] if isinstance(value, str) else list(value)
-    if len(stops) > MAX_STOP_SEQUENCES:
-        raise bad(param, f"expected at most {MAX_STOP_SEQUENCES} stop sequences, got {len(stops)}")
+    if len(stops) > limit:
+        raise bad(param, f"expected at most {limit} stop sequences ({whose}), got {len(stops)}")
     return [s for s in stops if s]
 
 

@@ -60,8 +60,7 @@ from .records import (ACCEPT_POLL, ACCEPT_POLL_MIN, AUTH_FAILED, BAD_RECORD, CHU
                       MAX_MANIFEST_DEPTH, MAX_REASON_BYTES, NONCE_BYTES, OK,
                       PROBE_CONNECT_TIMEOUT, PROBE_MANIFEST_BYTES, PROOF_BYTES, PROTOCOL, RECORD,
                       REFUSED, REPLY, STATUS_NAMES, VERSION, DS4KError, Manifest, _fingerprint_hex,
-                      _is_hex, _json_depth, _Probed, _read_reply, _recv_exact, _send_reply,
-                      parse_hostport)
+                      _is_hex, _json_depth, _Probed, _read_reply, _recv_exact, _send_reply)
 from .sender import _connect, _handshake, make_manifest, open_transfer, probe_receiver, send_payload
 from .receiver import Receiver, log, receive_payload
 
@@ -72,7 +71,7 @@ __all__ = [
     "DEFAULT_MAX_BYTES", "DEFAULT_TIMEOUT", "PROBE_CONNECT_TIMEOUT", "CHUNK", "DEFAULT_MIN_RATE",
     "DEFAULT_MAX_CONNS", "ACCEPT_POLL", "ACCEPT_POLL_MIN", "OK", "BAD_RECORD", "AUTH_FAILED",
     "REFUSED", "INCOMPLETE", "CORRUPT", "IO_ERROR", "STATUS_NAMES", "PROBE_MANIFEST_BYTES",
-    "DS4KError", "Manifest", "parse_hostport",
+    "DS4KError", "Manifest",
     # sender
     "make_manifest", "probe_receiver", "open_transfer", "send_payload",
     # receiver

@@ -1,7 +1,7 @@
 """DS4K's records, shared by sender and receiver: the constants and reply status codes, the
 `DS4KError` a failed handoff raises, the `Manifest` (JSON, checked and depth-bounded before it
 is parsed), and the record-level I/O both ends use: `_recv_exact` under a deadline,
-`_send_reply` / `_read_reply` for the status records, and `parse_hostport`.
+`_send_reply` / `_read_reply` for the status records. (Addresses: `ds4.wire.address`.)
 """
 
 from __future__ import annotations
@@ -182,11 +182,3 @@ def _read_reply(sock: socket.socket, what: str, deadline: Deadline | None = None
         raise DS4KError(f"{what}: reason of {n} bytes is over the {MAX_REASON_BYTES}-byte limit")
     return status, _recv_exact(sock, n, what, deadline).decode("utf-8", "replace")
 
-
-def parse_hostport(text: str, default_host: str = "127.0.0.1") -> tuple[str, int]:
-    """"host:port", "[v6]:port" or ":port" -> (host, port)."""
-    host, sep, port = text.rpartition(":")
-    if not sep or not port.isdigit() or not 0 < int(port) < 65536:
-        raise ValueError(f"expected HOST:PORT with a port in 1..65535, got {text!r}")
-    host = host[1:-1] if host.startswith("[") and host.endswith("]") else host
-    return host or default_host, int(port)

@@ -1,0 +1,131 @@
+"""HOST:PORT, read by one rule (ds4/wire/address.py) for every command and the pipeline library:
+the forms it takes, the errors it gives (the option, the form it takes, the value it got, why),
+and each command's own rule on the command line (":PORT" where a command documents it, port 0
+where a command listens)."""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+import pytest
+from typer.testing import CliRunner
+
+from ds4.core.tiny import make_tiny
+from ds4.wire.address import AddressError, format_hostport, parse_hostport
+
+from cli.main import app
+
+LOOPBACK = "127.0.0.1"
+FORM = "HOST:PORT (a port in 1..65535; an IPv6 host in brackets, [::1]:PORT)"
+FORM_DEFAULT_HOST = "HOST:PORT or :PORT (a port in 1..65535; an IPv6 host in brackets, [::1]:PORT)"
+FORM_ANY_PORT = "HOST:PORT (a port in 0..65535; an IPv6 host in brackets, [::1]:PORT)"
+
+
+@pytest.mark.parametrize("text, options, want", [
+    ("node-b:7000", {}, ("node-b", 7000)),
+    ("10.0.0.2:1", {}, ("10.0.0.2", 1)),
+    ("host:65535", {}, ("host", 65535)),
+    ("host:0080", {}, ("host", 80)),
+    ("[::1]:9000", {}, ("::1", 9000)),
+    ("[2001:db8::7]:443", {}, ("2001:db8::7", 443)),
+    ("[fe80::1%eth0]:9000", {}, ("fe80::1%eth0", 9000)),
+    (":7000", {"default_host": LOOPBACK}, (LOOPBACK, 7000)),
+    ("node-b:7000", {"default_host": LOOPBACK}, ("node-b", 7000)),
+    ("0.0.0.0:0", {"any_port": True}, ("0.0.0.0", 0)),
+    ("[::]:0", {"any_port": True}, ("::", 0)),
+])
+def test_the_forms_an_address_takes(text, options, want):
+    assert parse_hostport(text, "--opt", **options) == want
+    assert parse_hostport(format_hostport(*want), "--opt", **options) == want
+
+
+@pytest.mark.parametrize("text, options, form, why", [
+    ("localhost", {}, FORM, "no port"),
+    ("host:", {}, FORM, "no port"),
+    (":7000", {}, FORM, "no host"),
+    ("host:0", {}, FORM, "the port 0 is not in 1..65535"),
+    ("host:0", {"default_host": LOOPBACK}, FORM_DEFAULT_HOST, "the port 0 is not in 1..65535"),
+    ("host:65536", {}, FORM, "the port 65536 is not in 1..65535"),
+    ("host:70000", {"any_port": True}, FORM_ANY_PORT, "the port 70000 is not in 0..65535"),
+    ("host:x", {}, FORM, "the port 'x' is not a number"),
+    ("host:-1", {}, FORM, "the port '-1' is not a number"),
+    ("host:\u0663", {}, FORM, "the port '\u0663' is not a number"),  # (an Arabic-Indic digit 3)
+    ("::1:9000", {}, FORM, "an IPv6 host goes in brackets: [::1]:9000"),
+    ("::1:9000", {"default_host": LOOPBACK}, FORM_DEFAULT_HOST,
+     "an IPv6 host goes in brackets: [::1]:9000"),
+    ("[::1:9000", {}, FORM, "the '[' of an IPv6 host has no ']'"),
+    ("[::1]9000", {}, FORM, "no ':PORT' after the bracketed host"),
+    ("[::1]", {}, FORM, "no ':PORT' after the bracketed host"),
+    ("[::1]:", {}, FORM, "no port"),
+    ("[localhost]:80", {}, FORM, "'localhost' in brackets is not an IPv6 address"),
+    ("[]:80", {}, FORM, "'' in brackets is not an IPv6 address"),
+    ("a]:80", {}, FORM, "brackets go only around a whole IPv6 host"),
+])
+def test_a_refused_address_names_the_option_the_form_and_the_value(text, options, form, why):
+    with pytest.raises(AddressError) as e:
+        parse_hostport(text, "--opt", **options)
+    assert str(e.value) == f"--opt: expected {form}, got {text!r} ({why})"
+    assert e.value.detail == f"expected {form}, got {text!r} ({why})"
+    assert isinstance(e.value, ValueError)  # (what the commands' library_errors report)
+
+
+def test_an_address_that_is_not_a_string_is_refused():
+    with pytest.raises(AddressError, match=r"^next_addr: expected HOST:PORT .* \(not a string\)$"):
+        parse_hostport(9000, "next_addr")
+
+
+# ---- each command's rule on the command line ------------------------------------------------------
+
+@pytest.fixture(autouse=True)
+def _private_cache(tmp_path_factory, monkeypatch):
+    monkeypatch.setenv("DS4_CACHE", str(tmp_path_factory.mktemp("cache")))
+    monkeypatch.setenv("COLUMNS", "200")
+
+
+@pytest.fixture(scope="module")
+def model_path(tmp_path_factory) -> Path:
+    return make_tiny(tmp_path_factory.mktemp("model") / "test.gguf", preset="test")
+
+
+def run(*args):
+    return CliRunner().invoke(app, [str(a) for a in args])
+
+
+@pytest.mark.parametrize("args, option, value, why", [
+    (["prefill", "-p", "hi", "--send-kv", "::1:7000"], "--send-kv", "::1:7000",
+     "an IPv6 host goes in brackets: [::1]:7000"),
+    (["kv-send", "x.dsv4", "host:0"], "HOST:PORT", "host:0", "the port 0 is not in 1..65535"),
+    (["generate", "-p", "hi", "--split-next", ":9000", "--layers", "0:2"], "--split-next", ":9000",
+     "no host"),
+    (["pipe-worker", "0", "2:5", "--next", "[::1]9000"], "--next", "[::1]9000",
+     "no ':PORT' after the bracketed host"),
+    (["generate", "-p", "hi", "--tp-listen", "nohost"], "--tp-listen", "nohost", "no port"),
+    (["tp-worker", "--leader", "127.0.0.1:0", "--connect-timeout", "0.1"], "--leader", "127.0.0.1:0",
+     "the port 0 is not in 1..65535"),
+])
+def test_every_address_option_is_a_command_line_error_naming_it(args, option, value, why):
+    """Every command refuses a bad address the same way, before any work: exit 2 and one line
+    naming the option, the value and why (--tp-listen and --leader were exit 1, read by a
+    parser of their own that took port 0 as a peer's; --split-next took '::1:9000')."""
+    r = run(*args)
+    assert r.exit_code == 2, r.output
+    assert f"Invalid value for '{option}': expected HOST:PORT" in r.stderr, r.stderr
+    assert f"got {value!r} ({why})" in r.stderr, r.stderr
+    assert "Traceback" not in r.output
+
+
+def test_kv_commands_take_port_alone_for_this_machine(tmp_path):
+    """`kv-send FILE :PORT` (and `prefill --send-kv :PORT`) send to this machine: the address is
+    taken, and the command goes on to the file."""
+    missing = tmp_path / "none.dsv4"
+    r = run("kv-send", missing, ":9")
+    assert r.exit_code == 1 and f"KV file not found: {missing}" in r.stderr, r.output
+
+
+def test_tp_listen_port_0_listens_on_a_free_port_and_says_which(model_path):
+    r = run("generate", "-m", model_path, "-p", "hi", "--backend", "reference",
+            "--tp-listen", "127.0.0.1:0", "--tp-wait", "0.2")
+    assert r.exit_code == 1, r.output  # (no worker came)
+    m = re.search(r"waiting up to 0\.2 s for\s+`ds4 tp-worker --leader 127\.0\.0\.1:(\d+)`", r.stderr)
+    assert m and int(m.group(1)) > 0, r.stderr
