@@ -1,0 +1,173 @@
+"""One end with TLS, the other without: each pair fails at once, on both ends, with an error
+that names the mismatch (ds4/wire/sniff.py).
+
+Every pair runs on loopback sockets with io timeouts of SLOW_S, and must fail within FAST_S:
+before these checks a plain DS4K sender and a TLS receiver waited for each other until the io
+timeout.
+"""
+
+from __future__ import annotations
+
+import os
+import select
+import socket
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import pytest
+from typer.testing import CliRunner
+
+from ds4.core.tiny import make_tiny
+from ds4.wire import ds4k, qkp, sniff, tls
+
+ROOT = Path(__file__).resolve().parents[1]
+SLOW_S = 30.0  # every io timeout here: a mismatch that waits for one fails the FAST_S bound
+FAST_S = 2.0  # a mismatch must fail within this on loopback (measured: a few ms)
+T_OUT = 60.0  # bound on the waits of the test itself
+
+
+@pytest.fixture(scope="module")
+def model_path(tmp_path_factory) -> Path:
+    return make_tiny(tmp_path_factory.mktemp("mix") / "test.gguf", preset="test", seed=1)
+
+
+@pytest.fixture(scope="module")
+def contexts(certs):
+    """(server, client) contexts: the server's certificate, trusted by the client."""
+    return (tls.server_context(tls.TlsFiles(certs / "cert.pem", certs / "key.pem")),
+            tls.client_context(tls.TlsFiles(ca=certs / "cert.pem")))
+
+
+class Timed:
+    """`with Timed() as t: ...` -> t.seconds."""
+
+    def __enter__(self):
+        self.t0 = time.monotonic()
+        return self
+
+    def __exit__(self, *exc):
+        self.seconds = time.monotonic() - self.t0
+
+
+def test_looks_like_tls_reads_the_first_two_bytes_only():
+    assert sniff.looks_like_tls(bytes([0x16, 0x03, 0x01]))  # a ClientHello's record
+    assert sniff.looks_like_tls(bytes([0x15, 0x03]))  # an alert
+    assert not sniff.looks_like_tls(bytes([0x16]))  # one byte says nothing yet
+    for plain in (ds4k.OPENER.pack(ds4k.MAGIC), qkp.CLIENT_HELLO.pack(qkp.MAGIC, 0), b"T4SD",
+                  b"GET / HTTP/1.1", bytes([0x16, 0x02])):
+        assert not sniff.looks_like_tls(plain), plain
+
+
+# ---- DS4K: prefill --send-kv / kv-send against decode --recv-kv / kv-recv ------------------------
+
+
+def _receiving(r: ds4k.Receiver, tmp_path: Path) -> tuple[threading.Thread, dict]:
+    out: dict = {}
+
+    def run():
+        try:
+            out["m"] = r.receive(tmp_path / "p.dsv4", accept_timeout=T_OUT, max_failures=1)
+        except ds4k.DS4KError as e:
+            out["e"] = e
+
+    t = threading.Thread(target=run, daemon=True)
+    t.start()
+    return t, out
+
+
+def test_ds4k_plain_sender_at_a_tls_receiver_fails_at_once(contexts, tmp_path):
+    server, _ = contexts
+    with ds4k.Receiver(0, timeout=SLOW_S, tls=server) as r:
+        t, out = _receiving(r, tmp_path)
+        with Timed() as took, pytest.raises(ds4k.DS4KError) as e:
+            ds4k.probe_receiver("127.0.0.1", r.port, timeout=SLOW_S)  # what prefill runs first
+        t.join(T_OUT)
+    assert took.seconds < FAST_S, took.seconds
+    assert e.value.status == ds4k.TLS_MISMATCH
+    assert "refused the connection (TLS mismatch): the sender connected in plain text but this " \
+        "receiver requires TLS" in str(e.value) and "--tls-ca" in str(e.value)
+    got = out["e"]  # the receiver's side of it
+    assert got.status == ds4k.TLS_MISMATCH and "the sender connected in plain text" in got.reason
+    assert os.listdir(tmp_path) == []
+
+
+def test_ds4k_tls_sender_at_a_plain_receiver_fails_at_once(contexts, tmp_path):
+    _, client = contexts
+    with ds4k.Receiver(0, timeout=SLOW_S) as r:
+        t, out = _receiving(r, tmp_path)
+        with Timed() as took, pytest.raises(ds4k.DS4KError) as e:
+            ds4k.probe_receiver("127.0.0.1", r.port, timeout=SLOW_S, tls=client)
+        t.join(T_OUT)
+    assert took.seconds < FAST_S, took.seconds
+    assert e.value.status == ds4k.TLS_MISMATCH
+    assert f"the receiver at 127.0.0.1:{r.port} answered in plain text, not TLS" in str(e.value)
+    got = out["e"]
+    assert got.status == ds4k.TLS_MISMATCH
+    assert "the sender speaks TLS" in got.reason and "this receiver runs without TLS" in got.reason
+
+
+def test_ds4k_a_stranger_at_a_tls_receiver_is_told_too(contexts, tmp_path):
+    """Plain bytes that are not a DS4K opener: refused in plain text, in the receiver's words."""
+    server, _ = contexts
+    with ds4k.Receiver(0, timeout=SLOW_S, tls=server) as r:
+        t, out = _receiving(r, tmp_path)
+        with socket.create_connection(("127.0.0.1", r.port), timeout=T_OUT) as c:
+            c.sendall(b"GET / HTTP/1.0\r\n\r\n")
+            status, reason = ds4k._read_reply(c, "reply")
+        t.join(T_OUT)
+    assert status == ds4k.TLS_MISMATCH and "requires TLS" in reason and "474554" in reason
+    assert out["e"].status == ds4k.TLS_MISMATCH
+
+
+def _spawn_kv_recv(tmp_path: Path, *args) -> tuple[subprocess.Popen, int]:
+    code = "import typer; from cli.kv import register; app = typer.Typer(); register(app); app()"
+    p = subprocess.Popen([sys.executable, "-c", code, "kv-recv", "0", *map(str, args)], cwd=ROOT,
+                         text=True, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                         env={**os.environ, "PYTHONPATH": str(ROOT), "COLUMNS": "200",
+                              "DS4_WIRE_TOKEN": "", "DS4_CACHE": str(tmp_path / "cache")})
+    deadline, seen = time.monotonic() + T_OUT, ""
+    while time.monotonic() < deadline:
+        if select.select([p.stderr], [], [], 1.0)[0]:
+            line = p.stderr.readline()
+            seen += line
+            if line.startswith("listening on "):
+                return p, int(line.rsplit(":", 1)[1])
+            if not line:
+                break
+    p.kill()
+    raise AssertionError(f"kv-recv did not start: {seen}")
+
+
+def test_cli_prefill_send_kv_plain_at_a_tls_kv_recv(model_path, certs, tmp_path):
+    """`ds4 prefill --send-kv` without TLS against `ds4 kv-recv --tls-cert/--tls-key`: the prefill
+    fails at its probe, before prefilling, with the receiver's reason; the receiver prints one
+    warning line naming the mismatch at once and keeps waiting for a sender that fits."""
+    from cli.kv import register
+    import typer
+
+    p, port = _spawn_kv_recv(tmp_path, "--out", tmp_path / "r.dsv4", "--wait", "60",
+                             "--io-timeout", SLOW_S, "--tls-cert", certs / "cert.pem",
+                             "--tls-key", certs / "key.pem")
+    try:
+        app = typer.Typer()
+        register(app)
+        with Timed() as took:
+            r = CliRunner().invoke(app, ["prefill", "-m", str(model_path), "-p", "hi", "--send-kv",
+                                         f"127.0.0.1:{port}", "--io-timeout", str(SLOW_S)],
+                                   env={"COLUMNS": "200", "DS4_WIRE_TOKEN": ""})
+        assert r.exit_code == 1, r.output
+        assert "receiver refused the connection (TLS mismatch)" in r.stderr, r.stderr
+        assert "requires TLS" in r.stderr and "prefilling" not in r.stderr
+        assert took.seconds < SLOW_S / 2, took.seconds  # (the whole command, model load included)
+        line = ""
+        while "warning:" not in line and select.select([p.stderr], [], [], FAST_S)[0]:
+            line = p.stderr.readline()
+        assert "warning:" in line
+        assert "connected in plain text but this receiver requires TLS" in line
+        assert p.poll() is None  # still waiting
+    finally:
+        p.kill()
+        p.communicate()
