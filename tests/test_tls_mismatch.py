@@ -1,9 +1,9 @@
 """One end with TLS, the other without: each pair fails at once, on both ends, with an error
-that names the mismatch (ds4/wire/sniff.py).
+that names the mismatch (ds4/wire/sniff.py, ds4/wire/refusal.py).
 
 Every pair runs on loopback sockets with io timeouts of SLOW_S, and must fail within FAST_S:
 before these checks a plain DS4K sender and a TLS receiver waited for each other until the io
-timeout.
+timeout, and a plain tp-worker retried a TLS leader's silent close until its connect timeout.
 """
 
 from __future__ import annotations
@@ -20,7 +20,9 @@ from pathlib import Path
 import pytest
 from typer.testing import CliRunner
 
+from ds4.core.gguf_model import GGUFModel
 from ds4.core.tiny import make_tiny
+from ds4.tp.link import Options, TPRefused, accept_worker, join_leader, listen
 from ds4.wire import ds4k, qkp, sniff, tls
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -171,3 +173,103 @@ def test_cli_prefill_send_kv_plain_at_a_tls_kv_recv(model_path, certs, tmp_path)
     finally:
         p.kill()
         p.communicate()
+
+
+# ---- DS4T: tp-worker against --tp-listen ---------------------------------------------------
+
+
+def _leading(model, opts: Options) -> tuple[socket.socket, threading.Thread, dict]:
+    lsock = listen("127.0.0.1", 0)
+    out: dict = {}
+
+    def run():
+        try:
+            out["pair"] = accept_worker(lsock, model, 64, opts, wait_s=SLOW_S)
+        except Exception as e:  # noqa: BLE001 - handed to the test
+            out["e"] = e
+        out["t"] = time.monotonic()
+
+    t = threading.Thread(target=run, daemon=True)
+    t.start()
+    return lsock, t, out
+
+
+@pytest.mark.parametrize("leader_tls", [True, False], ids=["tls-leader", "plain-leader"])
+def test_ds4t_mismatch_fails_at_once_on_both_ends(model_path, contexts, leader_tls):
+    server, client = contexts
+    model = GGUFModel(model_path)
+    lead = Options(io_timeout=SLOW_S, tls=server if leader_tls else None)
+    join = Options(io_timeout=SLOW_S, tls=None if leader_tls else client)
+    lsock, t, out = _leading(model, lead)
+    try:
+        t0 = time.monotonic()
+        with pytest.raises(TPRefused) as e:  # not TPClosed: the CLI does not retry it
+            join_leader("127.0.0.1", lsock.getsockname()[1], model, join, connect_timeout=SLOW_S)
+        took = time.monotonic() - t0
+        t.join(T_OUT)
+    finally:
+        lsock.close()
+    assert took < FAST_S and out["t"] - t0 < FAST_S, (took, out["t"] - t0)
+    leader_error = out["e"]  # without a token, a refused hello ends the leader's wait
+    assert isinstance(leader_error, TPRefused)
+    if leader_tls:
+        assert "refused this worker: tls: the worker connected in plain text but this leader " \
+            "requires TLS" in str(e.value)
+        assert "tls: the worker connected in plain text" in str(leader_error)
+    else:
+        assert "answered in plain text, not TLS" in str(e.value)
+        assert "tls: the worker speaks TLS" in str(leader_error)
+        assert "this leader runs without TLS" in str(leader_error)
+
+
+def test_ds4t_a_tls_leader_with_a_token_tells_a_plain_worker_and_waits_on(model_path, contexts):
+    """With a token, a peer that proved nothing cannot end the leader's wait: the plain worker
+    is refused with the reason, and the leader still pairs with a worker that fits."""
+    server, client = contexts
+    model = GGUFModel(model_path)
+    lsock, t, out = _leading(model, Options(io_timeout=SLOW_S, tls=server, auth_token="s3cret"))
+    port = lsock.getsockname()[1]
+    try:
+        with Timed() as took, pytest.raises(TPRefused, match="requires TLS"):
+            join_leader("127.0.0.1", port, model, Options(io_timeout=SLOW_S, auth_token="s3cret"),
+                        connect_timeout=SLOW_S)
+        assert took.seconds < FAST_S and t.is_alive()
+        pair = join_leader("127.0.0.1", port, model,
+                           Options(io_timeout=SLOW_S, auth_token="s3cret", tls=client),
+                           connect_timeout=SLOW_S)
+        t.join(T_OUT)
+        pair.close()
+        out["pair"].close()
+    finally:
+        lsock.close()
+
+
+def test_cli_plain_tp_worker_at_a_tls_leader_exits_at_once(model_path, certs, tmp_path):
+    """`ds4 tp-worker` without TLS against `ds4 generate --tp-listen --tls-cert/--tls-key`: the
+    worker exits with the leader's reason instead of retrying for its --connect-timeout, and
+    the leader's command ends with an error naming the mismatch."""
+    from cli.main import app
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    w = subprocess.Popen(
+        [sys.executable, "-c", "from cli.main import app; app()", "tp-worker", "--leader",
+         f"127.0.0.1:{port}", "-m", str(model_path), "--backend", "reference",
+         "--connect-timeout", "60"], cwd=ROOT, text=True, stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE, env={**os.environ, "PYTHONPATH": str(ROOT), "COLUMNS": "200",
+                                     "DS4_WIRE_TOKEN": "", "DS4_CACHE": str(tmp_path / "cache")})
+    try:
+        r = CliRunner().invoke(app, ["generate", "-m", str(model_path), "-p", "hi", "-n", "2",
+                                     "--backend", "reference", "--tp-listen", f"127.0.0.1:{port}",
+                                     "--tp-wait", "60", "--tls-cert", str(certs / "cert.pem"),
+                                     "--tls-key", str(certs / "key.pem")],
+                               env={"COLUMNS": "200", "DS4_WIRE_TOKEN": "",
+                                    "DS4_CACHE": str(tmp_path / "cache")})
+        _, err = w.communicate(timeout=15)  # (it retried for 60 s before)
+    finally:
+        w.kill()
+    assert r.exit_code == 1 and "the worker connected in plain text but this leader requires TLS" \
+        in r.stderr, r.output
+    assert w.returncode == 1 and "refused this worker: tls: the worker connected in plain text" \
+        in err, err
