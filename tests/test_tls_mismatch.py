@@ -1,13 +1,15 @@
-"""One end with TLS, the other without: each pair fails at once, on both ends, with an error
-that names the mismatch (ds4/wire/sniff.py, ds4/wire/refusal.py).
+"""One end with TLS, the other without, and a pipeline numerics mismatch: each fails at once, on
+both ends, with an error that names the mismatch (ds4/wire/sniff.py, ds4/wire/refusal.py).
 
 Every pair runs on loopback sockets with io timeouts of SLOW_S, and must fail within FAST_S:
 before these checks a plain DS4K sender and a TLS receiver waited for each other until the io
-timeout, and a plain tp-worker retried a TLS leader's silent close until its connect timeout.
+timeout, a plain tp-worker retried a TLS leader's silent close until its connect timeout, and
+a pipeline head got a list of possible causes for a closed connection.
 """
 
 from __future__ import annotations
 
+import logging
 import os
 import select
 import socket
@@ -20,8 +22,10 @@ from pathlib import Path
 import pytest
 from typer.testing import CliRunner
 
+import ds4
 from ds4.core.gguf_model import GGUFModel
 from ds4.core.tiny import make_tiny
+from ds4.pipeline import PipelineRefused, SplitEngine, Stage, Worker
 from ds4.tp.link import Options, TPRefused, accept_worker, join_leader, listen
 from ds4.wire import ds4k, qkp, sniff, tls
 
@@ -273,3 +277,87 @@ def test_cli_plain_tp_worker_at_a_tls_leader_exits_at_once(model_path, certs, tm
         in r.stderr, r.output
     assert w.returncode == 1 and "refused this worker: tls: the worker connected in plain text" \
         in err, err
+
+
+# ---- qkp: pipe-worker against --split-next -------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def head_engine(model_path):
+    return ds4.Engine.open(model_path, layers=range(0, 3))
+
+
+def _stage(model_path, numerics="ds4") -> Stage:
+    return Stage(ds4.Engine.open(model_path, layers=range(3, 5), numerics=numerics), ctx=64,
+                 max_rows=8)
+
+
+@pytest.mark.parametrize("token", [None, "s3cret"])
+@pytest.mark.parametrize("stage_tls", [True, False], ids=["tls-stage", "plain-stage"])
+def test_qkp_tls_mismatch_fails_at_once_on_both_ends(model_path, head_engine, contexts, caplog,
+                                                     stage_tls, token):
+    server, client = contexts
+    w = Worker(_stage(model_path), io_timeout=SLOW_S, auth_token=token,
+               tls_server=server if stage_tls else None).start()
+    try:
+        split = SplitEngine(head_engine, ("127.0.0.1", w.port), auth_token=token or "",
+                            io_timeout=SLOW_S, tls=None if stage_tls else client)
+        with caplog.at_level(logging.WARNING, "ds4.pipeline"), Timed() as took, \
+                pytest.raises(PipelineRefused) as e:
+            split.connect()
+        deadline = time.monotonic() + FAST_S
+        while "tls:" not in caplog.text and time.monotonic() < deadline:
+            time.sleep(0.01)  # (the worker's thread logs as it closes)
+    finally:
+        w.stop()
+    assert took.seconds < FAST_S, took.seconds
+    if stage_tls:
+        assert f"the next stage at 127.0.0.1:{w.port} refused this head: tls: the client connected " \
+            "in plain text but this stage requires TLS" in str(e.value)
+        assert "tls: the client connected in plain text but this stage requires TLS" in caplog.text
+    else:
+        assert f"the stage at 127.0.0.1:{w.port} answered in plain text, not TLS" in str(e.value)
+        assert "tls: the client speaks TLS" in caplog.text
+        assert "this stage runs without TLS" in caplog.text
+
+
+@pytest.mark.parametrize("token,with_tls", [(None, False), ("s3cret", False), ("s3cret", True)])
+def test_qkp_numerics_mismatch_names_the_field_and_both_values(model_path, head_engine, contexts,
+                                                               caplog, token, with_tls):
+    server, client = contexts if with_tls else (None, None)
+    w = Worker(_stage(model_path, "exact"), io_timeout=SLOW_S, auth_token=token,
+               tls_server=server).start()
+    try:
+        split = SplitEngine(head_engine, ("127.0.0.1", w.port), auth_token=token or "",
+                            io_timeout=SLOW_S, tls=client)  # ds4 numerics
+        with caplog.at_level(logging.WARNING, "ds4.pipeline"), Timed() as took, \
+                pytest.raises(PipelineRefused) as e:
+            split.connect()
+        deadline = time.monotonic() + FAST_S
+        while "numerics" not in caplog.text and time.monotonic() < deadline:
+            time.sleep(0.01)
+    finally:
+        w.stop()
+    want = "numerics: expected exact (the stage's --numerics), got ds4 (the client's)"
+    assert took.seconds < FAST_S
+    assert f"the next stage at 127.0.0.1:{w.port} refused this head: {want}" in str(e.value)
+    assert want in caplog.text
+
+
+def test_qkp_a_middle_stage_passes_its_next_stages_refusal_on(model_path, head_engine):
+    """The last stage runs exact numerics, the middle stage and the head ds4: the head learns
+    which stage refused and why, not that a connection closed."""
+    last = Worker(Stage(ds4.Engine.open(model_path, layers=range(4, 5), numerics="exact"), ctx=64,
+                        max_rows=8), io_timeout=SLOW_S).start()
+    mid = Worker(Stage(ds4.Engine.open(model_path, layers=range(3, 4)), ctx=64, max_rows=8),
+                 io_timeout=SLOW_S, next_addr=("127.0.0.1", last.port)).start()
+    try:
+        split = SplitEngine(head_engine, ("127.0.0.1", mid.port), io_timeout=SLOW_S)
+        with Timed() as took, pytest.raises(PipelineRefused) as e:
+            split.connect()
+    finally:
+        mid.stop()
+        last.stop()
+    assert took.seconds < FAST_S
+    assert f"refused this head: next: the next stage at 127.0.0.1:{last.port} refused: numerics: " \
+        "expected exact (the stage's --numerics), got ds4 (the client's)" in str(e.value)
