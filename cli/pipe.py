@@ -122,7 +122,7 @@ def pipe_worker(
     tls_ca: TlsCaOption = None,
     verbose: Annotated[bool, typer.Option("--verbose", "-v", help="Log every connection.")] = False,
 ) -> None:
-    """Serve layers A:B of a model as one pipeline stage (qkp5: wire.md §1 and ds4/wire/qkp.py)."""
+    """Serve layers A:B of a model as one pipeline stage (qkp6: wire.md §1 and ds4/wire/qkp.py)."""
     from ds4.pipeline import serve
 
     next_addr = check_hostport(next_stage, "--next") if next_stage is not None else None

@@ -150,17 +150,18 @@ def _hmac(key: bytes, msg: bytes) -> bytes:
 
 
 def test_a_probe_proves_the_token_and_the_receiver_waits(eng, payload, tmp_path):
-    """A probe (steps 1-5 with manifest_bytes 0) gets the same mutual proof as a transfer and a
+    """A probe (steps 0-5 with manifest_bytes 0) gets the same mutual proof as a transfer and a
     status 0 verdict; it is no failure, and the receiver still takes the next sender's payload."""
     r = receiver(eng, auth_token="s3cret")
     land = Landing(r, tmp_path / "s.dsv4")  # max_failures=1: a probe counted as one would end it
     land.start()
     # by hand, from the layout in ds4/wire/ds4k/__init__.py and auth.py
     with socket.create_connection(("127.0.0.1", r.port), timeout=T_OUT) as c:
+        c.sendall(struct.pack("<I", 0x4B345344))  # the opener
         hello = ds4k._recv_exact(c, 48, "hello")
-        assert struct.unpack_from("<4I", hello) == (0x4B345344, 2, 1, 0)
+        assert struct.unpack_from("<4I", hello) == (0x4B345344, 3, 1, 0)
         sn, cn = hello[16:], bytes(range(7, 39))
-        c.sendall(struct.pack("<4I", 0x4B345344, 2, 1, 0) + cn)
+        c.sendall(struct.pack("<4I", 0x4B345344, 3, 1, 0) + cn)
         verdict = ds4k._recv_exact(c, 8 + 32, "verdict")
         assert verdict == struct.pack("<2I", 0, 0) + _hmac(b"s3cret", b"ds4 wire auth v2 server\0DS4K" + cn + sn)
         c.sendall(_hmac(b"s3cret", b"ds4 wire auth v2 client\0DS4K" + cn + sn))
@@ -317,8 +318,10 @@ def test_an_over_limit_payload_is_refused_before_it_is_sent(eng, payload, tmp_pa
 
 
 def _raw_client(port: int, record: bytes) -> tuple[int, str]:
-    """Send `record` after the hello; the first refusal (or the last OK) the receiver answers."""
+    """Send `record` after the opener and the hello; the first refusal (or the last OK) the
+    receiver answers."""
     with socket.create_connection(("127.0.0.1", port), timeout=T_OUT) as c:
+        c.sendall(ds4k.OPENER.pack(ds4k.MAGIC))
         hello = ds4k._recv_exact(c, ds4k.HELLO.size, "hello")
         assert struct.unpack_from("<I", hello)[0] == ds4k.MAGIC
         c.sendall(record)
@@ -329,17 +332,17 @@ def _raw_client(port: int, record: bytes) -> tuple[int, str]:
 
 
 @pytest.mark.parametrize("record, status, words", [
-    (struct.pack("<4I", 0xDEADBEEF, 2, 0, 2) + b"{}", ds4k.BAD_RECORD, ["record magic"]),
+    (struct.pack("<4I", 0xDEADBEEF, 3, 0, 2) + b"{}", ds4k.BAD_RECORD, ["record magic"]),
     (struct.pack("<4I", ds4k.MAGIC, 9, 0, 2) + b"{}", ds4k.BAD_RECORD, ["record version"]),
-    (struct.pack("<4I", ds4k.MAGIC, 2, 0, 1 << 20), ds4k.BAD_RECORD, ["manifest_bytes", "limit"]),
-    (struct.pack("<4I", ds4k.MAGIC, 2, 0, 3) + b"{x]", ds4k.BAD_RECORD, ["JSON"]),
-    (struct.pack("<4I", ds4k.MAGIC, 2, 0, 2) + b"{}", ds4k.BAD_RECORD, ["payload_bytes"]),
-    (struct.pack("<4I", ds4k.MAGIC, 2, 0, 4000) + b"[" * 4000, ds4k.BAD_RECORD,
+    (struct.pack("<4I", ds4k.MAGIC, 3, 0, 1 << 20), ds4k.BAD_RECORD, ["manifest_bytes", "limit"]),
+    (struct.pack("<4I", ds4k.MAGIC, 3, 0, 3) + b"{x]", ds4k.BAD_RECORD, ["JSON"]),
+    (struct.pack("<4I", ds4k.MAGIC, 3, 0, 2) + b"{}", ds4k.BAD_RECORD, ["payload_bytes"]),
+    (struct.pack("<4I", ds4k.MAGIC, 3, 0, 4000) + b"[" * 4000, ds4k.BAD_RECORD,
      ["nested 4000 deep", "flat JSON object"]),
     # an integer past json's 4300-digit limit: named as the manifest's, not json's bare text
-    pytest.param(struct.pack("<4I", ds4k.MAGIC, 2, 0, 4419) + b'{"payload_bytes": ' + b"9" * 4400 + b"}",
+    pytest.param(struct.pack("<4I", ds4k.MAGIC, 3, 0, 4419) + b'{"payload_bytes": ' + b"9" * 4400 + b"}",
                  ds4k.BAD_RECORD, ["manifest: a value JSON cannot read"], id="a 4400-digit integer"),
-    (struct.pack("<4I", ds4k.MAGIC, 2, 1, 2) + bytes(32) + b"{}", ds4k.AUTH_FAILED,
+    (struct.pack("<4I", ds4k.MAGIC, 3, 1, 2) + bytes(32) + b"{}", ds4k.AUTH_FAILED,
      ["has no auth token"]),
 ])
 def test_malformed_records_are_rejected(eng, tmp_path, record, status, words):

@@ -484,7 +484,7 @@ def test_hello_refusals(model_path, other_model, workers):
         (dict(model=other_model, worker=after, a=4, auth_token=TOKEN), "fingerprint"),
         (dict(model=model_path, worker=after, a=2, auth_token=TOKEN), "contiguous"),
         (dict(model=model_path, worker=after, a=4, auth_token="wrong"), "did not prove the auth token"),
-        (dict(model=model_path, worker=after, a=4, auth_token=""), "require an auth token"),
+        (dict(model=model_path, worker=after, a=4, auth_token=""), "requires an auth token"),
         (dict(model=model_path, worker=inside, a=2, numerics="exact"), "numerics"),
         (dict(model=model_path, worker=inside, a=2, slots=2), "slots"),
     ]

@@ -1,4 +1,4 @@
-"""qkp5 records (wire.md §1): hello, frames, auth, limits; hostile input against a live worker.
+"""qkp6 records (wire.md §1): hello, frames, auth, limits; hostile input against a live worker.
 
 The property tests feed random headers and lengths to the frame reader through a recording fake
 (it must never ask for more bytes than the hello's limits allow, and nothing past the header of a
@@ -33,7 +33,7 @@ U32 = 0xFFFFFFFF
 
 def test_hello_round_trip_and_layout():
     buf = LIMITS.pack()
-    assert len(buf) == 48 and struct.unpack_from("<I", buf)[0] == 0x716B7035  # "qkp5"
+    assert len(buf) == 48 and struct.unpack_from("<I", buf)[0] == 0x716B7036  # "qkp6"
     assert qkp.Hello.unpack(buf) == LIMITS
     assert LIMITS.row_floats == 1024 and LIMITS.last
     assert qkp.HEADER.size == 20
@@ -186,6 +186,8 @@ def _handshake(server_token, client_token, server_exact=False, client_exact=Fals
             server.send(LIMITS.pack())
         except qkp.QkpError as e:
             result["error"] = e
+            if not isinstance(e, qkp.QkpClosed):
+                qkp.refuse(server.sock, e)  # as the worker does
         finally:
             server.close()
 
@@ -205,18 +207,29 @@ def test_auth_and_numerics_in_the_hello():
     assert hello == LIMITS and res["flags"] == qkp.FLAG_AUTH
     hello, res = _handshake(None, None, True, True)
     assert hello == LIMITS and res["flags"] == qkp.FLAG_EXACT
-    hello, res = _handshake(None, "unused")  # a stage without a token cannot prove one
-    assert isinstance(hello, qkp.AuthRefused) and "did not prove the auth token" in str(hello)
+    hello, res = _handshake(None, "unused")  # a stage without a token cannot prove one: it says so
+    assert isinstance(hello, qkp.Refused) and "auth: the client asks for an auth token and this " \
+        "stage has none" in hello.reason
     assert res["error"].field == "auth" and "has none" in str(res["error"])
     # a wrong token: the client sees the stage's proof fail first and sends nothing more
     hello, res = _handshake("s3cret", "wrong")
     assert isinstance(hello, qkp.AuthRefused) and "did not prove" in str(hello)
     assert isinstance(res["error"], qkp.QkpClosed)
     hello, res = _handshake("s3cret", None)
-    assert isinstance(hello, qkp.QkpClosed)  # the stage just closes
+    assert isinstance(hello, qkp.Refused) and "sent no proof" in hello.reason
     assert res["error"].field == "auth" and "sent no proof" in str(res["error"])
-    hello, res = _handshake(None, None, server_exact=False, client_exact=True)
-    assert isinstance(hello, qkp.QkpClosed) and res["error"].field == "flags"
+
+
+@pytest.mark.parametrize("token", [None, "s3cret"])
+@pytest.mark.parametrize("stage_exact", [False, True])
+def test_a_numerics_mismatch_names_the_field_and_both_values_on_both_ends(token, stage_exact):
+    """The stage refuses (after the proofs, when there is a token) with a record naming the
+    field, its own value and the client's; the client raises with that text."""
+    hello, res = _handshake(token, token, server_exact=stage_exact, client_exact=not stage_exact)
+    ours, theirs = ("exact", "ds4") if stage_exact else ("ds4", "exact")
+    want = f"numerics: expected {ours} (the stage's --numerics), got {theirs} (the client's)"
+    assert res["error"].field == "numerics" and want in str(res["error"])
+    assert isinstance(hello, qkp.Refused) and want in hello.reason
 
 
 def test_hello_auth_bytes_follow_the_layout():
@@ -228,12 +241,12 @@ def test_hello_auth_bytes_follow_the_layout():
     t = threading.Thread(target=lambda: qkp.client_handshake(client, "tok", False), daemon=True)
     t.start()
     first = bytes(server.recv_exact(8 + 32))
-    assert first[:8] == struct.pack("<II", 0x716B7035, 1)
+    assert first[:8] == struct.pack("<II", 0x716B7036, 1)
     cn, sn = first[8:], bytes(range(32))
-    sp = hmac.new(b"tok", b"ds4 wire auth v2 server\0" + b"5pkq" + cn + sn, hashlib.sha256).digest()
-    server.send(sn + sp)
+    sp = hmac.new(b"tok", b"ds4 wire auth v2 server\0" + b"6pkq" + cn + sn, hashlib.sha256).digest()
+    server.send(struct.pack("<I", 0x716B7036) + sn + sp)  # the magic, then nonce and proof
     cp = bytes(server.recv_exact(32))
-    assert cp == hmac.new(b"tok", b"ds4 wire auth v2 client\0" + b"5pkq" + cn + sn,
+    assert cp == hmac.new(b"tok", b"ds4 wire auth v2 client\0" + b"6pkq" + cn + sn,
                           hashlib.sha256).digest()
     server.send(LIMITS.pack())
     t.join(5)
@@ -364,7 +377,7 @@ def _wait_all_free(w, timeout=5.0) -> None:
 
 
 def test_a_connection_touches_only_its_own_slots(worker):
-    """Slots and snapshots belong to the connection that opened them (qkp5 OPEN / FREE)."""
+    """Slots and snapshots belong to the connection that opened them (qkp OPEN / FREE)."""
     _wait_all_free(worker)
     ok = qkp.STATUS_OK
     # what A's slot answers when nobody else is connected: the reference for A below
@@ -477,7 +490,12 @@ def test_hostile_hellos_are_closed(worker, good, data):
     got = _drain(conn)
     magic, flags = struct.unpack("<II", data[:8]) if len(data) >= 8 else (None, None)
     if magic != qkp.MAGIC or flags:  # bad magic, unknown bits, other numerics, a token
-        assert got == b""  # this worker has no token: it cannot prove one and says nothing
+        # this worker has no token: it cannot prove one, and says only why (a refusal record,
+        # when a whole client hello came), never its hello
+        if got:
+            refusal_magic, n = struct.unpack_from("<II", got)
+            assert refusal_magic == qkp.REFUSAL_MAGIC and len(got) == 8 + n, got
+        assert worker.stage.hello.pack() not in got
     else:
         assert got[:48] == worker.stage.hello.pack()
     conn.close()

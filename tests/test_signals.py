@@ -28,8 +28,8 @@ ROOT = Path(__file__).resolve().parents[1]
 DS4 = "import sys; from cli.main import main; sys.argv[0] = 'ds4'; main()"
 T_OUT = 30.0
 SIGNALS = [signal.SIGTERM, signal.SIGINT]
-HELLO_BYTES, REPLY_BYTES = 48, 8  # DS4K (ds4/wire/ds4k/)
-DS4K_MAGIC = 0x4B345344
+HELLO_BYTES, REPLY_BYTES, OPENER_BYTES = 48, 8, 4  # DS4K (ds4/wire/ds4k/)
+DS4K_MAGIC, DS4K_VERSION = 0x4B345344, 3
 
 
 @pytest.fixture(scope="module")
@@ -104,12 +104,13 @@ def test_kv_recv_stopped_mid_payload(tmp_path, payload, sig):
     p = start(tmp_path, DS4, "kv-recv", 0, "--out", dest / "r.dsv4")
     port = int(wait_line(p, p.stderr, "listening on ").rsplit(":", 1)[1])
     with socket.create_connection(("127.0.0.1", port), timeout=T_OUT) as c:
+        c.sendall(struct.pack("<I", DS4K_MAGIC))  # the opener
         c.recv(HELLO_BYTES, socket.MSG_WAITALL)
         manifest = json.dumps({"fingerprint": None, "payload_bytes": len(payload),
                                "sha256": hashlib.sha256(payload).hexdigest(), "n_tokens": 21,
                                "ctx": 64, "version": 2, "created": 0}).encode()
-        # DS4K v2 without a token: the record header and the manifest each get a verdict
-        c.sendall(struct.pack("<4I", DS4K_MAGIC, 2, 0, len(manifest)))
+        # DS4K v3 without a token: the record header and the manifest each get a verdict
+        c.sendall(struct.pack("<4I", DS4K_MAGIC, DS4K_VERSION, 0, len(manifest)))
         assert struct.unpack("<2I", c.recv(REPLY_BYTES, socket.MSG_WAITALL))[0] == 0
         c.sendall(manifest)
         assert struct.unpack("<2I", c.recv(REPLY_BYTES, socket.MSG_WAITALL))[0] == 0
@@ -155,8 +156,9 @@ class StallingReceiver(threading.Thread):
             while True:
                 c, _ = self.srv.accept()
                 self.conns.append(c)
-                # DS4K v2 without a token: hello; record header, verdict; manifest, verdict
-                c.sendall(struct.pack("<4I32s", DS4K_MAGIC, 2, 0, 0, b"\0" * 32))
+                # DS4K v3 without a token: opener, hello; record header, verdict; manifest, verdict
+                c.recv(OPENER_BYTES, socket.MSG_WAITALL)
+                c.sendall(struct.pack("<4I32s", DS4K_MAGIC, DS4K_VERSION, 0, 0, b"\0" * 32))
                 head = c.recv(16, socket.MSG_WAITALL)
                 (n,) = struct.unpack_from("<I", head, 12)
                 c.sendall(struct.pack("<2I", 0, 0))

@@ -196,7 +196,9 @@ def test_a_real_stage_without_the_token_gets_nothing(model_path, head_engine):
     w = Worker(stage, io_timeout=2.0).start()  # no token
     try:
         split = SplitEngine(head_engine, ("127.0.0.1", w.port), auth_token="s3cret", io_timeout=2.0)
-        with pytest.raises(PipelineRefused, match="did not prove the auth token"):
+        # it says so (a refusal record) instead of a proof; the head sends nothing more
+        with pytest.raises(PipelineRefused, match="refused this head: auth: the client asks for "
+                           "an auth token and this stage has none"):
             split.session(ctx=64).sync(PROMPT)
         assert frames == []
     finally:
@@ -220,7 +222,7 @@ def test_impostor_receiver_gets_no_payload(payload):
     with pytest.raises(ds4k.DS4KError, match="does not prove the auth token") as e:
         ds4k.send_payload(payload, "127.0.0.1", imp.port, auth_token="s3cret", timeout=2.0)
     assert e.value.status == ds4k.AUTH_FAILED and "nothing was sent" in str(e.value)
-    assert imp.finish() == b""
+    assert imp.finish() == ds4k.OPENER.pack(ds4k.MAGIC)  # the opener, nothing more
     # one that asks for it and answers with a made-up proof: the record header and the nonce
     imp = Impostor(greeting=ds4k.HELLO.pack(ds4k.MAGIC, ds4k.VERSION, ds4k.FLAG_AUTH, 0, bytes(32)),
                    answer=ds4k.REPLY.pack(ds4k.OK, 0) + bytes(32))
@@ -228,8 +230,9 @@ def test_impostor_receiver_gets_no_payload(payload):
     with pytest.raises(ds4k.DS4KError, match="did not prove the auth token"):
         ds4k.send_payload(payload, "127.0.0.1", imp.port, auth_token="s3cret", timeout=2.0)
     got = imp.finish()
-    assert len(got) == ds4k.RECORD.size + 32  # no proof, no manifest, no payload byte
-    assert struct.unpack_from("<3I", got) == (ds4k.MAGIC, ds4k.VERSION, ds4k.FLAG_AUTH)
+    # the opener, the record header and the nonce: no proof, no manifest, no payload byte
+    assert len(got) == ds4k.OPENER.size + ds4k.RECORD.size + 32
+    assert struct.unpack_from("<4I", got) == (ds4k.MAGIC, ds4k.MAGIC, ds4k.VERSION, ds4k.FLAG_AUTH)
 
 
 def test_cli_kv_send_refuses_an_impostor(model_path, payload, tmp_path):
@@ -253,22 +256,23 @@ def test_cli_kv_send_refuses_an_impostor(model_path, payload, tmp_path):
                            env={"COLUMNS": "200"})
     assert r.exit_code == 1 and "does not prove the auth token" in r.stderr, r.output
     assert "sent" not in r.stdout
-    assert imp.finish() == b""
+    assert imp.finish() == ds4k.OPENER.pack(ds4k.MAGIC)
 
 
 def test_ds4k_auth_bytes_follow_the_layout(payload, tmp_path):
-    """A hand-written sender that follows ds4/wire/ds4k's steps 1-5 with proofs from the layout."""
+    """A hand-written sender that follows ds4/wire/ds4k's steps 0-5 with proofs from the layout."""
     r = ds4k.Receiver(0, auth_token="tok", timeout=T_OUT)
     out = {}
     t = threading.Thread(target=lambda: out.update(m=r.receive(tmp_path / "p", T_OUT, max_failures=1)))
     t.start()
     m = ds4k.make_manifest(payload).encode()
     with socket.create_connection(("127.0.0.1", r.port), timeout=T_OUT) as c:
+        c.sendall(struct.pack("<I", 0x4B345344))  # the opener
         hello = ds4k._recv_exact(c, 48, "hello")
         magic, version, flags, _ = struct.unpack_from("<4I", hello)
-        assert (magic, version, flags) == (0x4B345344, 2, 1)
+        assert (magic, version, flags) == (0x4B345344, 3, 1)
         sn, cn = hello[16:], bytes(range(100, 132))
-        c.sendall(struct.pack("<4I", magic, 2, 1, len(m)) + cn)
+        c.sendall(struct.pack("<4I", magic, 3, 1, len(m)) + cn)
         verdict = ds4k._recv_exact(c, 8 + 32, "verdict")
         assert verdict[:8] == struct.pack("<2I", 0, 0)
         assert verdict[8:] == _hmac(b"tok", b"ds4 wire auth v2 server\0DS4K" + cn + sn)
@@ -346,7 +350,7 @@ def test_a_bad_and_a_stalled_connection_do_not_end_the_receiver(payload, tmp_pat
         bad.recv(ds4k.HELLO.size)
         bad.sendall(b"GET / HTTP/1.0\r\n\r\n")
         status, reason = ds4k._read_reply(bad, "reply")
-        assert status == ds4k.BAD_RECORD and "record magic" in reason
+        assert status == ds4k.BAD_RECORD and "opener magic" in reason
     t0 = time.monotonic()
     sent = ds4k.send_payload(payload, "127.0.0.1", r.port, timeout=T_OUT)
     assert time.monotonic() - t0 < 3.0  # not behind the staller's 5 s timeout
@@ -354,7 +358,7 @@ def test_a_bad_and_a_stalled_connection_do_not_end_the_receiver(payload, tmp_pat
     staller.close()
     r.close()
     assert out.get("m") == sent and (tmp_path / "p.dsv4").read_bytes() == payload
-    assert len(r.failures) == 1 and "record magic" in r.failures[0].reason
+    assert len(r.failures) == 1 and "opener magic" in r.failures[0].reason
 
 
 def test_a_receiver_keeps_the_latest_failures_only(payload, tmp_path, monkeypatch):
@@ -417,7 +421,7 @@ def test_cli_kv_recv_outlives_a_bad_connection(model_path, payload, tmp_path):
     finally:
         p.kill()
     assert p.returncode == 0, err
-    assert "received" in out and err.count("warning:") == 1 and "record magic" in err
+    assert "received" in out and err.count("warning:") == 1 and "opener magic" in err
     assert (dest / "r.dsv4").read_bytes() == payload
 
 
@@ -489,7 +493,7 @@ def test_any_record_header_is_refused_with_a_reason_or_read(header, tail):
     t.start()
     with socket.create_connection(("127.0.0.1", r.port), timeout=T_OUT) as c:
         c.recv(ds4k.HELLO.size)
-        c.sendall(header + tail)
+        c.sendall(ds4k.OPENER.pack(ds4k.MAGIC) + header + tail)
         with contextlib.suppress(OSError):  # it may have answered and closed already
             c.shutdown(socket.SHUT_WR)
         status, reason = ds4k._read_reply(c, "verdict")

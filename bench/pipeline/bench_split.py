@@ -15,7 +15,7 @@ Two measurements, both over 127.0.0.1 with the worker in its own process:
             thread hand-offs). Prefill time for the prompt is reported alongside.
 * frame   — the round trip of one EVAL frame carrying one real-model row (n_hc × n_embd =
             4 × 4096 float32 = 64 KiB, plus the 20-byte header and the token id) to a worker
-            whose stage answers at once (no compute): the pure qkp5 + TCP cost of a decode step.
+            whose stage answers at once (no compute): the pure qkp + TCP cost of a decode step.
             Also with a tiny-model row (4 KiB), with 256 top-k candidates in the reply, and with
             5 ms of idle between frames (as in a decode, where each side waits while the other
             computes: the cost of waking an idle process shows up here).

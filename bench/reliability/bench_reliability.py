@@ -134,6 +134,7 @@ def slow_receiver(where: str, *, io_timeout: float = 2.0, drip_s: float = 0.5,
         t = threading.Thread(target=land, daemon=True)
         t.start()
         s = socket.create_connection(("127.0.0.1", r.port), timeout=limit_s)
+        s.sendall(ds4k.OPENER.pack(ds4k.MAGIC))
         s.recv(ds4k.HELLO.size)
         if where == "header":  # a record header and a (padded) manifest
             m = b" " * 200 + b"{}"

@@ -1,4 +1,4 @@
-"""Pipeline split: one model served as contiguous layer ranges over qkp5 (ds4/wire/qkp.py).
+"""Pipeline split: one model served as contiguous layer ranges over qkp6 (ds4/wire/qkp.py).
 
 The worker side is a `Stage` (layers [a, b) of one model, per-slot state and snapshots) behind a
 `Worker` (the TCP server; a middle stage forwards every frame to its own next stage). The head

@@ -8,7 +8,7 @@ import ssl
 
 import numpy as np
 
-from ..wire import qkp
+from ..wire import qkp, sniff
 from .common import PipelineError, PipelineRefused
 
 log = logging.getLogger("ds4.pipeline")
@@ -45,12 +45,18 @@ class _Link:
         try:
             conn = qkp.Conn.connect(self.host, self.port, self.io_timeout, self.connect_timeout,
                                     tls=self.tls)
+        except sniff.PlainPeer as e:  # (it names the stage and what to do)
+            raise PipelineRefused(str(e)) from None
         except OSError as e:
             raise PipelineError(f"cannot reach the next stage at {self.addr}: "
                                 f"{e.strerror or e}") from None
         try:
             hello = qkp.client_handshake(conn, self.token, self.exact)
             self.check(hello)
+        except qkp.Refused as e:  # its reason names the field, the stage's value and ours
+            conn.close()
+            raise PipelineRefused(f"the next stage at {self.addr} refused this head: "
+                                  f"{e.reason}") from None
         except qkp.HelloRefused as e:
             conn.close()
             raise PipelineRefused(f"the next stage at {self.addr} does not fit this head: {e}") from None
@@ -59,13 +65,10 @@ class _Link:
             raise PipelineRefused(f"refused the next stage at {self.addr}: {e}") from None
         except (qkp.QkpClosed, ConnectionError):  # closed, or reset with our bytes unread
             conn.close()
-            numerics = "exact" if self.exact else "ds4"
-            why = ("it refused the auth token" if self.token else
-                   "it may require an auth token (--auth-token-file / DS4_WIRE_TOKEN)")
             raise PipelineRefused(
-                f"the next stage at {self.addr} closed the connection during the hello: {why}, "
-                f"or it runs numerics other than this head's ({numerics}), or it cannot reach "
-                "its own next stage; its log says which") from None
+                f"the next stage at {self.addr} closed the connection during the hello without "
+                "a reason: it has --max-conns connections open, or it is not a ds4 pipe-worker "
+                "of this version (qkp6); its log says which") from None
         except ssl.SSLError as e:
             conn.close()
             raise PipelineRefused(f"TLS with the next stage at {self.addr} failed: {e} (does it "

@@ -1,5 +1,5 @@
 """The worker side's compute: `Stage`, layers [a, b) of one model with per-connection slots
-and snapshots (qkp5 OPEN / FREE / SAVE / LOAD)."""
+and snapshots (qkp OPEN / FREE / SAVE / LOAD)."""
 
 from __future__ import annotations
 

@@ -10,7 +10,7 @@ import threading
 from queue import Queue
 
 from ..engine import Engine
-from ..wire import qkp
+from ..wire import qkp, sniff
 from ..wire.address import parse_hostport
 from ..wire.deadline import Deadline
 from .common import (DEFAULT_CONNECT_TIMEOUT, DEFAULT_IDLE_TIMEOUT, DEFAULT_IO_TIMEOUT,
@@ -120,15 +120,22 @@ class Worker:
         try:
             if self.tls_server is not None:
                 sock.settimeout(self.io_timeout)  # bounds the TLS handshake too
-                raw, sock = sock, self.tls_server.wrap_socket(sock, server_side=True)
+                raw, sock = sock, self._accept_tls(sock)
                 with self._conns_lock:  # stop() must reach the socket that owns the fd now
                     self._conns.discard(raw)
                     self._conns.add(sock)
             conn = qkp.Conn(sock, self.io_timeout, peer)
-            flags = qkp.read_client_hello(conn, self.auth_token, self.stage.exact)
-            conn.trusted = self.auth_token is not None  # it proved the token
-            if self.next_addr is not None:
-                down = self._connect_next(flags)
+            try:
+                flags = qkp.read_client_hello(conn, self.auth_token, self.stage.exact)
+                conn.trusted = self.auth_token is not None  # it proved the token
+                if self.next_addr is not None:
+                    down = self._connect_next(flags)
+            except qkp.QkpClosed:
+                raise  # (nobody left to tell)
+            except qkp.QkpError as e:
+                qkp.refuse(sock, e)  # the client reads why, not a bare close
+                raise
+            if down is not None:
                 relay = _Relay(conn, down, self.stage.hello)
             conn.send(self.stage.hello.pack())
             log.info("qkp %s: connected", peer)
@@ -158,6 +165,17 @@ class Worker:
             with self._conns_lock:
                 self._conns.discard(sock)
 
+    def _accept_tls(self, sock: socket.socket):
+        """The TLS socket of a client whose first bytes are a TLS handshake record; a client
+        that connected in plain text is refused in plain text (`ds4.wire.sniff`), so that it
+        learns why instead of reading a closed connection."""
+        first = sniff.peek_prefix(sock, Deadline(self.io_timeout, "the client's first bytes"))
+        if first and not sniff.looks_like_tls(first):
+            e = qkp.TlsMismatch("tls", sniff.plain_client_reason("client", "stage"))
+            qkp.refuse(sock, e)
+            raise e
+        return self.tls_server.wrap_socket(sock, server_side=True)
+
     def _connect_next(self, flags: int) -> qkp.Conn:
         host, port = self.next_addr
         try:
@@ -171,6 +189,10 @@ class Worker:
             qkp.check_next_stage(peer, layer_end=h.layer_end, n_layer=h.n_layer, n_embd=h.n_embd,
                                  n_hc=h.n_hc, n_vocab=h.n_vocab, fingerprint=h.fingerprint,
                                  n_slots=h.n_slots, n_ctx=h.n_ctx, max_rows=h.max_rows)
+        except qkp.Refused as e:
+            down.close()
+            raise qkp.QkpError("next", f"the next stage at {host}:{port} refused: "
+                               f"{e.reason}") from None
         except (qkp.QkpError, OSError) as e:
             down.close()
             raise qkp.QkpError("next", f"the next stage at {host}:{port} does not fit: {e}") from None

@@ -30,7 +30,8 @@ from dataclasses import dataclass
 from ..core.payload import session_payload_bytes
 from ..core.payload_identity import IDENTITY_FOOTER_BYTES, MAX_MODEL_NAME_BYTES
 from ..core.state import SessionLayout
-from ..wire import ds4t
+from ..wire import ds4t, sniff
+from ..wire.deadline import Deadline
 from .partner import TorchPartner, WirePartner
 
 log = logging.getLogger("ds4.tp")
@@ -179,7 +180,7 @@ class _Arrivals:
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
             if self.opts.tls is not None:
                 sock.settimeout(self.opts.io_timeout)
-                sock = self.opts.tls.wrap_socket(sock, server_side=True)
+                sock = _accept_tls(sock, self.opts)
                 with self.lock:
                     a.sock = sock
                     if self.closed:
@@ -310,11 +311,27 @@ def accept_worker(listener: socket.socket, model, ctx: int, opts: Options,
                 data, limits, peer, agreed, opts.debug_hash)
 
 
+def _accept_tls(sock: socket.socket, opts: Options) -> ssl.SSLSocket:
+    """The leader's TLS socket for a worker whose first bytes are a TLS handshake record; a
+    worker that connected in plain text gets a refusal in plain text (ds4t.refuse) and
+    TlsMismatch is raised, so that it fails at once instead of retrying a closed connection."""
+    first = sniff.peek_prefix(sock, Deadline(opts.io_timeout, "the worker's first bytes"))
+    if first and not sniff.looks_like_tls(first):
+        e = ds4t.TlsMismatch("tls", sniff.plain_client_reason("worker", "leader"))
+        ds4t.refuse(sock, str(e))
+        raise e
+    return opts.tls.wrap_socket(sock, server_side=True)
+
+
 def _dial(host: str, port: int, opts: Options, timeout: float) -> socket.socket:
     sock = socket.create_connection((host, port), timeout=timeout)
     sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
     if opts.tls is not None:
-        sock = opts.tls.wrap_socket(sock, server_hostname=host)
+        try:
+            sock = sniff.wrap_client(opts.tls, sock, host, f"the leader at {host}:{port}")
+        except BaseException:
+            sock.close()
+            raise
     return sock
 
 
@@ -344,6 +361,14 @@ def join_leader(host: str, port: int, model, opts: Options, connect_timeout: flo
                 raise ds4t.DS4TError("store_port", f"expected a port in 1..65535, got {store_port}")
             partner = TorchPartner.join(opts.transport, host, store_port, 1, opts.gate_timeout_ms,
                                         debug_hash=debug_hash, canonical=canonical, prefix=prefix.hex())
+    except ds4t.PeerRefused as e:
+        for s in socks:
+            s.close()
+        raise TPRefused(f"the leader at {host}:{port} refused this worker: {e.reason}") from None
+    except sniff.PlainPeer as e:  # (not a closed connection: joining again cannot help)
+        for s in socks:
+            s.close()
+        raise TPRefused(f"joining the leader: {e}") from None
     except (ds4t.HelloRefused, ValueError) as e:  # (ValueError: a ctx this model cannot hold)
         for s in socks:
             s.close()

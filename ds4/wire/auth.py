@@ -1,4 +1,4 @@
-"""Mutual proof of a shared secret, shared by every ds4 wire (qkp5, DS4K and DS4T).
+"""Mutual proof of a shared secret, shared by every ds4 wire (qkp6, DS4K and DS4T).
 
 Both ends prove that they know the token before any model data moves: the server first, over a
 nonce the client chose, so a listener that does not know the token learns nothing but a nonce
@@ -13,7 +13,7 @@ Byte layout (HMAC-SHA256, key = the token as UTF-8, `||` = concatenation):
     server_proof  HMAC(token, b"ds4 wire auth v2 server\\0" || protocol || client_nonce || server_nonce)
     client_proof  HMAC(token, b"ds4 wire auth v2 client\\0" || protocol || client_nonce || server_nonce)
 
-`protocol` is the wire's 4-byte magic as it travels (b"5pkq" for qkp5's little-endian u32,
+`protocol` is the wire's 4-byte magic as it travels (b"6pkq" for qkp6's little-endian u32,
 b"DS4K", b"T4SD" for DS4T's 0x44533454). Each wire decides where the nonces and proofs sit in
 its records (see qkp.py, ds4k/ and ds4t/; on DS4T the leader is the server); the order
 is always: both nonces exchanged, server proof checked by the client, then client proof

@@ -1,4 +1,4 @@
-"""qkp5: the pipeline-stage wire (shared/spec/wire.md §1, with the changes listed below).
+"""qkp6: the pipeline-stage wire (shared/spec/wire.md §1, with the changes listed below).
 
 One model is served as contiguous layer ranges; the head sends the mHC state rows (n_hc × n_embd
 float32 per token) and the token ids of each chunk to the next stage, which runs its layers and
@@ -10,13 +10,23 @@ Connection, client first (optionally inside TLS, `ds4.wire.tls`):
 
     client -> {u32 magic, u32 flags}
     [flags & FLAG_AUTH]  client -> 32-byte client nonce
-                         worker -> 32-byte server nonce, 32-byte server proof
+                         worker -> u32 magic, 32-byte server nonce, 32-byte server proof
                          client -> 32-byte client proof (only once the server proof checked out)
-    worker -> Hello (48 bytes)
+    worker -> Hello (48 bytes, its first field the magic)
 
-The proofs are `ds4.wire.auth`'s (HMAC-SHA256 keyed by the token, protocol b"5pkq", the magic as
+The proofs are `ds4.wire.auth`'s (HMAC-SHA256 keyed by the token, protocol b"6pkq", the magic as
 it travels): the worker proves the token before the head sends anything of the model, so a
 listener without the token gets no token ids and no rows, and the head fails with a clear error.
+
+A worker that will not go on answers, in place of either of its records, with a refusal
+(`ds4.wire.refusal`): `{u32 REFUSAL_MAGIC ("qkpR"), u32 reason_bytes}` + reason, then closes.
+Both of its records begin with the magic, so the client tells a refusal by the first word and
+fails with the worker's reason. The worker refuses so: a client whose hello is malformed or
+whose auth flag does not match its own (before the proofs), a client whose proof is wrong, whose
+numerics differ or whose chain behind this stage does not fit (after the proofs: a stranger
+learns nothing of the stage's numerics), and, when it requires TLS, a client whose first bytes
+are not a TLS handshake record (`ds4.wire.sniff`: it peeks before the TLS handshake and answers
+a plain client in plain text).
 
 Then frames: a 20-byte `Header` {u32 op, u32 slot, u32 n, u32 base, u32 topk} plus the op's
 payload, each answered in order:
@@ -33,7 +43,12 @@ payload, each answered in order:
     5 OPEN    none (slot = the slot to open)         u32 status (0, or STATUS_NO_SLOT)
     6 FREE    none (slot = the slot to give back)    u32 status (0, or STATUS_SLOT_NOT_OPEN)
 
-Changes from qkp4 (hence the magic "qkp5"):
+Changes from qkp5 (hence the magic "qkp6"): the worker's auth record begins with the magic, and
+any hello record of the worker may be replaced by a refusal, so a mismatch (numerics, the token,
+TLS on one end only) fails at once with the worker's reason on both ends instead of a closed
+connection the head can only guess at.
+
+Changes from qkp4 to qkp5:
 * Slots belong to connections. `slot` in a frame is the connection's own slot number
   (0..n_slots-1); OPEN binds it to one of the stage's `n_slots` slots taken from the free pool,
   FREE (or the connection closing) gives it back. `n_slots` (in the hello) is the stage's total
@@ -53,18 +68,19 @@ Changes from qkp4 (hence the magic "qkp5"):
   client, and answers with its own refusal without forwarding; when the next stage refuses an
   OPEN it has granted, it gives its own slot back.
 
-Choices this module makes where the spec leaves room (all ours, all local to qkp5):
+Choices this module makes where the spec leaves room (all ours, all local to qkp6):
 * Both ends prove the token (`ds4.wire.auth`). A worker that has a token refuses a client
-  without a proof or with a wrong one by closing the connection; a worker without a token
-  cannot prove one and closes a connection that asks for it; a client that has a token
-  refuses a stage that cannot prove it (`AuthRefused`).
+  without a proof or with a wrong one (a refusal, then it closes); a worker without a token
+  cannot prove one and refuses a client that asks for it; a client that has a token refuses a
+  stage that cannot prove it (`AuthRefused`).
 * Deadlines: the whole hello, and a frame's payload once its header arrived, must come within
   the connection's io timeout however the bytes trickle in (`ds4.wire.deadline`). Until a peer
   has proven the token (`Conn.trusted`), buffers grow as bytes arrive, so a stalled frame costs
   at most about `GROW_FROM` bytes, not its announced size.
 * flags bit1 (`FLAG_EXACT`) says the client runs "exact" numerics (clear: "ds4" numerics). Both
   ends of a link must compute the same function, and the hello has no other room to say so; a
-  worker refuses a client whose numerics differ from its own.
+  worker refuses a client whose numerics differ from its own, with a refusal naming the field
+  ("numerics"), the worker's value and the client's.
 * A reply pads the top-k list with (NO_TOKEN, -inf) when fewer than `topk` logits are finite,
   and a greedy id is NO_TOKEN when a position has no finite logit at all.
 * A chain vouches for itself: a middle stage answers a hello only after its own next stage's
@@ -92,10 +108,11 @@ from typing import Callable
 
 import numpy as np
 
-from . import auth
+from . import auth, refusal, sniff
 from .deadline import Deadline
 
-MAGIC = 0x716B7035  # "qkp5"
+MAGIC = 0x716B7036  # "qkp6"
+REFUSAL_MAGIC = 0x716B7052  # "qkpR": a refusal in place of the worker's next hello record
 FLAG_AUTH = 1 << 0
 FLAG_EXACT = 1 << 1
 KNOWN_FLAGS = FLAG_AUTH | FLAG_EXACT
@@ -121,6 +138,7 @@ SMALL_SEND = 1 << 17
 GROW_FROM = 16 << 10
 
 CLIENT_HELLO = struct.Struct("<II")
+WORD = struct.Struct("<I")  # the first field of each of the worker's hello records
 HELLO = struct.Struct("<10IQ")
 HEADER = struct.Struct("<5I")
 STATUS = struct.Struct("<I")
@@ -166,6 +184,19 @@ class AuthRefused(QkpError):
     """The stage did not prove the shared token: nothing of the model was sent to it."""
 
 
+class Refused(HelloRefused):
+    """The stage sent a refusal record in place of its hello; `reason` is its text (which names
+    the field, the stage's value and the client's)."""
+
+    def __init__(self, reason: str):
+        super().__init__("refused", reason)
+        self.reason = reason
+
+
+class TlsMismatch(HelloRefused):
+    """One end speaks TLS, the other plain text."""
+
+
 # ---- records --------------------------------------------------------------------------------------
 
 
@@ -201,7 +232,7 @@ class Hello:
     def unpack(cls, buf: bytes) -> "Hello":
         magic, *rest = HELLO.unpack(buf)
         if magic != MAGIC:
-            raise QkpError("magic", f"expected {MAGIC:#010x} (qkp5), got {magic:#010x}")
+            raise QkpError("magic", f"expected {MAGIC:#010x} (qkp6), got {magic:#010x}")
         hello = cls(*rest)
         hello.check()
         return hello
@@ -337,56 +368,101 @@ def client_handshake(conn: "Conn", token: str | None, exact: bool) -> Hello:
     """Send the client hello; with a token, exchange nonces and check the stage's proof before
     sending this end's. Returns the stage's validated hello. The whole exchange must finish
     within the connection's io timeout. Raises AuthRefused when the stage does not prove the
-    token (nothing of the model has been sent then)."""
+    token (nothing of the model has been sent then), Refused with the stage's reason when it
+    refused this client."""
     deadline = Deadline(conn.timeout, f"the qkp hello with {conn.peer}")
     flags = (FLAG_AUTH if token else 0) | (FLAG_EXACT if exact else 0)
     if not token:
         conn.send(CLIENT_HELLO.pack(MAGIC, flags))
-        return Hello.unpack(bytes(conn.recv_exact(HELLO.size, deadline=deadline)))
+        return _read_hello(conn, deadline)
     me = auth.ClientAuth(token, PROTOCOL)
     conn.send(CLIENT_HELLO.pack(MAGIC, flags) + me.nonce)
     try:
+        first = _first_word(conn, deadline)
+        if WORD.unpack(first)[0] != MAGIC:
+            raise AuthRefused("auth", f"{conn.peer} did not prove the auth token (it answered "
+                              f"{first.hex()}, not a qkp6 stage's magic); nothing was sent to it")
         got = bytes(conn.recv_exact(NONCE_BYTES + PROOF_BYTES, deadline=deadline))
     except (QkpClosed, ConnectionError) as e:  # a reset: it closed with our nonce unread
         raise AuthRefused("auth", f"{conn.peer} did not prove the auth token ({e}); nothing "
-                          "was sent to it. It may have another token, none at all, or not be "
-                          "a ds4 pipe-worker; or it runs other numerics") from None
+                          "was sent to it. It may have another token, or not be a ds4 "
+                          "pipe-worker of this version (qkp6)") from None
     try:
         me.check_server(got[:NONCE_BYTES], got[NONCE_BYTES:])
     except auth.AuthError as e:
         raise AuthRefused("auth", f"{conn.peer}: {e}; nothing was sent to it") from None
     conn.send(me.proof())
-    return Hello.unpack(bytes(conn.recv_exact(HELLO.size, deadline=deadline)))
+    return _read_hello(conn, deadline)
+
+
+def _first_word(conn: "Conn", deadline: Deadline) -> bytes:
+    """The first field of the stage's next hello record (its magic); Refused when the stage
+    sent a refusal there, TlsMismatch when it speaks TLS to this plain end."""
+    first = bytes(conn.recv_exact(WORD.size, deadline=deadline))
+    if sniff.looks_like_tls(first):
+        raise TlsMismatch("tls", sniff.tls_peer_reason(f"stage at {conn.peer}", "end"))
+    if WORD.unpack(first)[0] == REFUSAL_MAGIC:
+        try:
+            reason = refusal.read_reason(lambda n: conn.recv_exact(n, deadline=deadline))
+        except ValueError as e:
+            raise QkpError("refusal", str(e)) from None
+        raise Refused(reason)
+    return first
+
+
+def _read_hello(conn: "Conn", deadline: Deadline) -> Hello:
+    first = _first_word(conn, deadline)
+    return Hello.unpack(first + bytes(conn.recv_exact(HELLO.size - WORD.size, deadline=deadline)))
 
 
 def read_client_hello(conn: "Conn", token: str | None, exact: bool) -> int:
     """The stage's half of the hello up to (not including) its reply: read the client hello,
     prove the token and check the client's proof, check the numerics, all within the
     connection's io timeout. Returns the client's flags; the caller then sends its `Hello` (a
-    middle stage first makes sure its own next stage is there)."""
+    middle stage first makes sure its own next stage is there), or `refuse`s the client with
+    the QkpError this raised."""
     deadline = Deadline(conn.timeout, f"the qkp hello from {conn.peer}")
-    magic, flags = CLIENT_HELLO.unpack(bytes(conn.recv_exact(CLIENT_HELLO.size, deadline=deadline)))
+    first = bytes(conn.recv_exact(CLIENT_HELLO.size, deadline=deadline))
+    if sniff.looks_like_tls(first):  # (only a plain stage reads a ClientHello here)
+        raise TlsMismatch("tls", sniff.tls_peer_reason("client", "stage"))
+    magic, flags = CLIENT_HELLO.unpack(first)
     if magic != MAGIC:
-        raise QkpError("magic", f"expected {MAGIC:#010x} (qkp5), got {magic:#010x}")
+        raise QkpError("magic", f"expected {MAGIC:#010x} (qkp6), got {magic:#010x}")
     if flags & ~KNOWN_FLAGS:
         raise QkpError("flags", f"unknown bits {flags & ~KNOWN_FLAGS:#x}")
-    if bool(flags & FLAG_EXACT) != exact:
-        theirs, ours = ("exact", "ds4") if flags & FLAG_EXACT else ("ds4", "exact")
-        raise QkpError("flags", f"the client runs {theirs} numerics, this stage {ours}")
     if flags & FLAG_AUTH and not token:
         raise QkpError("auth", "the client asks for an auth token and this stage has none "
                        "(--auth-token-file / DS4_WIRE_TOKEN)")
     if token and not flags & FLAG_AUTH:
-        raise QkpError("auth", "this stage requires an auth token and the client sent no proof")
+        raise QkpError("auth", "this stage requires an auth token (--auth-token-file / "
+                       "DS4_WIRE_TOKEN) and the client sent no proof")
     if token:
         me = auth.ServerAuth(token, PROTOCOL)
         client_nonce = bytes(conn.recv_exact(NONCE_BYTES, deadline=deadline))
-        conn.send(me.nonce + me.proof(client_nonce))
+        conn.send(WORD.pack(MAGIC) + me.nonce + me.proof(client_nonce))
         try:
             me.check_client(bytes(conn.recv_exact(PROOF_BYTES, deadline=deadline)))
         except auth.AuthError as e:
             raise QkpError("auth", str(e)) from None
+    if bool(flags & FLAG_EXACT) != exact:
+        raise QkpError("numerics", f"expected {numerics_name(exact)} (the stage's --numerics), "
+                       f"got {numerics_name(bool(flags & FLAG_EXACT))} (the client's); every "
+                       "stage and the head must run the same --numerics")
     return flags
+
+
+def numerics_name(exact: bool) -> str:
+    return "exact" if exact else "ds4"
+
+
+def refusal_record(e: QkpError) -> bytes:
+    return refusal.pack(REFUSAL_MAGIC, str(e))
+
+
+def refuse(sock: socket.socket, e: QkpError) -> None:
+    """Answer a client that will not be served with a refusal naming why (`e`), in place of the
+    stage's next hello record; the caller closes the socket."""
+    sniff.refuse(sock, refusal_record(e))
 
 
 def check_next_stage(peer: Hello, *, layer_end: int, n_layer: int, n_embd: int, n_hc: int,
@@ -445,7 +521,7 @@ class Conn:
         sock = socket.create_connection((host, port), timeout=connect_timeout or timeout)
         if tls is not None:
             try:
-                sock = tls.wrap_socket(sock, server_hostname=host)
+                sock = sniff.wrap_client(tls, sock, host, f"the stage at {host}:{port}")
             except BaseException:
                 sock.close()
                 raise

@@ -12,12 +12,23 @@ the destination and the sender gets the reason.
 Connection, sender = client, receiver = server; integers little-endian (inside TLS when the
 receiver has `--tls-cert`, `ds4.wire.tls`):
 
+0. client → server, opener (4 bytes): `u32 magic 0x4b345344 ("DS4K")`, the first bytes the
+   sender sends on every connection (inside TLS: the first bytes inside it). The sender speaks
+   first so that a receiver that requires TLS can tell a plain sender (these bytes) from a TLS
+   one (a ClientHello, `ds4.wire.sniff`) before it answers; without it both would wait for the
+   other until the io timeout.
 1. server → client, hello (48 bytes):
-   `u32 magic 0x4b345344 ("DS4K"), u32 version 2, u32 flags (bit0: the token must be proven),
-   u32 0, 32-byte server nonce` (fresh random bytes per connection).
-   A sender that has a token refuses a receiver whose flags do not ask for it, sending nothing.
+   `u32 magic 0x4b345344 ("DS4K"), u32 version 3, u32 flags (bit0: the token must be proven),
+   u32 0, 32-byte server nonce` (fresh random bytes per connection). A plain receiver sends it at
+   once, without waiting for the opener (an older sender, which sends nothing first, then sees
+   the version at once); then it reads the opener and refuses a TLS ClientHello there. Instead
+   of the hello, a receiver may send the reply record of step 3 with a non-zero status (its
+   first u32 is a status, never the magic) and close: a receiver that requires TLS does so,
+   with status TLS_MISMATCH, for a sender whose opener came in plain text.
+   A sender that has a token refuses a receiver whose flags do not ask for it, sending nothing
+   more.
 2. client → server, record header (16 bytes):
-   `u32 magic, u32 version 2, u32 flags (bit0: auth), u32 manifest_bytes` (≤ 64 KiB);
+   `u32 magic, u32 version 3, u32 flags (bit0: auth), u32 manifest_bytes` (≤ 64 KiB);
    if flags bit0: the 32-byte client nonce.
 3. server → client, verdict on the header: `u32 status, u32 reason_bytes` + reason (UTF-8,
    ≤ 4 KiB); if status 0 and flags bit0: the 32-byte server proof (`ds4.wire.auth`, protocol
@@ -33,7 +44,10 @@ receiver has `--tls-cert`, `ds4.wire.tls`):
 
 Version 2 differs from version 1 (wire.md §3) in steps 2–4: both ends prove the token, the
 receiver first, so a listener that does not know it learns nothing of the session. A refused
-manifest (model, size, auth) is answered before the payload is streamed.
+manifest (model, size, auth) is answered before the payload is streamed. Version 3 adds the
+opener (step 0) and the refusal in place of the hello, so that a TLS mismatch fails at once on
+both ends; a TLS sender facing a plain receiver gets its hello where a ServerHello belongs and
+says that the receiver runs without TLS.
 
 A probe is a record with `manifest_bytes` 0: steps 1–5 as above (the hello checked, the token
 proven both ways), then the receiver answers step 5 with status 0 and closes; it is not a
@@ -57,21 +71,22 @@ from __future__ import annotations
 from .records import (ACCEPT_POLL, ACCEPT_POLL_MIN, AUTH_FAILED, BAD_RECORD, CHUNK, CORRUPT,
                       DEFAULT_MAX_BYTES, DEFAULT_MAX_CONNS, DEFAULT_MIN_RATE, DEFAULT_TIMEOUT,
                       FLAG_AUTH, HELLO, INCOMPLETE, IO_ERROR, MAGIC, MAX_MANIFEST_BYTES,
-                      MAX_MANIFEST_DEPTH, MAX_REASON_BYTES, NONCE_BYTES, OK,
+                      MAX_MANIFEST_DEPTH, MAX_REASON_BYTES, NONCE_BYTES, OK, OPENER,
                       PROBE_CONNECT_TIMEOUT, PROBE_MANIFEST_BYTES, PROOF_BYTES, PROTOCOL, RECORD,
-                      REFUSED, REPLY, STATUS_NAMES, VERSION, DS4KError, Manifest, _fingerprint_hex,
-                      _is_hex, _json_depth, _Probed, _read_reply, _recv_exact, _send_reply)
+                      REFUSED, REPLY, STATUS_NAMES, TLS_MISMATCH, VERSION, DS4KError, Manifest,
+                      _fingerprint_hex, _is_hex, _json_depth, _Probed, _read_reply, _recv_exact,
+                      _send_reply)
 from .sender import _connect, _handshake, make_manifest, open_transfer, probe_receiver, send_payload
 from .receiver import Receiver, log, receive_payload
 
 __all__ = [
     # records
-    "MAGIC", "VERSION", "PROTOCOL", "FLAG_AUTH", "HELLO", "RECORD", "REPLY", "PROOF_BYTES",
+    "MAGIC", "VERSION", "PROTOCOL", "FLAG_AUTH", "OPENER", "HELLO", "RECORD", "REPLY", "PROOF_BYTES",
     "NONCE_BYTES", "MAX_MANIFEST_BYTES", "MAX_MANIFEST_DEPTH", "MAX_REASON_BYTES",
     "DEFAULT_MAX_BYTES", "DEFAULT_TIMEOUT", "PROBE_CONNECT_TIMEOUT", "CHUNK", "DEFAULT_MIN_RATE",
     "DEFAULT_MAX_CONNS", "ACCEPT_POLL", "ACCEPT_POLL_MIN", "OK", "BAD_RECORD", "AUTH_FAILED",
-    "REFUSED", "INCOMPLETE", "CORRUPT", "IO_ERROR", "STATUS_NAMES", "PROBE_MANIFEST_BYTES",
-    "DS4KError", "Manifest",
+    "REFUSED", "INCOMPLETE", "CORRUPT", "IO_ERROR", "TLS_MISMATCH", "STATUS_NAMES",
+    "PROBE_MANIFEST_BYTES", "DS4KError", "Manifest",
     # sender
     "make_manifest", "probe_receiver", "open_transfer", "send_payload",
     # receiver

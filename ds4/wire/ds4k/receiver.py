@@ -20,14 +20,14 @@ from pathlib import Path
 from ...core.atomic import atomic_path
 from ...core.config import ModelConfig
 from ...core.payload import HEADER_BYTES, ModelRef, PayloadError, check_payload
-from .. import auth
+from .. import auth, sniff
 from ..deadline import Deadline
 from .records import (ACCEPT_POLL, ACCEPT_POLL_MIN, AUTH_FAILED, CHUNK, CORRUPT,
                       DEFAULT_MAX_BYTES, DEFAULT_MAX_CONNS, DEFAULT_MIN_RATE, DEFAULT_TIMEOUT,
                       FLAG_AUTH, HELLO, INCOMPLETE, IO_ERROR, MAGIC, MAX_MANIFEST_BYTES,
-                      NONCE_BYTES, OK, PROBE_MANIFEST_BYTES, PROOF_BYTES, PROTOCOL, RECORD,
-                      REFUSED, REPLY, VERSION, DS4KError, Manifest, _fingerprint_hex, _Probed,
-                      _recv_exact, _send_reply)
+                      NONCE_BYTES, OK, OPENER, PROBE_MANIFEST_BYTES, PROOF_BYTES, PROTOCOL,
+                      RECORD, REFUSED, REPLY, TLS_MISMATCH, VERSION, DS4KError, Manifest,
+                      _fingerprint_hex, _Probed, _recv_exact, _reply, _send_reply)
 
 log = logging.getLogger("ds4.wire.ds4k")
 
@@ -183,19 +183,41 @@ class Receiver:
         try:
             try:
                 if self.tls is not None:
+                    self._sniff(conn)
                     conn = holder["sock"] = self.tls.wrap_socket(conn, server_side=True)
                 return self._serve(conn, out_path, landed)
             except (OSError, ssl.SSLError) as e:  # the connection failed outside the payload
                 raise DS4KError(f"connection error: {e}", INCOMPLETE) from None
         except DS4KError as e:
-            _send_reply(conn, e.status, e.reason)
+            if e.status == TLS_MISMATCH:  # the peer may still be sending: let it read why
+                sniff.refuse(conn, _reply(e.status, e.reason))
+            else:
+                _send_reply(conn, e.status, e.reason)
             raise
+
+    def _sniff(self, conn: socket.socket) -> None:
+        """Before the TLS handshake: DS4KError (TLS_MISMATCH) when the sender's first bytes are
+        not a TLS record, i.e. it connected in plain text (its opener, step 0, names it)."""
+        first = sniff.peek_prefix(conn, Deadline(self.timeout, "the sender's first bytes"))
+        if sniff.looks_like_tls(first) or not first:
+            return  # (a peer that closed at once: the handshake says so)
+        opener = _recv_exact(conn, OPENER.size, "the sender's opener",
+                             Deadline(self.timeout, "the sender's opener"))
+        what = "sender" if OPENER.unpack(opener)[0] == MAGIC else \
+            f"peer (first bytes {opener.hex()}, neither TLS nor a DS4K opener)"
+        raise DS4KError(sniff.plain_client_reason(what, "receiver"), TLS_MISMATCH)
 
     def _serve(self, conn: socket.socket, out_path: Path, landed: threading.Event) -> Manifest:
         deadline = Deadline(self.timeout, "the DS4K hello")
         me = auth.ServerAuth(self.auth_token, PROTOCOL) if self.auth_token else None
         nonce = me.nonce if me else auth.new_nonce()
         conn.sendall(HELLO.pack(MAGIC, VERSION, FLAG_AUTH if me else 0, 0, nonce))
+        opener = _recv_exact(conn, OPENER.size, "the sender's opener", deadline)
+        if sniff.looks_like_tls(opener):  # (only a plain receiver can read a ClientHello here)
+            raise DS4KError(sniff.tls_peer_reason("sender", "receiver"), TLS_MISMATCH)
+        (word,) = OPENER.unpack(opener)
+        if word != MAGIC:
+            raise DS4KError(f"opener magic: expected {MAGIC:#010x}, got {word:#010x}")
         magic, version, flags, n = RECORD.unpack(
             _recv_exact(conn, RECORD.size, "the record header", deadline))
         if magic != MAGIC:

@@ -16,9 +16,10 @@ from .. import auth
 from ..deadline import Deadline
 
 MAGIC = 0x4B345344  # b"DS4K"
-VERSION = 2
+VERSION = 3
 PROTOCOL = b"DS4K"  # the auth proofs' protocol name
 FLAG_AUTH = 1
+OPENER = struct.Struct("<I")  # step 0: the sender's magic, its first bytes on every connection
 HELLO = struct.Struct("<4I32s")
 RECORD = struct.Struct("<4I")
 REPLY = struct.Struct("<2I")
@@ -46,9 +47,11 @@ REFUSED = 3  # the manifest: another model, over the limit, no room
 INCOMPLETE = 4  # the payload stopped short or stalled
 CORRUPT = 5  # SHA-256 or payload header mismatch
 IO_ERROR = 6  # the receiver could not write the file
+TLS_MISMATCH = 7  # one end speaks TLS, the other plain text
 
 STATUS_NAMES = {OK: "ok", BAD_RECORD: "bad record", AUTH_FAILED: "authentication failed",
-                REFUSED: "refused", INCOMPLETE: "incomplete", CORRUPT: "corrupt", IO_ERROR: "I/O error"}
+                REFUSED: "refused", INCOMPLETE: "incomplete", CORRUPT: "corrupt", IO_ERROR: "I/O error",
+                TLS_MISMATCH: "TLS mismatch"}
 
 
 PROBE_MANIFEST_BYTES = 0  # a record announcing no manifest is a probe (a real one is never empty)
@@ -170,15 +173,24 @@ def _recv_exact(sock: socket.socket, n: int, what: str, deadline: Deadline | Non
     return bytes(buf)
 
 
-def _send_reply(sock: socket.socket, status: int, reason: str = "") -> None:
+def _reply(status: int, reason: str = "") -> bytes:
     r = reason.encode("utf-8")[:MAX_REASON_BYTES]
+    return REPLY.pack(status, len(r)) + r
+
+
+def _send_reply(sock: socket.socket, status: int, reason: str = "") -> None:
     with contextlib.suppress(OSError):  # the peer may be gone; the receiver reports either way
-        sock.sendall(REPLY.pack(status, len(r)) + r)
+        sock.sendall(_reply(status, reason))
 
 
 def _read_reply(sock: socket.socket, what: str, deadline: Deadline | None = None) -> tuple[int, str]:
     status, n = REPLY.unpack(_recv_exact(sock, REPLY.size, what, deadline))
+    return status, _read_reason(sock, n, what, deadline)
+
+
+def _read_reason(sock: socket.socket, n: int, what: str, deadline: Deadline | None = None) -> str:
+    """The reason text of a reply whose header announced `n` bytes (checked before the read)."""
     if n > MAX_REASON_BYTES:
         raise DS4KError(f"{what}: reason of {n} bytes is over the {MAX_REASON_BYTES}-byte limit")
-    return status, _recv_exact(sock, n, what, deadline).decode("utf-8", "replace")
+    return _recv_exact(sock, n, what, deadline).decode("utf-8", "replace")
 

@@ -1,7 +1,8 @@
-"""The DS4K sender (the client): `make_manifest` of a payload, the connect and steps 1–5
-(`_handshake`: check the receiver's hello, prove the token both ways, the receiver first, and
-get the verdict on the manifest), `probe_receiver` (the same with no manifest), `open_transfer`
-and `send_payload`, which streams the payload and reads the receiver's final reply.
+"""The DS4K sender (the client): `make_manifest` of a payload, the connect and steps 0–5
+(`_handshake`: send the opener, check the receiver's hello or refusal, prove the token both
+ways, the receiver first, and get the verdict on the manifest), `probe_receiver` (the same with
+no manifest), `open_transfer` and `send_payload`, which streams the payload and reads the
+receiver's final reply.
 """
 
 from __future__ import annotations
@@ -13,11 +14,12 @@ import ssl
 import time
 
 from ...core.payload import HEADER_BYTES, check_payload
-from .. import auth
+from .. import auth, sniff
 from ..deadline import Deadline
 from .records import (AUTH_FAILED, CHUNK, DEFAULT_TIMEOUT, FLAG_AUTH, HELLO, INCOMPLETE, MAGIC,
-                      OK, PROOF_BYTES, PROTOCOL, RECORD, STATUS_NAMES, VERSION, DS4KError,
-                      Manifest, _fingerprint_hex, _read_reply, _recv_exact)
+                      OK, OPENER, PROOF_BYTES, PROTOCOL, RECORD, STATUS_NAMES, TLS_MISMATCH,
+                      VERSION, DS4KError, Manifest, _fingerprint_hex, _read_reason, _read_reply,
+                      _recv_exact)
 
 def make_manifest(src, fingerprint=None) -> Manifest:
     """The manifest of a payload (path or bytes): size, SHA-256, header fields."""
@@ -57,7 +59,10 @@ def _connect(host: str, port: int, timeout: float, connect_timeout: float,
     if tls is None:
         return sock
     try:
-        return tls.wrap_socket(sock, server_hostname=host)
+        return sniff.wrap_client(tls, sock, host, f"the receiver at {host}:{port}")
+    except sniff.PlainPeer as e:
+        sock.close()
+        raise DS4KError(str(e), TLS_MISMATCH) from None
     except (OSError, ssl.SSLError) as e:
         sock.close()
         raise DS4KError(f"TLS with {host}:{port} failed: {e}") from None
@@ -66,16 +71,17 @@ def _connect(host: str, port: int, timeout: float, connect_timeout: float,
 def _handshake(host: str, port: int, manifest: bytes, *, auth_token: str | None,
                timeout: float, connect_timeout: float,
                tls: ssl.SSLContext | None) -> socket.socket:
-    """Steps 1–5 for `open_transfer` and `probe_receiver`: connect, check the receiver's hello,
-    prove the token both ways (the receiver first), send `manifest` (empty: a probe) and read
-    the receiver's verdict on it. Returns the socket once the verdict is status 0; raises
-    DS4KError with the reason otherwise. The whole exchange must finish within `timeout`."""
+    """Steps 0–5 for `open_transfer` and `probe_receiver`: connect, send the opener, check the
+    receiver's hello, prove the token both ways (the receiver first), send `manifest` (empty: a
+    probe) and read the receiver's verdict on it. Returns the socket once the verdict is status
+    0; raises DS4KError with the reason otherwise. The whole exchange must finish within
+    `timeout`."""
     where = f"{host}:{port}"
     sock = _connect(host, port, timeout, connect_timeout, tls)
     deadline = Deadline(timeout, f"the DS4K hello with {where}")
     try:
-        magic, version, flags, _, server_nonce = HELLO.unpack(
-            _recv_exact(sock, HELLO.size, "the receiver's hello", deadline))
+        sock.sendall(OPENER.pack(MAGIC))
+        magic, version, flags, _, server_nonce = _read_hello(sock, where, deadline)
         if magic != MAGIC or version != VERSION:
             raise DS4KError(f"{where} is not a DS4K v{VERSION} receiver "
                             f"(magic {magic:#010x}, version {version})")
@@ -113,6 +119,22 @@ def _handshake(host: str, port: int, manifest: bytes, *, auth_token: str | None,
     except BaseException:
         sock.close()
         raise
+
+
+def _read_hello(sock: socket.socket, where: str, deadline: Deadline) -> tuple:
+    """Step 1: the receiver's hello, or the refusal it sent instead (DS4KError with its status
+    and reason; the first u32 of a hello is the magic, of a refusal a status)."""
+    first = _recv_exact(sock, OPENER.size, "the receiver's hello", deadline)
+    if sniff.looks_like_tls(first):
+        raise DS4KError(sniff.tls_peer_reason(f"receiver at {where}", "sender"), TLS_MISMATCH)
+    (word,) = OPENER.unpack(first)
+    if word != MAGIC and word in STATUS_NAMES and word != OK:
+        (n,) = OPENER.unpack(_recv_exact(sock, OPENER.size, "the receiver's refusal", deadline))
+        reason = _read_reason(sock, n, "the receiver's refusal", deadline)
+        raise DS4KError(f"receiver refused the connection ({STATUS_NAMES[word]}): {reason}", word,
+                        reason)
+    return HELLO.unpack(first + _recv_exact(sock, HELLO.size - OPENER.size, "the receiver's hello",
+                                            deadline))
 
 
 def probe_receiver(host: str, port: int, *, auth_token: str | None = None,

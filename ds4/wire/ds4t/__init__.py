@@ -9,7 +9,7 @@ Connections: the leader listens, the worker dials twice; the first accepted conn
 control, the second data. On each, both ends send their `Hello` at once and read the peer's.
 Everything is little-endian and fixed-layout; offsets in bytes.
 
-Hello (72 bytes, both directions):
+Hello (72 bytes, both directions; a leader may send a refusal in its place, see below):
 
     0  u32 magic 0x44533454 ("DS4T")   36  u32 n_expert
     4  u32 version (1)                  40  u32 n_head
@@ -44,6 +44,16 @@ each connection, right after the hellos (32-byte nonces and HMAC-SHA256 proofs, 
 The leader has then proven the secret before the worker sends anything but its hello and a
 nonce, and the worker before the leader sends a frame or a gate record; a failed proof is
 `DS4TError` with field "auth" and the connection is not used.
+
+Refusal: `{u32 magic 0x44533452 ("DS4R"), u32 reason_bytes}` + reason (UTF-8, at most 4 KiB,
+`ds4.wire.refusal`), sent by a leader in place of its hello, after which it closes. A leader
+that requires TLS peeks at a new connection's first bytes before its TLS handshake
+(`ds4.wire.sniff`) and refuses so a worker that connected in plain text (its hello's first
+bytes are not a TLS handshake record), so that the worker fails at once with the leader's
+reason instead of retrying a closed connection. The hello's first field is its magic, so the
+worker tells the two apart by the first four bytes. A plain end whose peer's first bytes are a
+TLS record (a TLS worker's ClientHello) fails with `TlsMismatch`; a TLS worker that gets a plain
+hello where the ServerHello belongs says that the leader runs without TLS.
 
 Control frame: a 12-byte header `{u32 magic 0x44533443 ("DS4C"), u32 type, u32 bytes}`, then
 `bytes` of payload. `bytes` is checked against the type's limit (from the agreed hello) before
@@ -150,24 +160,24 @@ from ...core.tp_split import Gate
 from .base import (DEFAULT_GATE_TIMEOUT_MS, F32, FLAG_AUTH, FLAG_DEBUG_HASH, FLAG_EXACT, FLAG_TORCH_GATES,
                    FRAME_HEADER, FRAME_MAGIC, GATE_HEADER, GATE_MAGIC, GATES_PER_LAYER, HELLO,
                    KNOWN_FLAGS, MAGIC, MAX_CTX, MAX_EMBD, MAX_LAYERS, MAX_SLAB_BYTES, MAX_SPLIT_DIM,
-                   MAX_VOCAB, N_RANK, PROTOCOL, U32, VERSION, DS4TClosed, DS4TError, GateDesync,
-                   GateTimeout, HelloRefused)
+                   MAX_VOCAB, N_RANK, PROTOCOL, REFUSAL_MAGIC, U32, VERSION, DS4TClosed, DS4TError,
+                   GateDesync, GateTimeout, HelloRefused, PeerRefused, TlsMismatch)
 from .hello import _MUST_MATCH, Backend, Hello, Role, check_peer, vocab_part
 from .frames import (_VARIABLE, FRAME_TYPES, SENT_BY, AckStatus, CommandAck, Eval, Frame,
                      FrameType, Hash, Invalidate, Limits, Logits, RecvExact, Rewind, SessionCreate,
                      SessionDestroy, State, Stop, Sync, _check_token, _Fixed, check_frame_header,
                      pack_frame, read_frame, unpack_frame)
-from .channels import ControlChannel, _tls_pending, handshake, mutual_auth, recv_exact
+from .channels import ControlChannel, _tls_pending, handshake, mutual_auth, recv_exact, refuse
 from .gates import GateChannel, GateHeader, check_gate_header, reduce_in_rank_order
 
 __all__ = [
     "Gate",
     # base
-    "MAGIC", "FRAME_MAGIC", "GATE_MAGIC", "VERSION", "FLAG_AUTH", "FLAG_DEBUG_HASH",
+    "MAGIC", "FRAME_MAGIC", "GATE_MAGIC", "REFUSAL_MAGIC", "VERSION", "FLAG_AUTH", "FLAG_DEBUG_HASH",
     "FLAG_TORCH_GATES", "FLAG_EXACT", "PROTOCOL", "KNOWN_FLAGS", "N_RANK", "GATES_PER_LAYER",
     "DEFAULT_GATE_TIMEOUT_MS", "MAX_LAYERS", "MAX_EMBD", "MAX_VOCAB", "MAX_CTX", "MAX_SPLIT_DIM",
     "MAX_SLAB_BYTES", "HELLO", "FRAME_HEADER", "GATE_HEADER", "F32", "U32", "DS4TError",
-    "DS4TClosed", "GateTimeout", "GateDesync", "HelloRefused",
+    "DS4TClosed", "GateTimeout", "GateDesync", "HelloRefused", "PeerRefused", "TlsMismatch",
     # hello
     "Role", "Backend", "Hello", "check_peer", "vocab_part",
     # frames
@@ -175,7 +185,7 @@ __all__ = [
     "Invalidate", "SessionDestroy", "Stop", "Hash", "CommandAck", "Logits", "State", "Frame",
     "FRAME_TYPES", "pack_frame", "check_frame_header", "RecvExact", "read_frame", "unpack_frame",
     # channels
-    "recv_exact", "ControlChannel", "mutual_auth", "handshake",
+    "recv_exact", "ControlChannel", "mutual_auth", "handshake", "refuse",
     # gates
     "GateHeader", "check_gate_header", "reduce_in_rank_order", "GateChannel",
 ]

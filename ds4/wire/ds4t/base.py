@@ -13,6 +13,7 @@ import numpy as np
 MAGIC = 0x44533454  # "DS4T": the hello
 FRAME_MAGIC = 0x44533443  # "DS4C": a control frame
 GATE_MAGIC = 0x44533447  # "DS4G": a gate record
+REFUSAL_MAGIC = 0x44533452  # "DS4R": a refusal in place of the leader's hello (ds4.wire.refusal)
 VERSION = 1
 FLAG_AUTH = 1 << 0
 FLAG_DEBUG_HASH = 1 << 1  # the leader's choice; the worker adopts it
@@ -62,3 +63,15 @@ class GateDesync(DS4TError):
 
 class HelloRefused(DS4TError):
     """The peer's hello does not fit this end; the message names the field and both values."""
+
+
+class PeerRefused(HelloRefused):
+    """The peer sent a refusal record in place of its hello; `reason` is its text."""
+
+    def __init__(self, reason: str):
+        super().__init__("refused", reason)
+        self.reason = reason
+
+
+class TlsMismatch(HelloRefused):
+    """One end speaks TLS, the other plain text."""

@@ -1,7 +1,8 @@
 """DS4T on a socket, except the gates: `recv_exact` (exactly n bytes within a deadline, TLS-aware
 through `_tls_pending`), the `ControlChannel` that carries frames between leader and worker,
-and connection setup: `handshake` (exchange and check the hellos) with `mutual_auth`, the
-shared-secret proof that runs right after the hellos when FLAG_AUTH is set.
+and connection setup: `handshake` (exchange and check the hellos, or take a leader's refusal)
+with `mutual_auth`, the shared-secret proof that runs right after the hellos when FLAG_AUTH is
+set, and `refuse`, the leader's refusal in place of its hello.
 """
 
 from __future__ import annotations
@@ -12,8 +13,9 @@ import socket
 import time
 from typing import Callable
 
-from .. import auth
-from .base import FLAG_AUTH, FRAME_HEADER, HELLO, PROTOCOL, DS4TClosed, DS4TError
+from .. import auth, refusal, sniff
+from .base import (FLAG_AUTH, FRAME_HEADER, HELLO, PROTOCOL, REFUSAL_MAGIC, DS4TClosed, DS4TError,
+                   PeerRefused, TlsMismatch)
 from .frames import Frame, Limits, pack_frame, read_frame
 from .hello import Hello, Role, check_peer
 
@@ -139,6 +141,33 @@ def mutual_auth(token: str | bytes, role: Role, timeout: float) -> Callable[[soc
     return as_leader if role == Role.LEADER else as_worker
 
 
+def refuse(sock: socket.socket, reason: str) -> None:
+    """A leader's refusal in place of its hello (the caller closes the socket)."""
+    sniff.refuse(sock, refusal.pack(REFUSAL_MAGIC, reason))
+
+
+def _read_hello(sock: socket.socket, me: Role, timeout: float) -> Hello:
+    """The peer's hello, all of it within `timeout`: PeerRefused when it sent a refusal in its
+    place, TlsMismatch when its first bytes are a TLS record (this end is plain)."""
+    until = time.monotonic() + timeout
+    peer = (Role.WORKER if me == Role.LEADER else Role.LEADER).name.lower()
+
+    def read(n: int, what: str) -> bytes:
+        return bytes(recv_exact(sock, n, max(0.0, until - time.monotonic()), what))
+
+    first = read(refusal.WORD.size, "the peer's hello")
+    if sniff.looks_like_tls(first):
+        sniff.refuse(sock, b"")  # (it reads this end's plain hello, not a reset)
+        raise TlsMismatch("tls", sniff.tls_peer_reason(peer, me.name.lower()))
+    if refusal.WORD.unpack(first)[0] == REFUSAL_MAGIC:
+        try:
+            reason = refusal.read_reason(lambda n: read(n, "the peer's refusal"))
+        except ValueError as e:
+            raise DS4TError("refusal", str(e)) from None
+        raise PeerRefused(reason)
+    return Hello.unpack(first + read(HELLO.size - len(first), "the peer's hello"))
+
+
 def handshake(sock: socket.socket, mine: Hello, *, timeout: float,
               authenticate: Callable[[socket.socket], None] | None = None) -> tuple[Hello, int]:
     """Both ends: send this end's hello, read and check the peer's; -> (peer hello, agreed ctx).
@@ -154,7 +183,7 @@ def handshake(sock: socket.socket, mine: Hello, *, timeout: float,
         sock.sendall(mine.pack())
     except OSError as e:
         raise DS4TClosed("eof", f"sending the hello: {e}") from None
-    theirs = Hello.unpack(bytes(recv_exact(sock, HELLO.size, timeout, "the peer's hello")))
+    theirs = _read_hello(sock, mine.role, timeout)
     if (mine.flags ^ theirs.flags) & FLAG_AUTH:
         check_peer(mine, theirs)  # raises, naming flags
     if mine.flags & FLAG_AUTH:
