@@ -50,36 +50,27 @@ class _HcOps:
         split = _largest_pow2_divisor(Kd // BK, split)
         part = self._new((n, split, NM))
         ss = self._new((n, split))
-        x_in = self._new((n, E))
-        beside = not head and self.hc_comb_beside and n == 1
-        # one token, post and comb beside: the mixing kernel's last program computes x_in too
-        fin = beside and BT == 1 and self.hc_fin_in_mix
-        BTf = min(_pow2(n), 32) if self.interpret else 1  # (tokens a finalize program)
-        BE = min(1024 // BTf if self.interpret else self.hc_fin_be, _pow2(E))
-        d = self._dummy_f
         self._launch(K.hc_mix_kernel, (_cdiv(n, BT), split), X, fn.b8, fn.i16, fn.f32, self._gridp, self._ksigns,
-                     part, ss, n, NR, Kd, fn.RB, Kd // split, *expand, E,
-                     *((self._tickets(), hc.scale.vec, hc.base.vec, x_in) if fin else (self._dummy_i, d, d, d)),
-                     cfg.rms_eps, cfg.hc_eps, NM=NM, TYPE=fn.kt, NB=NB, VB=VB,
+                     part, ss, n, NR, Kd, fn.RB, Kd // split, *expand, E, NM=NM, TYPE=fn.kt, NB=NB, VB=VB,
                      BT=BT, EXPAND=ex is not None, HAS_Y2=ex is not None and ex.y2 is not None, HC=HC,
-                     FIN=fin, SPLIT=split, BE=BE, num_warps=4,
-                     nbytes=fn.RB * NR * _cdiv(n, BT) + 4 * X.numel() * (3 if ex is not None else 1)
-                     + (4 * (X.numel() + n * E) if fin else 0))
+                     num_warps=4, nbytes=fn.RB * NR * _cdiv(n, BT) + 4 * X.numel() * (3 if ex is not None else 1))
+        x_in = self._new((n, E))
         post = self._dummy_f if head else self._new((n, HC))
         comb = self._dummy_f if head else self._new((n, HC, HC))
-        BT = BTf
+        BT = min(_pow2(n), 32) if self.interpret else 1
+        BE = min(1024 // BT if self.interpret else self.hc_fin_be, _pow2(E))
         consts = (n, E, cfg.rms_eps, cfg.hc_eps, cfg.hc_sinkhorn_iter)
         kw = dict(SPLIT=split, HC=HC, NM=NM, BE=BE, BT=BT, HEAD=head, RELOAD=self.hc_comb_reload, num_warps=4)
-        if beside:
+        d = self._dummy_f
+        if not head and self.hc_comb_beside and n == 1:
             # x_in first, post and comb (the Sinkhorn) beside the sublayer, which needs only x_in
             # (on a side stream in a decode step; in order elsewhere, so that every one-token
-            # collapse runs the same kernels: one launch doing both parts gave other bits, as
+            # collapse runs the same two kernels: one launch doing both parts gave other bits, as
             # the compiler laid out its reductions differently). Each launch takes only the
             # buffers it writes: the side streams order readers after the launch that took a
             # buffer first (lanes.py)
-            if not fin:
-                self._launch(K.hc_finalize_kernel, (_cdiv(n, BT), _cdiv(E, BE)), X, part, ss, hc.scale.vec,
-                             hc.base.vec, x_in, d, d, *consts, PART=1, **kw, nbytes=4 * (X.numel() + n * E))
+            self._launch(K.hc_finalize_kernel, (_cdiv(n, BT), _cdiv(E, BE)), X, part, ss, hc.scale.vec,
+                         hc.base.vec, x_in, d, d, *consts, PART=1, **kw, nbytes=4 * (X.numel() + n * E))
             with self.branch():
                 self._launch(K.hc_finalize_kernel, (_cdiv(n, BT), 1), d, part, ss, hc.scale.vec, hc.base.vec,
                              d, post, comb, *consts, PART=2, **kw, nbytes=4 * n * split * NM)

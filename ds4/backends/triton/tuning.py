@@ -152,9 +152,6 @@ class TritonTuning:
     hc_mix_split: int = 128
     hc_fin_be: int = 256
     hc_comb_beside: bool = True
-    # decode mHC (with hc_comb_beside): the mixing kernel's last program to finish computes the
-    # sublayer's input x_in (hc_finalize_kernel PART 1), one launch and its gap fewer a collapse
-    hc_fin_in_mix: bool = True
     # one-token finalize: the comb tile stored and loaded again before the Sinkhorn iterations
     # (hc_finalize_kernel RELOAD), which halves the warp shuffles of each iteration
     hc_comb_reload: bool = True

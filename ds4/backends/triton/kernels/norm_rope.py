@@ -10,7 +10,6 @@ from triton.language.extra.cuda import gdc_launch_dependents
 
 from .common import T_F16, _cache_rows, _dot_f32, _qat_rows, _swiglu, _tail_rope, _wtile
 from .decode import _xq_store
-from .mmvq import _split_last, _split_reset
 from .rules import rules
 
 
@@ -68,11 +67,9 @@ def swiglu_kernel(g_ptr, u_ptr, out_ptr, n, clamp, BLOCK: tl.constexpr):
 @triton.jit
 def hc_mix_kernel(x_ptr, wb, wh, wf, gridp, ksigns, part_ptr, ss_ptr, n, NR, K, RB, KCHUNK,
                   y_ptr, y2_ptr, xo_ptr, post_ptr, comb_ptr, E,
-                  cnt_ptr, scale_ptr, base_ptr, xin_ptr, eps, hc_eps,
                   NM: tl.constexpr, TYPE: tl.constexpr, NB: tl.constexpr, VB: tl.constexpr,
                   BT: tl.constexpr = 1, EXPAND: tl.constexpr = False, HAS_Y2: tl.constexpr = False,
-                  HC: tl.constexpr = 4, FIN: tl.constexpr = False, SPLIT: tl.constexpr = 1,
-                  BE: tl.constexpr = 256):
+                  HC: tl.constexpr = 4):
     """Partial mHC mixing projections fn[NR, K] · X[t] over one K chunk, and the partial Σ X²,
     for tokens [BT·program, +BT). BT = 1 (decode): FMAs. BT > 1 (prefill): tf32 tensor-core
     products to float32 accuracy (_dot_f32; F16 weights are exact in tf32), so that a weight
@@ -80,10 +77,7 @@ def hc_mix_kernel(x_ptr, wb, wh, wf, gridp, ksigns, part_ptr, ss_ptr, n, NR, K, 
     per token).
     EXPAND (BT = 1): X is first computed from the previous sublayer, as hc_post_kernel would
     (X[j] = post[j]·(y + y2) + Σ_i comb[i][j]·Xo[i]), and stored to x_ptr; the expand then
-    needs no launch of its own on the decode path.
-    FIN (BT = 1, SPLIT programs a token): the token's last program to finish (a ticket, cnt_ptr)
-    goes on to the collapse's first part, pre and x_in (hc_finalize_kernel PART 1, BE values a
-    step), so that the sublayer's input needs no launch of its own either."""
+    needs no launch of its own on the decode path."""
     sp = tl.program_id(1)
     nsp = tl.num_programs(1)
     rows = tl.arange(0, NM)
@@ -116,13 +110,6 @@ def hc_mix_kernel(x_ptr, wb, wh, wf, gridp, ksigns, part_ptr, ss_ptr, n, NR, K, 
             acc += _wtile(wb, wh, wf, gridp, ksigns, row_off, rmask, k0 // VB, TYPE, NB, VB) * xv
         tl.store(part_ptr + (t * nsp + sp) * NM + rows, tl.sum(tl.sum(acc, axis=2), axis=1))
         tl.store(ss_ptr + t * nsp + sp, tl.sum(ss))
-        if FIN:
-            if _split_last(cnt_ptr, t, SPLIT):  # (the others' stores are visible: acq_rel ticket)
-                tc = t + tl.zeros([1], tl.int32)
-                pre, _, _ = _hc_pre(part_ptr, ss_ptr, scale_ptr, base_ptr, tc, E, eps, hc_eps, SPLIT, HC, NM, True)
-                for e0 in range(0, E, BE):
-                    _hc_x_in(x_ptr, xin_ptr, pre, tc, tc >= 0, e0 + tl.arange(0, BE), E, HC, True)
-                _split_reset(cnt_ptr, t)
     else:
         t = tl.program_id(0) * BT + tl.arange(0, BT)
         tm = t < n
@@ -160,8 +147,12 @@ def hc_finalize_kernel(x_ptr, part_ptr, ss_ptr, scale_ptr, base_ptr, xin_ptr, po
     tm = t < n
     tc = tl.where(tm, t, 0)
     sp = tl.arange(0, SPLIT)
+    ss = tl.sum(tl.load(ss_ptr + tc[:, None] * SPLIT + sp[None, :]), axis=1)  # [BT]
+    rs = tl.sqrt_rn(ss / (HC * E) + eps)
+    pbase = part_ptr + (tc[:, None] * SPLIT + sp[None, :]) * NM  # [BT, SPLIT]
     i = tl.arange(0, HC)
-    pre, rs, pbase = _hc_pre(part_ptr, ss_ptr, scale_ptr, base_ptr, tc, E, eps, hc_eps, SPLIT, HC, NM)
+    pre = tl.sum(tl.load(pbase[:, :, None] + i[None, None, :]), axis=1) / rs[:, None]  # [BT, HC]
+    pre = rules.mhc_pre_weights(pre, tl.load(scale_ptr), tl.load(base_ptr + i)[None, :], hc_eps)
     if not HEAD and PART != 1:
         if eb == 0:
             post = tl.sum(tl.load(pbase[:, :, None] + HC + i[None, None, :]), axis=1) / rs[:, None]
@@ -181,37 +172,12 @@ def hc_finalize_kernel(x_ptr, part_ptr, ss_ptr, scale_ptr, base_ptr, xin_ptr, po
             c = rules.sinkhorn(c, ITERS, hc_eps)
             tl.store(cq, c, mask=tm[:, None, None])
     if PART != 2:
-        _hc_x_in(x_ptr, xin_ptr, pre, tc, tm, eb * BE + tl.arange(0, BE), E, HC)
-
-
-@triton.jit
-def _hc_pre(part_ptr, ss_ptr, scale_ptr, base_ptr, tc, E, eps, hc_eps,
-            SPLIT: tl.constexpr, HC: tl.constexpr, NM: tl.constexpr, CG: tl.constexpr = False):
-    """The pre weights [BT, HC] of tokens tc from the SPLIT partial mixing projections and Σ X²
-    (hc_mix_kernel), with the RMS scale rs [BT] and the partials' base pointers [BT, SPLIT]. CG:
-    read them from L2 (other programs of the same launch wrote them)."""
-    sp = tl.arange(0, SPLIT)
-    ssp = ss_ptr + tc[:, None] * SPLIT + sp[None, :]
-    ss = tl.sum(tl.load(ssp, cache_modifier=".cg") if CG else tl.load(ssp), axis=1)  # [BT]
-    rs = tl.sqrt_rn(ss / (HC * E) + eps)
-    pbase = part_ptr + (tc[:, None] * SPLIT + sp[None, :]) * NM  # [BT, SPLIT]
-    i = tl.arange(0, HC)
-    pp = pbase[:, :, None] + i[None, None, :]
-    pre = tl.sum(tl.load(pp, cache_modifier=".cg") if CG else tl.load(pp), axis=1) / rs[:, None]  # [BT, HC]
-    return rules.mhc_pre_weights(pre, tl.load(scale_ptr), tl.load(base_ptr + i)[None, :], hc_eps), rs, pbase
-
-
-@triton.jit
-def _hc_x_in(x_ptr, xin_ptr, pre, tc, tm, e, E, HC: tl.constexpr, CG: tl.constexpr = False):
-    """x_in[t, e] = Σ_i pre[t, i]·X[t, i, e] for the values e of tokens tc (mask tm); CG: X read
-    from L2, as _hc_pre."""
-    i = tl.arange(0, HC)
-    em = e < E
-    xp = x_ptr + (tc[:, None, None] * HC + i[None, :, None]).to(tl.int64) * E + e[None, None, :]
-    xm = tm[:, None, None] & em[None, None, :]
-    X = tl.load(xp, mask=xm, other=0.0, cache_modifier=".cg") if CG else tl.load(xp, mask=xm, other=0.0)
-    tl.store(xin_ptr + tc[:, None].to(tl.int64) * E + e[None, :], tl.sum(pre[:, :, None] * X, axis=1),
-             mask=tm[:, None] & em[None, :])
+        e = eb * BE + tl.arange(0, BE)
+        em = e < E
+        X = tl.load(x_ptr + (tc[:, None, None] * HC + i[None, :, None]).to(tl.int64) * E + e[None, None, :],
+                    mask=tm[:, None, None] & em[None, None, :], other=0.0)
+        tl.store(xin_ptr + tc[:, None].to(tl.int64) * E + e[None, :], tl.sum(pre[:, :, None] * X, axis=1),
+                 mask=tm[:, None] & em[None, :])
 
 
 @triton.jit
