@@ -744,23 +744,24 @@ def _check_attention(ref, wr, tri, wt, il, rng):
             tsel = Selection(_t(tri, idx, torch.int32), _t(tri, cnt, torch.int32), cfg.indexer_top_k)
         got = tri.to_numpy(tri.attention(_t(tri, q), ts, sinks_t, p0, il, tsel))
         assert _rel(got, want) < 1e-5, (p0, n, tri.attn_f16)
-        if n > 1:  # a chunk: the query's head norm and RoPE as the kernel loads it, the inverse
-            # RoPE as it stores the output (attn_fuse_rope): one launch, and the unfused ops' result
+        if n > 1:  # a chunk: the query's head norm and RoPE as the kernel loads it (attn_q_rope),
+            # the inverse RoPE as it stores the output (attn_o_rope): fewer launches, the same result
             qr = rng.standard_normal((n, cfg.n_head * cfg.head_dim)).astype(np.float32) * 3
             want_r = ref.rope(ref.attention(ref.rope(ref.head_norm(qr), p0, il), rs, sinks_r, p0, il, sel),
                               p0, il, inverse=True)
-            got_r, tuned = {}, tri.attn_fuse_rope
+            got_r, tuned = {}, (tri.attn_q_rope, tri.attn_o_rope)
             try:
-                for fuse in (True, False):
-                    tri.attn_fuse_rope, tri.ledger = fuse, []
+                for fq, fo in ((True, True), (True, False), (False, True), (False, False)):
+                    tri.attn_q_rope, tri.attn_o_rope, tri.ledger = fq, fo, []
                     o = tri.attention(tri.rope(tri.head_norm(_t(tri, qr)), p0, il), ts, sinks_t, p0, il, tsel)
-                    got_r[fuse] = tri.to_numpy(tri.rope(o, p0, il, inverse=True))
+                    got_r[fq, fo] = tri.to_numpy(tri.rope(o, p0, il, inverse=True))
                     launched = [k for k, _ in tri.ledger]
-                    assert launched == (["attn_kernel"] if fuse else ["rope_kernel", "attn_kernel", "rope_kernel"])
-                    assert _rel(got_r[fuse], want_r) < 1e-5, (p0, n, fuse)
+                    assert launched == ["rope_kernel"] * (not fq) + ["attn_kernel"] + ["rope_kernel"] * (not fo)
+                    assert _rel(got_r[fq, fo], want_r) < 1e-5, (p0, n, fq, fo)
             finally:
-                tri.attn_fuse_rope, tri.ledger = tuned, None
-            assert _rel(got_r[True], got_r[False]) < 1e-6
+                (tri.attn_q_rope, tri.attn_o_rope), tri.ledger = tuned, None
+            for v in got_r.values():
+                assert _rel(v, got_r[False, False]) < 1e-6
         if n == 1:  # the split decode path with the inverse RoPE fused into the merge
             want_inv = ref.rope(want, p0, il, inverse=True)
             comb = tri.rope(tri.attention(_t(tri, q), ts, sinks_t, p0, il, tsel), p0, il, inverse=True)

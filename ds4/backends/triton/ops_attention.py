@@ -175,8 +175,8 @@ class _AttentionOps:
 
     def _fuses_query_rope(self, x) -> bool:
         """Whether x, a prefill chunk's head-normed query, is left for attention to normalise and
-        rotate as it loads it (attn_fuse_rope)."""
-        return (self.attn_fuse_rope and self._step is None and isinstance(x, _HeadNormed) and x.val is None
+        rotate as it loads it (attn_q_rope)."""
+        return (self.attn_q_rope and self._step is None and isinstance(x, _HeadNormed) and x.val is None
                 and x.shape[0] > 1)
 
     @_op
@@ -216,7 +216,7 @@ class _AttentionOps:
                              num_warps=warps, num_stages=stages,
                              nbytes=n * (8 * H * D + (W + cfg.indexer_top_k) * D * raw.element_size()))
                 return out
-            if self.attn_fuse_rope and self._step is None:
+            if self.attn_o_rope and self._step is None:
                 return _AttnOut(launch, (n, H, D))
             return launch(False)
         if self._step is not None:

@@ -134,10 +134,11 @@ class TritonTuning:
     attn_f16: bool = True
     attn_tile: tuple = (32, 32, 8, 2)
     attn_tile_tf32: tuple = (16, 16, 8, 3)
-    # prefill attention: the query's per-head norm and tail RoPE applied as the kernel loads it,
-    # and the output's inverse tail RoPE as it stores it, instead of a rope_kernel launch each
-    # (two fewer passes over n·H·D floats a layer)
-    attn_fuse_rope: bool = True
+    # prefill attention: the query's per-head norm and tail RoPE applied as the kernel loads it
+    # (attn_q_rope), and the output's inverse tail RoPE as it stores it (attn_o_rope), instead of
+    # a rope_kernel launch each, a pass over n·H·D floats a layer
+    attn_q_rope: bool = True
+    attn_o_rope: bool = True
     # mHC mixing projections: (the chunk size from which a program takes several tokens, tokens
     # per program); tl.dot needs 16 rows on a GPU
     hc_mix_bt: tuple = (16, 64)
