@@ -757,6 +757,9 @@ def _check_attention(ref, wr, tri, wt, il, rng):
                     got_r[fq, fo] = tri.to_numpy(tri.rope(o, p0, il, inverse=True))
                     launched = [k for k, _ in tri.ledger]
                     assert launched == ["rope_kernel"] * (not fq) + ["attn_kernel"] + ["rope_kernel"] * (not fo)
+                    if fo:  # (launched by its inverse RoPE: a second read is refused, not run on moved state)
+                        with pytest.raises(RuntimeError, match="already read with its inverse RoPE"):
+                            tri.rope(o, p0, il, inverse=True)
                     assert _rel(got_r[fq, fo], want_r) < 1e-5, (p0, n, fq, fo)
             finally:
                 (tri.attn_q_rope, tri.attn_o_rope), tri.ledger = tuned, None

@@ -330,7 +330,7 @@ class TritonBackend(_LinearOps, _DecodeSteps, _HcOps, _AttentionOps, _MoeOps, Ba
             self._set_pos(x.p0)
             out = self._rope(x.x, x.il, inverse=False)
         elif isinstance(x, _AttnOut):
-            out = x.launch(False)
+            out = x.take(False)
         elif isinstance(x, _Expanded):
             X = x.X
             n, HC, E = X.shape

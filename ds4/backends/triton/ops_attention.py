@@ -67,8 +67,7 @@ class _AttentionOps:
         if inverse and isinstance(x, _AttnParts) and x.val is None:
             return _Combined(x)
         if inverse and isinstance(x, _AttnOut) and x.val is None:
-            out, x.launch = x.launch(True), None  # (launched once: a later plain read would be stale)
-            return out
+            return x.take(True)
         if not inverse and self._fuses_query_rope(x):
             return _Roped(x, il, p0)  # (the query: attention normalises and rotates it as it loads it)
         if not inverse and self.fuse_kv_store and isinstance(x, _Normed) and x.val is None and len(x.shape) == 2:

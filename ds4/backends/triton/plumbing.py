@@ -180,11 +180,19 @@ class _Combined(_Lazy):
 class _AttnOut(_Lazy):
     """A prefill chunk's attention output, launched by the op that reads it (the next one, in the
     graph): the inverse tail RoPE (rope(inverse=True)) has attn_kernel rotate it as it stores it;
-    any other reader gets it as it is. launch(rope_inverse) runs the kernel and returns its output."""
+    any other reader gets it as it is. launch(rope_inverse) runs the kernel and returns its output;
+    `take` launches it once: a second read would run it on state (positions, caches) that later
+    ops may have moved on, so it is refused."""
     __slots__ = ("launch", "shape")
 
     def __init__(self, launch, shape):
         self.launch, self.shape, self.val = launch, shape, None
+
+    def take(self, rope_inverse: bool):
+        if self.launch is None:
+            raise RuntimeError("attention output: already read with its inverse RoPE; read it once")
+        launch, self.launch = self.launch, None
+        return launch(rope_inverse)
 
 
 class _Roped(_Lazy):
