@@ -9,10 +9,12 @@ a pipeline head got a list of possible causes for a closed connection.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import select
 import socket
+import ssl
 import subprocess
 import sys
 import threading
@@ -27,12 +29,13 @@ from ds4.core.gguf_model import GGUFModel
 from ds4.core.tiny import make_tiny
 from ds4.pipeline import PipelineRefused, SplitEngine, Stage, Worker
 from ds4.tp.link import Options, TPRefused, accept_worker, join_leader, listen
-from ds4.wire import ds4k, qkp, sniff, tls
+from ds4.wire import ds4k, ds4t, qkp, refusal, sniff, tls
 
 ROOT = Path(__file__).resolve().parents[1]
 SLOW_S = 30.0  # every io timeout here: a mismatch that waits for one fails the FAST_S bound
 FAST_S = 2.0  # a mismatch must fail within this on loopback (measured: a few ms)
 T_OUT = 60.0  # bound on the waits of the test itself
+CLI_TP_WAIT_S = 15  # the CLI leader's --tp-wait: room for the worker process to start and be refused
 
 
 @pytest.fixture(scope="module")
@@ -199,31 +202,102 @@ def _leading(model, opts: Options) -> tuple[socket.socket, threading.Thread, dic
 
 
 @pytest.mark.parametrize("leader_tls", [True, False], ids=["tls-leader", "plain-leader"])
-def test_ds4t_mismatch_fails_at_once_on_both_ends(model_path, contexts, leader_tls):
+def test_ds4t_mismatch_fails_the_worker_at_once_and_the_leader_waits_on(model_path, contexts,
+                                                                        leader_tls, caplog):
+    """The worker of the other TLS kind fails at once with the mismatch; the leader (without a
+    token) logs the reason and keeps waiting, since any stranger could send what that worker
+    sent, and a worker that fits still joins."""
     server, client = contexts
     model = GGUFModel(model_path)
     lead = Options(io_timeout=SLOW_S, tls=server if leader_tls else None)
-    join = Options(io_timeout=SLOW_S, tls=None if leader_tls else client)
+    wrong = Options(io_timeout=SLOW_S, tls=None if leader_tls else client)
+    right = Options(io_timeout=SLOW_S, tls=client if leader_tls else None)
     lsock, t, out = _leading(model, lead)
+    port = lsock.getsockname()[1]
     try:
-        t0 = time.monotonic()
-        with pytest.raises(TPRefused) as e:  # not TPClosed: the CLI does not retry it
-            join_leader("127.0.0.1", lsock.getsockname()[1], model, join, connect_timeout=SLOW_S)
-        took = time.monotonic() - t0
-        t.join(T_OUT)
+        with caplog.at_level(logging.WARNING, logger="ds4.tp"):
+            with Timed() as took, pytest.raises(TPRefused) as e:  # not TPClosed: no retries
+                join_leader("127.0.0.1", port, model, wrong, connect_timeout=SLOW_S)
+            assert took.seconds < FAST_S, took.seconds
+            _wait_for_log(caplog, "tls: the worker")
+            assert t.is_alive() and "e" not in out, out
+            pair = join_leader("127.0.0.1", port, model, right, connect_timeout=SLOW_S)
+            t.join(T_OUT)
     finally:
         lsock.close()
-    assert took < FAST_S and out["t"] - t0 < FAST_S, (took, out["t"] - t0)
-    leader_error = out["e"]  # without a token, a refused hello ends the leader's wait
-    assert isinstance(leader_error, TPRefused)
+    pair.close()
+    out["pair"].close()
     if leader_tls:
         assert "refused this worker: tls: the worker connected in plain text but this leader " \
             "requires TLS" in str(e.value)
-        assert "tls: the worker connected in plain text" in str(leader_error)
+        assert "tls: the worker connected in plain text" in caplog.text
     else:
         assert "answered in plain text, not TLS" in str(e.value)
-        assert "tls: the worker speaks TLS" in str(leader_error)
-        assert "this leader runs without TLS" in str(leader_error)
+        assert "tls: the worker speaks TLS" in caplog.text
+        assert "this leader runs without TLS" in caplog.text
+
+
+def _wait_for_log(caplog, text: str) -> None:
+    """Until `text` is logged (the leader's handshake threads log a dropped peer)."""
+    give_up = time.monotonic() + T_OUT
+    while text not in caplog.text:
+        assert time.monotonic() < give_up, caplog.text
+        time.sleep(0.01)
+
+
+def _stranger(port: int, payload: bytes) -> None:
+    """Connect, send `payload`, and read until the leader closes (or a short while passes)."""
+    with socket.create_connection(("127.0.0.1", port), timeout=FAST_S) as s:
+        s.sendall(payload)
+        with contextlib.suppress(OSError):
+            while s.recv(4096):
+                pass
+
+
+def _client_hello() -> bytes:
+    """The first flight of a real TLS client (its ClientHello), as a stranger would send it."""
+    ctx = ssl.create_default_context()
+    incoming, outgoing = ssl.MemoryBIO(), ssl.MemoryBIO()
+    tls_obj = ctx.wrap_bio(incoming, outgoing, server_hostname="127.0.0.1")
+    with pytest.raises(ssl.SSLWantReadError):
+        tls_obj.do_handshake()
+    return outgoing.read()
+
+
+@pytest.mark.parametrize("case", ["http-at-mtls-leader", "client-hello-at-plain-leader",
+                                  "refusal-at-plain-leader"])
+def test_ds4t_a_stranger_cannot_end_a_leaders_wait(model_path, certs, contexts, case, caplog):
+    """A leader without a token that meets a stranger (an HTTP request at a mutual-TLS leader, a
+    TLS ClientHello at a plain one, a DS4R refusal record, which only a leader may send) logs it
+    with the reason, drops it and keeps waiting; a worker that fits joins afterwards."""
+    server, client = contexts
+    model = GGUFModel(model_path)
+    if case == "http-at-mtls-leader":
+        files = tls.TlsFiles(certs / "cert.pem", certs / "key.pem", certs / "cert.pem")
+        lead = Options(io_timeout=SLOW_S, tls=tls.server_context(files))
+        right = Options(io_timeout=SLOW_S, tls=tls.client_context(files))
+        payload, reason = b"GET / HTTP/1.0\r\n\r\n", "tls: the worker connected in plain text"
+    elif case == "client-hello-at-plain-leader":
+        lead = right = Options(io_timeout=SLOW_S)
+        payload, reason = _client_hello(), "tls: the worker speaks TLS"
+    else:
+        lead = right = Options(io_timeout=SLOW_S)
+        payload = refusal.pack(ds4t.REFUSAL_MAGIC, "go away")
+        reason = f"magic: expected {ds4t.MAGIC:#010x} (DS4T hello), got {ds4t.REFUSAL_MAGIC:#010x}"
+    lsock, t, out = _leading(model, lead)
+    port = lsock.getsockname()[1]
+    try:
+        with caplog.at_level(logging.WARNING, logger="ds4.tp"):
+            _stranger(port, payload)
+            _wait_for_log(caplog, reason)
+            assert t.is_alive() and "e" not in out, out
+            pair = join_leader("127.0.0.1", port, model, right, connect_timeout=SLOW_S)
+            t.join(T_OUT)
+    finally:
+        lsock.close()
+    pair.close()
+    out["pair"].close()
+    assert "refused 127.0.0.1" in caplog.text
 
 
 def test_ds4t_a_tls_leader_with_a_token_tells_a_plain_worker_and_waits_on(model_path, contexts):
@@ -248,10 +322,10 @@ def test_ds4t_a_tls_leader_with_a_token_tells_a_plain_worker_and_waits_on(model_
         lsock.close()
 
 
-def test_cli_plain_tp_worker_at_a_tls_leader_exits_at_once(model_path, certs, tmp_path):
+def test_cli_plain_tp_worker_at_a_tls_leader_exits_at_once(model_path, certs, tmp_path, caplog):
     """`ds4 tp-worker` without TLS against `ds4 generate --tp-listen --tls-cert/--tls-key`: the
-    worker exits with the leader's reason instead of retrying for its --connect-timeout, and
-    the leader's command ends with an error naming the mismatch."""
+    worker exits with the leader's reason instead of retrying for its --connect-timeout; the
+    leader logs the mismatch and waits on (a stranger must not end its wait) until --tp-wait."""
     from cli.main import app
 
     with socket.socket() as s:
@@ -264,17 +338,19 @@ def test_cli_plain_tp_worker_at_a_tls_leader_exits_at_once(model_path, certs, tm
         stderr=subprocess.PIPE, env={**os.environ, "PYTHONPATH": str(ROOT), "COLUMNS": "200",
                                      "DS4_WIRE_TOKEN": "", "DS4_CACHE": str(tmp_path / "cache")})
     try:
-        r = CliRunner().invoke(app, ["generate", "-m", str(model_path), "-p", "hi", "-n", "2",
-                                     "--backend", "reference", "--tp-listen", f"127.0.0.1:{port}",
-                                     "--tp-wait", "60", "--tls-cert", str(certs / "cert.pem"),
-                                     "--tls-key", str(certs / "key.pem")],
-                               env={"COLUMNS": "200", "DS4_WIRE_TOKEN": "",
-                                    "DS4_CACHE": str(tmp_path / "cache")})
+        with caplog.at_level(logging.WARNING, logger="ds4.tp"):
+            r = CliRunner().invoke(app, ["generate", "-m", str(model_path), "-p", "hi", "-n", "2",
+                                         "--backend", "reference", "--tp-listen",
+                                         f"127.0.0.1:{port}", "--tp-wait", str(CLI_TP_WAIT_S),
+                                         "--tls-cert", str(certs / "cert.pem"),
+                                         "--tls-key", str(certs / "key.pem")],
+                                   env={"COLUMNS": "200", "DS4_WIRE_TOKEN": "",
+                                        "DS4_CACHE": str(tmp_path / "cache")})
         _, err = w.communicate(timeout=15)  # (it retried for 60 s before)
     finally:
         w.kill()
-    assert r.exit_code == 1 and "the worker connected in plain text but this leader requires TLS" \
-        in r.stderr, r.output
+    assert r.exit_code == 1 and "no worker joined" in r.stderr, r.output
+    assert "the worker connected in plain text but this leader requires TLS" in caplog.text
     assert w.returncode == 1 and "refused this worker: tls: the worker connected in plain text" \
         in err, err
 

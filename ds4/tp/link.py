@@ -193,10 +193,15 @@ class _Arrivals:
                 a.done.set_result((sock, theirs, ctx))
         except (ds4t.DS4TError, OSError, ssl.SSLError) as e:
             sock.close()
-            # (a refusal counts only from a peer that proved the secret, or where there is none)
+            # A refused hello ends the wait only when it came from a peer that speaks DS4T and
+            # proved the secret (or where there is none): a worker that will never fit. A TLS
+            # mismatch or a refusal record proves no such thing (any stranger can send a
+            # ClientHello, an HTTP request or "DS4R"), so those are logged and dropped by _take.
+            ends_the_wait = (isinstance(e, ds4t.HelloRefused)
+                             and not isinstance(e, (ds4t.TlsMismatch, ds4t.PeerRefused))
+                             and (a.proven.is_set() or not self.opts.auth_token))
             a.done.set_exception(TPRefused(f"a worker from {a.addr[0]} does not fit this leader: {e}")
-                                 if isinstance(e, ds4t.HelloRefused) and (a.proven.is_set() or not self.opts.auth_token)
-                                 else e)
+                                 if ends_the_wait else e)
         except BaseException as e:  # (a bug: the waiting leader raises it)
             sock.close()
             a.done.set_exception(e)
