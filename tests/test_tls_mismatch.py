@@ -70,6 +70,44 @@ def test_looks_like_tls_reads_the_first_two_bytes_only():
         assert not sniff.looks_like_tls(plain), plain
 
 
+STALL_S = 1.0  # how long a peer that sent part of a TLS prefix stalls
+# CPU the peek's thread may burn meanwhile. Measured per second of stall: a 1 ms retry loop
+# 0.015 s; SO_RCVLOWAT 0.0002 s; the doubling back-off 0.0009 s.
+STALL_CPU_BOUND_S = 0.005
+
+
+@pytest.mark.parametrize("rcvlowat", [True, False], ids=["rcvlowat", "backoff"])
+def test_peek_prefix_waits_for_a_stalled_byte_without_spinning(rcvlowat, monkeypatch):
+    """A peer that sends one byte of the two-byte prefix and stalls: the peek waits for the
+    rest without burning CPU (with SO_RCVLOWAT, or by backing off where there is none), and the
+    timeout says how many bytes came."""
+    if not rcvlowat:
+        monkeypatch.setattr(sniff, "_set_rcvlowat", lambda sock, n: None)
+    with socket.create_server(("127.0.0.1", 0)) as lsock, \
+            socket.create_connection(lsock.getsockname()) as peer:
+        conn, _ = lsock.accept()
+        with conn:
+            conn.settimeout(SLOW_S)
+            peer.sendall(bytes([sniff.TLS_HANDSHAKE_RECORD]))
+            cpu0, t0 = time.thread_time(), time.monotonic()
+            with pytest.raises(TimeoutError) as e:
+                sniff.peek_prefix(conn, sniff.Deadline(STALL_S, "the peer's first bytes"))
+            cpu, took = time.thread_time() - cpu0, time.monotonic() - t0
+            assert conn.gettimeout() == SLOW_S  # (restored for the TLS handshake)
+            assert conn.recv(2) == bytes([sniff.TLS_HANDSHAKE_RECORD])  # (peeked, not read)
+    assert cpu < STALL_CPU_BOUND_S, cpu
+    assert STALL_S <= took < STALL_S + FAST_S, took
+    assert str(e.value) == f"the peer's first bytes: expected 2 bytes within {STALL_S:g} s, got 1"
+
+
+def test_peek_prefix_says_no_bytes_came_when_none_did():
+    with socket.create_server(("127.0.0.1", 0)) as lsock, \
+            socket.create_connection(lsock.getsockname()):
+        conn, _ = lsock.accept()
+        with conn, pytest.raises(TimeoutError, match="expected 2 bytes within 0.2 s, got 0"):
+            sniff.peek_prefix(conn, sniff.Deadline(0.2, "the peer's first bytes"))
+
+
 # ---- DS4K: prefill --send-kv / kv-send against decode --recv-kv / kv-recv ------------------------
 
 
@@ -116,6 +154,29 @@ def test_ds4k_tls_sender_at_a_plain_receiver_fails_at_once(contexts, tmp_path):
     got = out["e"]
     assert got.status == ds4k.TLS_MISMATCH
     assert "the sender speaks TLS" in got.reason and "this receiver runs without TLS" in got.reason
+
+
+RECV_TIMEOUT_S = 1.5  # a receiver's io timeout where the test waits for it to pass
+TRICKLE_PAUSE = 0.6  # the part of it a stranger waits between its two first bytes
+
+
+def test_ds4k_a_trickling_stranger_holds_a_tls_receiver_for_one_io_timeout(contexts, tmp_path):
+    """The peek at the first bytes and the read of the opener share one deadline: a stranger
+    that sends a byte, waits, sends one more and stalls is dropped one io timeout after it
+    connected (each had a deadline of its own: 1 + TRICKLE_PAUSE io timeouts here)."""
+    server, _ = contexts
+    with ds4k.Receiver(0, timeout=RECV_TIMEOUT_S, tls=server) as r:
+        t, out = _receiving(r, tmp_path)
+        with socket.create_connection(("127.0.0.1", r.port), timeout=T_OUT) as c:
+            t0 = time.monotonic()
+            c.sendall(b"G")
+            time.sleep(RECV_TIMEOUT_S * TRICKLE_PAUSE)
+            c.sendall(b"E")
+            t.join(T_OUT)
+            took = time.monotonic() - t0
+    assert RECV_TIMEOUT_S <= took < RECV_TIMEOUT_S * (1 + TRICKLE_PAUSE / 2), took
+    assert f"the sender's first bytes and opener did not complete within {RECV_TIMEOUT_S:g} s" \
+        in out["e"].reason, out
 
 
 def test_ds4k_a_stranger_at_a_tls_receiver_is_told_too(contexts, tmp_path):

@@ -198,11 +198,13 @@ class Receiver:
     def _sniff(self, conn: socket.socket) -> None:
         """Before the TLS handshake: DS4KError (TLS_MISMATCH) when the sender's first bytes are
         not a TLS record, i.e. it connected in plain text (its opener, step 0, names it)."""
-        first = sniff.peek_prefix(conn, Deadline(self.timeout, "the sender's first bytes"))
+        # (one deadline for the peek and the opener: a stranger that trickles its bytes holds
+        # this slot for one io timeout, not one for each)
+        deadline = Deadline(self.timeout, "the sender's first bytes and opener")
+        first = sniff.peek_prefix(conn, deadline)
         if sniff.looks_like_tls(first) or not first:
             return  # (a peer that closed at once: the handshake says so)
-        opener = _recv_exact(conn, OPENER.size, "the sender's opener",
-                             Deadline(self.timeout, "the sender's opener"))
+        opener = _recv_exact(conn, OPENER.size, "the sender's opener", deadline)
         what = "sender" if OPENER.unpack(opener)[0] == MAGIC else \
             f"peer (first bytes {opener.hex()}, neither TLS nor a DS4K opener)"
         raise DS4KError(sniff.plain_client_reason(what, "receiver"), TLS_MISMATCH)
