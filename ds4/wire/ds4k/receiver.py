@@ -21,6 +21,7 @@ from ...core.atomic import atomic_path
 from ...core.config import ModelConfig
 from ...core.payload import HEADER_BYTES, ModelRef, PayloadError, check_payload
 from .. import auth, sniff
+from ..address import format_hostport
 from ..deadline import Deadline
 from .records import (ACCEPT_POLL, ACCEPT_POLL_MIN, AUTH_FAILED, CHUNK, CORRUPT,
                       DEFAULT_MAX_BYTES, DEFAULT_MAX_CONNS, DEFAULT_MIN_RATE, DEFAULT_TIMEOUT,
@@ -142,7 +143,7 @@ class Receiver:
                     log.warning("DS4K: accept failed: %s", e)
                     time.sleep(ACCEPT_POLL_MIN)
                     continue
-                peer = f"{addr[0]}:{addr[1]}"
+                peer = format_hostport(*addr[:2])
                 holder = {"sock": conn}
                 with self._lock:
                     full = len(active) >= self.max_conns
