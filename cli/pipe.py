@@ -20,6 +20,7 @@ from typing import Annotated, Optional
 import typer
 
 from ds4.core.atomic import signals_unwind
+from ds4.wire.address import format_hostport
 
 from .common import CLIError, choose_backend, library_errors, resolve_model
 from .options import BackendOption, CtxOption, ModelOption, NumericsOption, check_hostport, check_range
@@ -144,7 +145,7 @@ def pipe_worker(
     st = worker.stage
     h = st.hello
     role = "last stage" if st.last else f"next {next_stage}"
-    print(f"listening on {host}:{worker.port} (layers {h.layer_first}:{h.layer_end} of "
+    print(f"listening on {format_hostport(host, worker.port)} (layers {h.layer_first}:{h.layer_end} of "
           f"{h.n_layer}, {role}, {st.backend.name}, slots {h.n_slots}, ctx {h.n_ctx})", flush=True)
 
     # Ctrl-C exits 130 and SIGTERM / SIGHUP 128 + the signal (signals_unwind's Terminated), as

@@ -21,6 +21,7 @@ import typer
 from rich.text import Text
 
 from ds4.serve import DEFAULT_MAX_BODY
+from ds4.wire.address import format_hostport
 
 from .common import CLIError, check_prefill_cap, err, library_errors, open_engine
 from .options import BackendOption, CtxOption, ModelOption, NumericsOption, PrefillCapOption, check_range
@@ -80,7 +81,7 @@ def bind(host: str, port: int) -> socket.socket:
         sock.bind((host, port))
     except OSError as e:
         sock.close()
-        raise CLIError(f"cannot listen on {host}:{port}: {e.strerror or e}") from None
+        raise CLIError(f"cannot listen on {format_hostport(host, port)}: {e.strerror or e}") from None
     sock.listen(LISTEN_BACKLOG)
     sock.set_inheritable(True)
     return sock

@@ -6,12 +6,14 @@ where a command listens)."""
 from __future__ import annotations
 
 import re
+import socket
 from pathlib import Path
 
 import pytest
 from typer.testing import CliRunner
 
 from ds4.core.tiny import make_tiny
+from ds4.wire import ds4k
 from ds4.wire.address import AddressError, format_hostport, parse_hostport
 
 from cli.main import app
@@ -129,3 +131,18 @@ def test_tp_listen_port_0_listens_on_a_free_port_and_says_which(model_path):
     assert r.exit_code == 1, r.output  # (no worker came)
     m = re.search(r"waiting up to 0\.2 s for\s+`ds4 tp-worker --leader 127\.0\.0\.1:(\d+)`", r.stderr)
     assert m and int(m.group(1)) > 0, r.stderr
+
+
+def test_an_ipv6_peer_is_named_in_brackets_in_errors():
+    """Errors name an IPv6 peer as [HOST]:PORT, the form parse_hostport reads back (`::1:9000`
+    is refused by it)."""
+    try:
+        with socket.socket(socket.AF_INET6) as s:
+            s.bind(("::1", 0))
+            port = s.getsockname()[1]  # (closed again: nothing listens there)
+    except OSError:
+        pytest.skip("no IPv6 loopback here")
+    with pytest.raises(ds4k.DS4KError) as e:
+        ds4k.probe_receiver("::1", port, timeout=1.0, connect_timeout=0.0)
+    assert f"cannot connect to [::1]:{port}: " in str(e.value), str(e.value)
+    assert parse_hostport(f"[::1]:{port}", "--send-kv") == ("::1", port)

@@ -508,6 +508,9 @@ def _queue_full(submitted: list):
 
 
 OPENAI_MAX_STOP = 4  # OpenAI's API reference: `stop`, "up to 4 sequences"
+# The server's own bound on Anthropic's stop_sequences (ds4/serve/anthropic_api.py), written out
+# here so that changing it there fails this test instead of moving with it.
+MAX_STOP_SEQUENCES = 16
 
 
 def test_openai_takes_at_most_four_stop_strings(tok):
@@ -534,8 +537,6 @@ def test_openai_takes_at_most_four_stop_strings(tok):
 def test_anthropic_stop_sequences_keep_the_servers_own_limit(tok):
     """Anthropic documents no limit on stop_sequences: more than OpenAI's 4 are taken, up to the
     server's own bound, and one more is a 400 naming the field, the limit and the count."""
-    from ds4.serve.anthropic_api import MAX_STOP_SEQUENCES
-
     submitted = []
     _, an, _ = _official_clients(tok, _queue_full(submitted))
     msgs = [{"role": "user", "content": "hi"}]

@@ -9,10 +9,12 @@ a pipeline head got a list of possible causes for a closed connection.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import select
 import socket
+import ssl
 import subprocess
 import sys
 import threading
@@ -27,12 +29,13 @@ from ds4.core.gguf_model import GGUFModel
 from ds4.core.tiny import make_tiny
 from ds4.pipeline import PipelineRefused, SplitEngine, Stage, Worker
 from ds4.tp.link import Options, TPRefused, accept_worker, join_leader, listen
-from ds4.wire import ds4k, qkp, sniff, tls
+from ds4.wire import ds4k, ds4t, qkp, refusal, sniff, tls
 
 ROOT = Path(__file__).resolve().parents[1]
 SLOW_S = 30.0  # every io timeout here: a mismatch that waits for one fails the FAST_S bound
 FAST_S = 2.0  # a mismatch must fail within this on loopback (measured: a few ms)
 T_OUT = 60.0  # bound on the waits of the test itself
+CLI_TP_WAIT_S = 15  # the CLI leader's --tp-wait: room for the worker process to start and be refused
 
 
 @pytest.fixture(scope="module")
@@ -65,6 +68,44 @@ def test_looks_like_tls_reads_the_first_two_bytes_only():
     for plain in (ds4k.OPENER.pack(ds4k.MAGIC), qkp.CLIENT_HELLO.pack(qkp.MAGIC, 0), b"T4SD",
                   b"GET / HTTP/1.1", bytes([0x16, 0x02])):
         assert not sniff.looks_like_tls(plain), plain
+
+
+STALL_S = 1.0  # how long a peer that sent part of a TLS prefix stalls
+# CPU the peek's thread may burn meanwhile. Measured per second of stall: a 1 ms retry loop
+# 0.015 s; SO_RCVLOWAT 0.0002 s; the doubling back-off 0.0009 s.
+STALL_CPU_BOUND_S = 0.005
+
+
+@pytest.mark.parametrize("rcvlowat", [True, False], ids=["rcvlowat", "backoff"])
+def test_peek_prefix_waits_for_a_stalled_byte_without_spinning(rcvlowat, monkeypatch):
+    """A peer that sends one byte of the two-byte prefix and stalls: the peek waits for the
+    rest without burning CPU (with SO_RCVLOWAT, or by backing off where there is none), and the
+    timeout says how many bytes came."""
+    if not rcvlowat:
+        monkeypatch.setattr(sniff, "_set_rcvlowat", lambda sock, n: None)
+    with socket.create_server(("127.0.0.1", 0)) as lsock, \
+            socket.create_connection(lsock.getsockname()) as peer:
+        conn, _ = lsock.accept()
+        with conn:
+            conn.settimeout(SLOW_S)
+            peer.sendall(bytes([sniff.TLS_HANDSHAKE_RECORD]))
+            cpu0, t0 = time.thread_time(), time.monotonic()
+            with pytest.raises(TimeoutError) as e:
+                sniff.peek_prefix(conn, sniff.Deadline(STALL_S, "the peer's first bytes"))
+            cpu, took = time.thread_time() - cpu0, time.monotonic() - t0
+            assert conn.gettimeout() == SLOW_S  # (restored for the TLS handshake)
+            assert conn.recv(2) == bytes([sniff.TLS_HANDSHAKE_RECORD])  # (peeked, not read)
+    assert cpu < STALL_CPU_BOUND_S, cpu
+    assert STALL_S <= took < STALL_S + FAST_S, took
+    assert str(e.value) == f"the peer's first bytes: expected 2 bytes within {STALL_S:g} s, got 1"
+
+
+def test_peek_prefix_says_no_bytes_came_when_none_did():
+    with socket.create_server(("127.0.0.1", 0)) as lsock, \
+            socket.create_connection(lsock.getsockname()):
+        conn, _ = lsock.accept()
+        with conn, pytest.raises(TimeoutError, match="expected 2 bytes within 0.2 s, got 0"):
+            sniff.peek_prefix(conn, sniff.Deadline(0.2, "the peer's first bytes"))
 
 
 # ---- DS4K: prefill --send-kv / kv-send against decode --recv-kv / kv-recv ------------------------
@@ -113,6 +154,29 @@ def test_ds4k_tls_sender_at_a_plain_receiver_fails_at_once(contexts, tmp_path):
     got = out["e"]
     assert got.status == ds4k.TLS_MISMATCH
     assert "the sender speaks TLS" in got.reason and "this receiver runs without TLS" in got.reason
+
+
+RECV_TIMEOUT_S = 1.5  # a receiver's io timeout where the test waits for it to pass
+TRICKLE_PAUSE = 0.6  # the part of it a stranger waits between its two first bytes
+
+
+def test_ds4k_a_trickling_stranger_holds_a_tls_receiver_for_one_io_timeout(contexts, tmp_path):
+    """The peek at the first bytes and the read of the opener share one deadline: a stranger
+    that sends a byte, waits, sends one more and stalls is dropped one io timeout after it
+    connected (each had a deadline of its own: 1 + TRICKLE_PAUSE io timeouts here)."""
+    server, _ = contexts
+    with ds4k.Receiver(0, timeout=RECV_TIMEOUT_S, tls=server) as r:
+        t, out = _receiving(r, tmp_path)
+        with socket.create_connection(("127.0.0.1", r.port), timeout=T_OUT) as c:
+            t0 = time.monotonic()
+            c.sendall(b"G")
+            time.sleep(RECV_TIMEOUT_S * TRICKLE_PAUSE)
+            c.sendall(b"E")
+            t.join(T_OUT)
+            took = time.monotonic() - t0
+    assert RECV_TIMEOUT_S <= took < RECV_TIMEOUT_S * (1 + TRICKLE_PAUSE / 2), took
+    assert f"the sender's first bytes and opener did not complete within {RECV_TIMEOUT_S:g} s" \
+        in out["e"].reason, out
 
 
 def test_ds4k_a_stranger_at_a_tls_receiver_is_told_too(contexts, tmp_path):
@@ -199,31 +263,102 @@ def _leading(model, opts: Options) -> tuple[socket.socket, threading.Thread, dic
 
 
 @pytest.mark.parametrize("leader_tls", [True, False], ids=["tls-leader", "plain-leader"])
-def test_ds4t_mismatch_fails_at_once_on_both_ends(model_path, contexts, leader_tls):
+def test_ds4t_mismatch_fails_the_worker_at_once_and_the_leader_waits_on(model_path, contexts,
+                                                                        leader_tls, caplog):
+    """The worker of the other TLS kind fails at once with the mismatch; the leader (without a
+    token) logs the reason and keeps waiting, since any stranger could send what that worker
+    sent, and a worker that fits still joins."""
     server, client = contexts
     model = GGUFModel(model_path)
     lead = Options(io_timeout=SLOW_S, tls=server if leader_tls else None)
-    join = Options(io_timeout=SLOW_S, tls=None if leader_tls else client)
+    wrong = Options(io_timeout=SLOW_S, tls=None if leader_tls else client)
+    right = Options(io_timeout=SLOW_S, tls=client if leader_tls else None)
     lsock, t, out = _leading(model, lead)
+    port = lsock.getsockname()[1]
     try:
-        t0 = time.monotonic()
-        with pytest.raises(TPRefused) as e:  # not TPClosed: the CLI does not retry it
-            join_leader("127.0.0.1", lsock.getsockname()[1], model, join, connect_timeout=SLOW_S)
-        took = time.monotonic() - t0
-        t.join(T_OUT)
+        with caplog.at_level(logging.WARNING, logger="ds4.tp"):
+            with Timed() as took, pytest.raises(TPRefused) as e:  # not TPClosed: no retries
+                join_leader("127.0.0.1", port, model, wrong, connect_timeout=SLOW_S)
+            assert took.seconds < FAST_S, took.seconds
+            _wait_for_log(caplog, "tls: the worker")
+            assert t.is_alive() and "e" not in out, out
+            pair = join_leader("127.0.0.1", port, model, right, connect_timeout=SLOW_S)
+            t.join(T_OUT)
     finally:
         lsock.close()
-    assert took < FAST_S and out["t"] - t0 < FAST_S, (took, out["t"] - t0)
-    leader_error = out["e"]  # without a token, a refused hello ends the leader's wait
-    assert isinstance(leader_error, TPRefused)
+    pair.close()
+    out["pair"].close()
     if leader_tls:
         assert "refused this worker: tls: the worker connected in plain text but this leader " \
             "requires TLS" in str(e.value)
-        assert "tls: the worker connected in plain text" in str(leader_error)
+        assert "tls: the worker connected in plain text" in caplog.text
     else:
         assert "answered in plain text, not TLS" in str(e.value)
-        assert "tls: the worker speaks TLS" in str(leader_error)
-        assert "this leader runs without TLS" in str(leader_error)
+        assert "tls: the worker speaks TLS" in caplog.text
+        assert "this leader runs without TLS" in caplog.text
+
+
+def _wait_for_log(caplog, text: str) -> None:
+    """Until `text` is logged (the leader's handshake threads log a dropped peer)."""
+    give_up = time.monotonic() + T_OUT
+    while text not in caplog.text:
+        assert time.monotonic() < give_up, caplog.text
+        time.sleep(0.01)
+
+
+def _stranger(port: int, payload: bytes) -> None:
+    """Connect, send `payload`, and read until the leader closes (or a short while passes)."""
+    with socket.create_connection(("127.0.0.1", port), timeout=FAST_S) as s:
+        s.sendall(payload)
+        with contextlib.suppress(OSError):
+            while s.recv(4096):
+                pass
+
+
+def _client_hello() -> bytes:
+    """The first flight of a real TLS client (its ClientHello), as a stranger would send it."""
+    ctx = ssl.create_default_context()
+    incoming, outgoing = ssl.MemoryBIO(), ssl.MemoryBIO()
+    tls_obj = ctx.wrap_bio(incoming, outgoing, server_hostname="127.0.0.1")
+    with pytest.raises(ssl.SSLWantReadError):
+        tls_obj.do_handshake()
+    return outgoing.read()
+
+
+@pytest.mark.parametrize("case", ["http-at-mtls-leader", "client-hello-at-plain-leader",
+                                  "refusal-at-plain-leader"])
+def test_ds4t_a_stranger_cannot_end_a_leaders_wait(model_path, certs, contexts, case, caplog):
+    """A leader without a token that meets a stranger (an HTTP request at a mutual-TLS leader, a
+    TLS ClientHello at a plain one, a DS4R refusal record, which only a leader may send) logs it
+    with the reason, drops it and keeps waiting; a worker that fits joins afterwards."""
+    server, client = contexts
+    model = GGUFModel(model_path)
+    if case == "http-at-mtls-leader":
+        files = tls.TlsFiles(certs / "cert.pem", certs / "key.pem", certs / "cert.pem")
+        lead = Options(io_timeout=SLOW_S, tls=tls.server_context(files))
+        right = Options(io_timeout=SLOW_S, tls=tls.client_context(files))
+        payload, reason = b"GET / HTTP/1.0\r\n\r\n", "tls: the worker connected in plain text"
+    elif case == "client-hello-at-plain-leader":
+        lead = right = Options(io_timeout=SLOW_S)
+        payload, reason = _client_hello(), "tls: the worker speaks TLS"
+    else:
+        lead = right = Options(io_timeout=SLOW_S)
+        payload = refusal.pack(ds4t.REFUSAL_MAGIC, "go away")
+        reason = f"magic: expected {ds4t.MAGIC:#010x} (DS4T hello), got {ds4t.REFUSAL_MAGIC:#010x}"
+    lsock, t, out = _leading(model, lead)
+    port = lsock.getsockname()[1]
+    try:
+        with caplog.at_level(logging.WARNING, logger="ds4.tp"):
+            _stranger(port, payload)
+            _wait_for_log(caplog, reason)
+            assert t.is_alive() and "e" not in out, out
+            pair = join_leader("127.0.0.1", port, model, right, connect_timeout=SLOW_S)
+            t.join(T_OUT)
+    finally:
+        lsock.close()
+    pair.close()
+    out["pair"].close()
+    assert "refused 127.0.0.1" in caplog.text
 
 
 def test_ds4t_a_tls_leader_with_a_token_tells_a_plain_worker_and_waits_on(model_path, contexts):
@@ -248,10 +383,10 @@ def test_ds4t_a_tls_leader_with_a_token_tells_a_plain_worker_and_waits_on(model_
         lsock.close()
 
 
-def test_cli_plain_tp_worker_at_a_tls_leader_exits_at_once(model_path, certs, tmp_path):
+def test_cli_plain_tp_worker_at_a_tls_leader_exits_at_once(model_path, certs, tmp_path, caplog):
     """`ds4 tp-worker` without TLS against `ds4 generate --tp-listen --tls-cert/--tls-key`: the
-    worker exits with the leader's reason instead of retrying for its --connect-timeout, and
-    the leader's command ends with an error naming the mismatch."""
+    worker exits with the leader's reason instead of retrying for its --connect-timeout; the
+    leader logs the mismatch and waits on (a stranger must not end its wait) until --tp-wait."""
     from cli.main import app
 
     with socket.socket() as s:
@@ -264,17 +399,19 @@ def test_cli_plain_tp_worker_at_a_tls_leader_exits_at_once(model_path, certs, tm
         stderr=subprocess.PIPE, env={**os.environ, "PYTHONPATH": str(ROOT), "COLUMNS": "200",
                                      "DS4_WIRE_TOKEN": "", "DS4_CACHE": str(tmp_path / "cache")})
     try:
-        r = CliRunner().invoke(app, ["generate", "-m", str(model_path), "-p", "hi", "-n", "2",
-                                     "--backend", "reference", "--tp-listen", f"127.0.0.1:{port}",
-                                     "--tp-wait", "60", "--tls-cert", str(certs / "cert.pem"),
-                                     "--tls-key", str(certs / "key.pem")],
-                               env={"COLUMNS": "200", "DS4_WIRE_TOKEN": "",
-                                    "DS4_CACHE": str(tmp_path / "cache")})
+        with caplog.at_level(logging.WARNING, logger="ds4.tp"):
+            r = CliRunner().invoke(app, ["generate", "-m", str(model_path), "-p", "hi", "-n", "2",
+                                         "--backend", "reference", "--tp-listen",
+                                         f"127.0.0.1:{port}", "--tp-wait", str(CLI_TP_WAIT_S),
+                                         "--tls-cert", str(certs / "cert.pem"),
+                                         "--tls-key", str(certs / "key.pem")],
+                                   env={"COLUMNS": "200", "DS4_WIRE_TOKEN": "",
+                                        "DS4_CACHE": str(tmp_path / "cache")})
         _, err = w.communicate(timeout=15)  # (it retried for 60 s before)
     finally:
         w.kill()
-    assert r.exit_code == 1 and "the worker connected in plain text but this leader requires TLS" \
-        in r.stderr, r.output
+    assert r.exit_code == 1 and "no worker joined" in r.stderr, r.output
+    assert "the worker connected in plain text but this leader requires TLS" in caplog.text
     assert w.returncode == 1 and "refused this worker: tls: the worker connected in plain text" \
         in err, err
 

@@ -9,6 +9,7 @@ import ssl
 import numpy as np
 
 from ..wire import qkp, sniff
+from ..wire.address import format_hostport
 from .common import PipelineError, PipelineRefused
 
 log = logging.getLogger("ds4.pipeline")
@@ -31,7 +32,7 @@ class _Link:
 
     @property
     def addr(self) -> str:
-        return f"{self.host}:{self.port}"
+        return format_hostport(self.host, self.port)
 
     def ensure(self) -> qkp.Hello:
         if self.conn is not None and self.in_flight == 0 and self.conn.closed_by_peer():

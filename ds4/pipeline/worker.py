@@ -11,7 +11,7 @@ from queue import Queue
 
 from ..engine import Engine
 from ..wire import qkp, sniff
-from ..wire.address import parse_hostport
+from ..wire.address import format_hostport, parse_hostport
 from ..wire.deadline import Deadline
 from .common import (DEFAULT_CONNECT_TIMEOUT, DEFAULT_IDLE_TIMEOUT, DEFAULT_IO_TIMEOUT,
                      DEFAULT_MAX_CONNS, DEFAULT_MAX_ROWS, parse_layers)
@@ -82,12 +82,12 @@ class Worker:
                         self._conns.add(sock)
                 if full:  # nothing allocated for it: closed before its hello is read
                     self.refused_conns += 1
-                    log.warning("qkp %s:%s: refused: %d connections are open (--max-conns)",
-                                addr[0], addr[1], self.max_conns)
+                    log.warning("qkp %s: refused: %d connections are open (--max-conns)",
+                                format_hostport(*addr[:2]), self.max_conns)
                     sock.close()
                     continue
                 threading.Thread(target=self._serve_conn, args=(sock, addr), daemon=True,
-                                 name=f"qkp-{addr[0]}:{addr[1]}").start()
+                                 name=f"qkp-{format_hostport(*addr[:2])}").start()
         finally:
             self._sock.close()
 
@@ -111,7 +111,7 @@ class Worker:
     # ---- one client connection ----
 
     def _serve_conn(self, sock: socket.socket, addr) -> None:
-        peer = f"{addr[0]}:{addr[1]}"
+        peer = format_hostport(*addr[:2])
         owner = next(self._owners)
         down: qkp.Conn | None = None
         relay: _Relay | None = None
@@ -182,7 +182,7 @@ class Worker:
             down = qkp.Conn.connect(host, port, self.io_timeout, self.connect_timeout,
                                     tls=self.tls_client)
         except OSError as e:
-            raise qkp.QkpError("next", f"cannot reach the next stage at {host}:{port}: {e}") from None
+            raise qkp.QkpError("next", f"cannot reach the next stage at {format_hostport(host, port)}: {e}") from None
         try:
             peer = qkp.client_handshake(down, self.auth_token, bool(flags & qkp.FLAG_EXACT))
             h = self.stage.hello
@@ -191,11 +191,11 @@ class Worker:
                                  n_slots=h.n_slots, n_ctx=h.n_ctx, max_rows=h.max_rows)
         except qkp.Refused as e:
             down.close()
-            raise qkp.QkpError("next", f"the next stage at {host}:{port} refused: "
+            raise qkp.QkpError("next", f"the next stage at {format_hostport(host, port)} refused: "
                                f"{e.reason}") from None
         except (qkp.QkpError, OSError) as e:
             down.close()
-            raise qkp.QkpError("next", f"the next stage at {host}:{port} does not fit: {e}") from None
+            raise qkp.QkpError("next", f"the next stage at {format_hostport(host, port)} does not fit: {e}") from None
         return down
 
     def _frames(self, conn: qkp.Conn, down: qkp.Conn | None, relay: "_Relay | None",

@@ -31,6 +31,7 @@ from ..core.payload import session_payload_bytes
 from ..core.payload_identity import IDENTITY_FOOTER_BYTES, MAX_MODEL_NAME_BYTES
 from ..core.state import SessionLayout
 from ..wire import ds4t, sniff
+from ..wire.address import format_hostport
 from ..wire.deadline import Deadline
 from .partner import TorchPartner, WirePartner
 
@@ -193,10 +194,15 @@ class _Arrivals:
                 a.done.set_result((sock, theirs, ctx))
         except (ds4t.DS4TError, OSError, ssl.SSLError) as e:
             sock.close()
-            # (a refusal counts only from a peer that proved the secret, or where there is none)
+            # A refused hello ends the wait only when it came from a peer that speaks DS4T and
+            # proved the secret (or where there is none): a worker that will never fit. A TLS
+            # mismatch or a refusal record proves no such thing (any stranger can send a
+            # ClientHello, an HTTP request or "DS4R"), so those are logged and dropped by _take.
+            ends_the_wait = (isinstance(e, ds4t.HelloRefused)
+                             and not isinstance(e, (ds4t.TlsMismatch, ds4t.PeerRefused))
+                             and (a.proven.is_set() or not self.opts.auth_token))
             a.done.set_exception(TPRefused(f"a worker from {a.addr[0]} does not fit this leader: {e}")
-                                 if isinstance(e, ds4t.HelloRefused) and (a.proven.is_set() or not self.opts.auth_token)
-                                 else e)
+                                 if ends_the_wait else e)
         except BaseException as e:  # (a bug: the waiting leader raises it)
             sock.close()
             a.done.set_exception(e)
@@ -210,7 +216,8 @@ class _Arrivals:
                 try:
                     return a.done.result()
                 except (ds4t.DS4TError, OSError, ssl.SSLError) as e:  # (TPRefused and bugs go up)
-                    log.warning("tensor parallel: refused %s:%s on the %s connection: %s", *a.addr[:2], what, e)
+                    log.warning("tensor parallel: refused %s on the %s connection: %s",
+                                format_hostport(*a.addr[:2]), what, e)
             elif a.proven.is_set() or not self.opts.auth_token:
                 # a worker's connection, about to complete, comes first (without a secret any
                 # peer may be the worker: accept order)
@@ -241,13 +248,13 @@ class _Arrivals:
             if len(busy) >= MAX_HANDSHAKES:
                 victim = next((a for a in busy if not a.proven.is_set()), None)
                 if victim is None:
-                    log.warning("tensor parallel: refused %s:%s: %d handshakes under way already",
-                                *addr[:2], MAX_HANDSHAKES)
+                    log.warning("tensor parallel: refused %s: %d handshakes under way already",
+                                format_hostport(*addr[:2]), MAX_HANDSHAKES)
                     sock.close()
                     continue
-                log.warning("tensor parallel: dropped %s:%s, the oldest of %d handshakes under way, whose "
-                            "peer had not proven the secret, for a newer connection", *victim.addr[:2],
-                            MAX_HANDSHAKES)
+                log.warning("tensor parallel: dropped %s, the oldest of %d handshakes under way, whose "
+                            "peer had not proven the secret, for a newer connection",
+                            format_hostport(*victim.addr[:2]), MAX_HANDSHAKES)
                 victim.dropped = True
                 victim.cut()
             a = _Arrival(sock, addr)
@@ -328,7 +335,7 @@ def _dial(host: str, port: int, opts: Options, timeout: float) -> socket.socket:
     sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
     if opts.tls is not None:
         try:
-            sock = sniff.wrap_client(opts.tls, sock, host, f"the leader at {host}:{port}")
+            sock = sniff.wrap_client(opts.tls, sock, host, f"the leader at {format_hostport(host, port)}")
         except BaseException:
             sock.close()
             raise
@@ -364,7 +371,7 @@ def join_leader(host: str, port: int, model, opts: Options, connect_timeout: flo
     except ds4t.PeerRefused as e:
         for s in socks:
             s.close()
-        raise TPRefused(f"the leader at {host}:{port} refused this worker: {e.reason}") from None
+        raise TPRefused(f"the leader at {format_hostport(host, port)} refused this worker: {e.reason}") from None
     except sniff.PlainPeer as e:  # (not a closed connection: joining again cannot help)
         for s in socks:
             s.close()
@@ -372,11 +379,11 @@ def join_leader(host: str, port: int, model, opts: Options, connect_timeout: flo
     except (ds4t.HelloRefused, ValueError) as e:  # (ValueError: a ctx this model cannot hold)
         for s in socks:
             s.close()
-        raise TPRefused(f"the leader at {host}:{port} does not fit this worker: {e}") from None
+        raise TPRefused(f"the leader at {format_hostport(host, port)} does not fit this worker: {e}") from None
     except (ds4t.DS4TError, OSError, ssl.SSLError) as e:
         for s in socks:
             s.close()
         closed = isinstance(e, (ds4t.DS4TClosed, ConnectionError))
-        raise (TPClosed if closed else TPError)(f"joining the leader at {host}:{port}: {e}") from None
+        raise (TPClosed if closed else TPError)(f"joining the leader at {format_hostport(host, port)}: {e}") from None
     return Pair(ds4t.ControlChannel(socks[0], limits, ds4t.Role.LEADER, opts.io_timeout), partner,
                 socks[1], limits, peer, ctx, debug_hash)

@@ -109,6 +109,7 @@ from typing import Callable
 import numpy as np
 
 from . import auth, refusal, sniff
+from .address import format_hostport
 from .deadline import Deadline
 
 MAGIC = 0x716B7036  # "qkp6"
@@ -521,11 +522,11 @@ class Conn:
         sock = socket.create_connection((host, port), timeout=connect_timeout or timeout)
         if tls is not None:
             try:
-                sock = sniff.wrap_client(tls, sock, host, f"the stage at {host}:{port}")
+                sock = sniff.wrap_client(tls, sock, host, f"the stage at {format_hostport(host, port)}")
             except BaseException:
                 sock.close()
                 raise
-        return cls(sock, timeout, f"{host}:{port}")
+        return cls(sock, timeout, format_hostport(host, port))
 
     def _readable(self, left: float) -> bool:
         if self._tls and self.sock.pending():  # decrypted bytes poll() cannot see

@@ -38,9 +38,14 @@ TLS_PREFIX_BYTES = 2  # the type and the major version: all that is looked at
 # ones the second; the others are what a plain length read as a TLS one can give)
 PLAIN_ANSWER_REASONS = frozenset({"WRONG_VERSION_NUMBER", "UNKNOWN_PROTOCOL",
                                   "PACKET_LENGTH_TOO_LONG", "RECORD_LAYER_FAILURE"})
-# When bytes of a prefix came but not all of it, how long to wait before peeking again (a peek
-# does not consume, so poll() would report the same bytes at once, forever).
+# When bytes of a prefix came but not all of it, the rest is waited for without spinning: a peek
+# does not consume, so poll() would report the same bytes at once, forever. Where the socket has
+# SO_RCVLOWAT (Linux, the BSDs, macOS), poll() is told to wake only once TLS_PREFIX_BYTES are in
+# (or the peer closed); elsewhere, and after a peer that sent part of a prefix and closed, the
+# peek is retried after a pause that doubles from PEEK_PAUSE_S up to PEEK_PAUSE_MAX_S, so a peer
+# that stalls costs at most a few wake-ups a second, not a thousand.
 PEEK_PAUSE_S = 0.001
+PEEK_PAUSE_MAX_S = 0.25
 # How long an end that refused its peer keeps reading what the peer still sends (and throws it
 # away) before closing: a socket closed with unread bytes resets the connection, and the reset
 # may overtake the refusal on its way.
@@ -66,19 +71,57 @@ def looks_like_tls(first: bytes) -> bool:
 
 def peek_prefix(sock: socket.socket, deadline: Deadline) -> bytes:
     """The first TLS_PREFIX_BYTES of a new connection, left unread for the TLS handshake; fewer
-    when the peer closed first. TimeoutError when they do not come before `deadline`."""
+    when the peer closed first. TimeoutError, saying how many bytes came, when they do not all
+    come before `deadline`."""
     per_read = sock.gettimeout()
+    lowat = _set_rcvlowat(sock, TLS_PREFIX_BYTES)
+    pause, first = PEEK_PAUSE_S, b""
     try:
         while True:
             if deadline.expired:
-                raise TimeoutError(f"no bytes came within {deadline.seconds:g} s")
+                raise TimeoutError(_short_prefix(first, deadline))
             sock.settimeout(deadline.timeout(per_read))
-            first = sock.recv(TLS_PREFIX_BYTES, socket.MSG_PEEK)
+            try:
+                first = sock.recv(TLS_PREFIX_BYTES, socket.MSG_PEEK)
+            except TimeoutError:
+                if deadline.expired:  # (else a per-read timeout: the loop says it, next round)
+                    raise TimeoutError(_short_prefix(_peek_now(sock), deadline)) from None
+                raise
             if len(first) >= TLS_PREFIX_BYTES or not first:
                 return first
-            time.sleep(PEEK_PAUSE_S)
+            time.sleep(min(pause, deadline.left()))
+            pause = min(2 * pause, PEEK_PAUSE_MAX_S)
     finally:
+        if lowat is not None:
+            _set_rcvlowat(sock, lowat)
         sock.settimeout(per_read)
+
+
+def _set_rcvlowat(sock: socket.socket, n: int) -> int | None:
+    """Set SO_RCVLOWAT to `n`; -> the value before, or None where the socket has none."""
+    opt = getattr(socket, "SO_RCVLOWAT", None)
+    if opt is None:
+        return None
+    try:
+        before = sock.getsockopt(socket.SOL_SOCKET, opt)
+        sock.setsockopt(socket.SOL_SOCKET, opt, n)
+    except OSError:
+        return None
+    return before
+
+
+def _peek_now(sock: socket.socket) -> bytes:
+    """What of the prefix has come so far, without waiting (for the timeout's message)."""
+    sock.setblocking(False)
+    try:
+        return sock.recv(TLS_PREFIX_BYTES, socket.MSG_PEEK)
+    except OSError:
+        return b""
+
+
+def _short_prefix(first: bytes, deadline: Deadline) -> str:
+    return (f"{deadline.what}: expected {TLS_PREFIX_BYTES} bytes within {deadline.seconds:g} s, "
+            f"got {len(first)}")
 
 
 def wrap_client(ctx: ssl.SSLContext, sock: socket.socket, host: str, what: str) -> ssl.SSLSocket:

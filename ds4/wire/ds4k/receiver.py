@@ -21,6 +21,7 @@ from ...core.atomic import atomic_path
 from ...core.config import ModelConfig
 from ...core.payload import HEADER_BYTES, ModelRef, PayloadError, check_payload
 from .. import auth, sniff
+from ..address import format_hostport
 from ..deadline import Deadline
 from .records import (ACCEPT_POLL, ACCEPT_POLL_MIN, AUTH_FAILED, CHUNK, CORRUPT,
                       DEFAULT_MAX_BYTES, DEFAULT_MAX_CONNS, DEFAULT_MIN_RATE, DEFAULT_TIMEOUT,
@@ -142,7 +143,7 @@ class Receiver:
                     log.warning("DS4K: accept failed: %s", e)
                     time.sleep(ACCEPT_POLL_MIN)
                     continue
-                peer = f"{addr[0]}:{addr[1]}"
+                peer = format_hostport(*addr[:2])
                 holder = {"sock": conn}
                 with self._lock:
                     full = len(active) >= self.max_conns
@@ -198,11 +199,13 @@ class Receiver:
     def _sniff(self, conn: socket.socket) -> None:
         """Before the TLS handshake: DS4KError (TLS_MISMATCH) when the sender's first bytes are
         not a TLS record, i.e. it connected in plain text (its opener, step 0, names it)."""
-        first = sniff.peek_prefix(conn, Deadline(self.timeout, "the sender's first bytes"))
+        # (one deadline for the peek and the opener: a stranger that trickles its bytes holds
+        # this slot for one io timeout, not one for each)
+        deadline = Deadline(self.timeout, "the sender's first bytes and opener")
+        first = sniff.peek_prefix(conn, deadline)
         if sniff.looks_like_tls(first) or not first:
             return  # (a peer that closed at once: the handshake says so)
-        opener = _recv_exact(conn, OPENER.size, "the sender's opener",
-                             Deadline(self.timeout, "the sender's opener"))
+        opener = _recv_exact(conn, OPENER.size, "the sender's opener", deadline)
         what = "sender" if OPENER.unpack(opener)[0] == MAGIC else \
             f"peer (first bytes {opener.hex()}, neither TLS nor a DS4K opener)"
         raise DS4KError(sniff.plain_client_reason(what, "receiver"), TLS_MISMATCH)

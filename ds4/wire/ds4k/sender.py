@@ -15,6 +15,7 @@ import time
 
 from ...core.payload import HEADER_BYTES, check_payload
 from .. import auth, sniff
+from ..address import format_hostport
 from ..deadline import Deadline
 from .records import (AUTH_FAILED, CHUNK, DEFAULT_TIMEOUT, FLAG_AUTH, HELLO, INCOMPLETE, MAGIC,
                       OK, OPENER, PROOF_BYTES, PROTOCOL, RECORD, STATUS_NAMES, TLS_MISMATCH,
@@ -51,21 +52,21 @@ def _connect(host: str, port: int, timeout: float, connect_timeout: float,
             break
         except (ConnectionRefusedError, ConnectionResetError) as e:
             if time.monotonic() >= deadline:
-                raise DS4KError(f"cannot connect to {host}:{port}: {e.strerror or e} (retried for "
-                                f"{connect_timeout:g} s)") from None
+                raise DS4KError(f"cannot connect to {format_hostport(host, port)}: "
+                                f"{e.strerror or e} (retried for {connect_timeout:g} s)") from None
             time.sleep(0.05)
         except OSError as e:
-            raise DS4KError(f"cannot connect to {host}:{port}: {e.strerror or e}") from None
+            raise DS4KError(f"cannot connect to {format_hostport(host, port)}: {e.strerror or e}") from None
     if tls is None:
         return sock
     try:
-        return sniff.wrap_client(tls, sock, host, f"the receiver at {host}:{port}")
+        return sniff.wrap_client(tls, sock, host, f"the receiver at {format_hostport(host, port)}")
     except sniff.PlainPeer as e:
         sock.close()
         raise DS4KError(str(e), TLS_MISMATCH) from None
     except (OSError, ssl.SSLError) as e:
         sock.close()
-        raise DS4KError(f"TLS with {host}:{port} failed: {e}") from None
+        raise DS4KError(f"TLS with {format_hostport(host, port)} failed: {e}") from None
 
 
 def _handshake(host: str, port: int, manifest: bytes, *, auth_token: str | None,
@@ -76,7 +77,7 @@ def _handshake(host: str, port: int, manifest: bytes, *, auth_token: str | None,
     probe) and read the receiver's verdict on it. Returns the socket once the verdict is status
     0; raises DS4KError with the reason otherwise. The whole exchange must finish within
     `timeout`."""
-    where = f"{host}:{port}"
+    where = format_hostport(host, port)
     sock = _connect(host, port, timeout, connect_timeout, tls)
     deadline = Deadline(timeout, f"the DS4K hello with {where}")
     try:

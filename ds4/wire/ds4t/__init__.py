@@ -55,6 +55,13 @@ worker tells the two apart by the first four bytes. A plain end whose peer's fir
 TLS record (a TLS worker's ClientHello) fails with `TlsMismatch`; a TLS worker that gets a plain
 hello where the ServerHello belongs says that the leader runs without TLS.
 
+Version: the refusal came into version 1 without a version bump (the hello, proofs and frames
+are unchanged, and only a leader that refuses sends it). A worker reads the refusal only as the
+worker; a leader reads "DS4R" from a peer as a bad magic, logs it and waits on. A worker of an
+older ds4 that meets a refusal fails with DS4TError field "magic" ("expected 0x44533454 (DS4T
+hello), got 0x44533452"; it reads 72 bytes first, so a refusal shorter than a hello reads as
+a closed connection) instead of the leader's reason: the leader's log says why.
+
 Control frame: a 12-byte header `{u32 magic 0x44533443 ("DS4C"), u32 type, u32 bytes}`, then
 `bytes` of payload. `bytes` is checked against the type's limit (from the agreed hello) before
 the payload is read. Types keep ds4_tp.h's numbers:

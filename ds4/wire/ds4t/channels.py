@@ -14,8 +14,8 @@ import time
 from typing import Callable
 
 from .. import auth, refusal, sniff
-from .base import (FLAG_AUTH, FRAME_HEADER, HELLO, PROTOCOL, REFUSAL_MAGIC, DS4TClosed, DS4TError,
-                   PeerRefused, TlsMismatch)
+from .base import (FLAG_AUTH, FRAME_HEADER, HELLO, MAGIC, PROTOCOL, REFUSAL_MAGIC, DS4TClosed,
+                   DS4TError, PeerRefused, TlsMismatch)
 from .frames import Frame, Limits, pack_frame, read_frame
 from .hello import Hello, Role, check_peer
 
@@ -147,8 +147,9 @@ def refuse(sock: socket.socket, reason: str) -> None:
 
 
 def _read_hello(sock: socket.socket, me: Role, timeout: float) -> Hello:
-    """The peer's hello, all of it within `timeout`: PeerRefused when it sent a refusal in its
-    place, TlsMismatch when its first bytes are a TLS record (this end is plain)."""
+    """The peer's hello, all of it within `timeout`: PeerRefused when a leader sent a refusal in
+    its place (read as the worker only), TlsMismatch when its first bytes are a TLS record (this
+    end is plain), DS4TError "magic" at once for any other first word."""
     until = time.monotonic() + timeout
     peer = (Role.WORKER if me == Role.LEADER else Role.LEADER).name.lower()
 
@@ -159,12 +160,17 @@ def _read_hello(sock: socket.socket, me: Role, timeout: float) -> Hello:
     if sniff.looks_like_tls(first):
         sniff.refuse(sock, b"")  # (it reads this end's plain hello, not a reset)
         raise TlsMismatch("tls", sniff.tls_peer_reason(peer, me.name.lower()))
-    if refusal.WORD.unpack(first)[0] == REFUSAL_MAGIC:
+    # (only a leader sends a refusal: a leader that reads one has met a stranger, and reads its
+    # "DS4R" as the bad magic it is)
+    (magic,) = refusal.WORD.unpack(first)
+    if me == Role.WORKER and magic == REFUSAL_MAGIC:
         try:
             reason = refusal.read_reason(lambda n: read(n, "the peer's refusal"))
         except ValueError as e:
             raise DS4TError("refusal", str(e)) from None
         raise PeerRefused(reason)
+    if magic != MAGIC:  # (told at once: a stranger need not send, or be waited for, 72 bytes)
+        raise DS4TError("magic", f"expected {MAGIC:#010x} (DS4T hello), got {magic:#010x}")
     return Hello.unpack(first + read(HELLO.size - len(first), "the peer's hello"))
 
 
