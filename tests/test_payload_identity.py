@@ -110,6 +110,9 @@ def test_a_corrupted_file_is_refused(models, saved):
         (data[:-1], pl.E_TRAILING + r": more bytes after the \d+-byte payload \(or the file was cut short inside "
                                     r"its identity trailer\)"),
         (data[:len(body) + 10], pl.E_TRAILING + r": 10 bytes .*cut short inside its identity trailer"),
+        # cut 16 bytes in: the size of a version-2 MTP tail, but the bytes are the trailer's start
+        (data[:len(body) + 16], pl.E_TRAILING + r": 16 bytes after the \d+-byte payload are the start of "
+                                             r"the identity trailer of .*cut short inside its identity trailer"),
     ]
     for bad, message in cases:
         s = a.session(ctx=64)

@@ -39,7 +39,7 @@ import numpy as np
 from .atomic import atomic_file
 from .payload_identity import (E_CHECKSUM, E_IDENTITY, E_MODEL, Identity, ModelRef,  # noqa: F401
                                PayloadError, _check_digest, _fail, check_model, read_identity,
-                               verify_digest)
+                               trailer_start, verify_digest)
 from .config import CSA, ModelConfig
 from .state import SessionLayout, host_layer_state, layer_from_host
 
@@ -298,10 +298,15 @@ def _read_prefix(s: _Source, cfg: ModelConfig, layout: SessionLayout | None):
     return h, tokens, logits, n_comp, n_index
 
 
-def _read_tail(s: _Source, h: Header) -> tuple[int, float, int] | None:
+def _read_tail(s: _Source, h: Header, model: ModelRef | None = None) -> tuple[int, float, int] | None:
     extra = s.rest(MTP_TAIL_BYTES + 1)
     body = s.pos - len(extra)
     if h.version >= 2 and len(extra) == MTP_TAIL_BYTES:
+        # a file of this model cut MTP_TAIL_BYTES into its identity trailer ends as a tail would
+        if model is not None and extra == trailer_start(model, MTP_TAIL_BYTES):
+            raise _fail(E_TRAILING, f"{MTP_TAIL_BYTES} bytes after the {body}-byte payload are the start of the "
+                                    f"identity trailer of {model.describe()}, not an MTP tail: the file was "
+                                    f"cut short inside its identity trailer")
         tail = MTP_TAIL.unpack(extra)
         if not math.isfinite(tail[1]):  # an average of acceptances is a finite number
             raise _fail(E_TRAILING, f"{MTP_TAIL_BYTES} bytes after the {body}-byte payload are no MTP tail: "
@@ -335,7 +340,7 @@ def read_payload(src, cfg: ModelConfig, layout: SessionLayout | None = None,
             for name, shape in layer_sections(cfg, il, h.raw_live, int(n_comp[il]), int(n_index[il])):
                 blocks[name] = s.array("<f4", shape, f"layer {il} {name}")
             layers.append(blocks)
-        tail = _read_tail(s, h)
+        tail = _read_tail(s, h, model)
         size = s.pos
         if ident is not None:
             _check_digest(s.digest.digest(), ident)

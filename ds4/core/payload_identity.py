@@ -94,6 +94,12 @@ class Identity:
                                            len(name) + IDENTITY_FOOTER_BYTES, IDENTITY_MAGIC)
 
 
+def trailer_start(model: ModelRef, n: int) -> bytes:
+    """The first n bytes of the identity trailer ds4 writes after a payload of `model` (its name,
+    then its fingerprint): what a file cut n bytes into that trailer ends with."""
+    return (_name_bytes(model.name) + model.fingerprint)[:n]
+
+
 def _name_bytes(name: str) -> bytes:
     b = name.encode("utf-8")[:MAX_MODEL_NAME_BYTES]
     return b.decode("utf-8", "ignore").encode("utf-8")  # never a split character
