@@ -146,3 +146,33 @@ def test_an_ipv6_peer_is_named_in_brackets_in_errors():
         ds4k.probe_receiver("::1", port, timeout=1.0, connect_timeout=0.0)
     assert f"cannot connect to [::1]:{port}: " in str(e.value), str(e.value)
     assert parse_hostport(f"[::1]:{port}", "--send-kv") == ("::1", port)
+
+
+def _ipv6_loopback() -> bool:
+    try:
+        with socket.socket(socket.AF_INET6) as s:
+            s.bind(("::1", 0))
+        return True
+    except OSError:
+        return False
+
+
+def test_listeners_take_an_ipv6_host(model_path):
+    """`--tp-listen [::1]:0` and a pipeline stage on ::1 listen on IPv6 loopback (both opened
+    IPv4 sockets, which cannot bind an IPv6 address), and a client reaches the stage there."""
+    if not _ipv6_loopback():
+        pytest.skip("no IPv6 loopback here")
+    r = run("generate", "-m", model_path, "-p", "hi", "--backend", "reference",
+            "--tp-listen", "[::1]:0", "--tp-wait", "0.2")
+    assert r.exit_code == 1, r.output  # (no worker came)
+    m = re.search(r"for\s+`ds4 tp-worker --leader \[::1\]:(\d+)`", r.stderr)
+    assert m and int(m.group(1)) > 0, r.stderr
+    from bench_modules import bench_module
+    from ds4.pipeline import Worker
+
+    w = Worker(bench_module("pipeline", "bench_split").NullStage(64, 4), host="::1").start()
+    try:
+        with socket.create_connection(("::1", w.port), timeout=5.0) as c:
+            assert c.family == socket.AF_INET6
+    finally:
+        w.stop()

@@ -16,6 +16,7 @@ address is an `AddressError` naming the option, the form it takes and the value 
 from __future__ import annotations
 
 import ipaddress
+import socket
 
 LOOPBACK = "127.0.0.1"  # the host of ":PORT" where a command takes that form
 MIN_PORT = 1
@@ -91,3 +92,10 @@ def parse_hostport(text: str, name: str = "address", *, default_host: str | None
 def format_hostport(host: str, port: int) -> str:
     """(host, port) as HOST:PORT, an IPv6 host in brackets: what parse_hostport reads back."""
     return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+
+
+def listen_family(host: str) -> socket.AddressFamily:
+    """The address family to listen on `host` (as parse_hostport gives it): an IPv6 literal
+    needs an IPv6 socket (socket.create_server's default family is IPv4); a name or an IPv4
+    address takes IPv4, as before."""
+    return socket.AF_INET6 if ":" in host else socket.AF_INET
