@@ -46,3 +46,20 @@ def certs(tmp_path_factory):
                     "-out", str(d / "cert.pem"), "-days", "2", "-subj", "/CN=127.0.0.1",
                     "-addext", "subjectAltName=IP:127.0.0.1"], check=True, capture_output=True)
     return d
+
+
+@pytest.fixture
+def private_cache(tmp_path_factory, monkeypatch):
+    """A command-line test's environment: a cache of its own, so the embedded default model is
+    never written into the user's, and a terminal wide enough that messages are not wrapped."""
+    monkeypatch.setenv("DS4_CACHE", str(tmp_path_factory.mktemp("cache")))
+    monkeypatch.setenv("COLUMNS", "200")
+
+
+@pytest.fixture(scope="module")
+def model_path(tmp_path_factory):
+    """The test preset's tiny model, written once per module (a module that needs another seed
+    or preset defines its own model_path)."""
+    from ds4.core.tiny import make_tiny
+
+    return make_tiny(tmp_path_factory.mktemp("model") / "test.gguf", preset="test")

@@ -7,12 +7,10 @@ from __future__ import annotations
 
 import re
 import socket
-from pathlib import Path
 
 import pytest
 from typer.testing import CliRunner
 
-from ds4.core.tiny import make_tiny
 from ds4.wire import ds4k
 from ds4.wire.address import AddressError, format_hostport, parse_hostport
 
@@ -79,15 +77,8 @@ def test_an_address_that_is_not_a_string_is_refused():
 
 # ---- each command's rule on the command line ------------------------------------------------------
 
-@pytest.fixture(autouse=True)
-def _private_cache(tmp_path_factory, monkeypatch):
-    monkeypatch.setenv("DS4_CACHE", str(tmp_path_factory.mktemp("cache")))
-    monkeypatch.setenv("COLUMNS", "200")
+pytestmark = pytest.mark.usefixtures("private_cache")
 
-
-@pytest.fixture(scope="module")
-def model_path(tmp_path_factory) -> Path:
-    return make_tiny(tmp_path_factory.mktemp("model") / "test.gguf", preset="test")
 
 
 def run(*args):

@@ -8,7 +8,6 @@ import io
 import os
 import struct
 import zlib
-from pathlib import Path
 
 import numpy as np
 import pytest
@@ -18,7 +17,6 @@ from typer.testing import CliRunner
 import ds4
 from ds4 import bench
 from ds4.bench_plot import PALETTE, Panel, Series, encode_png, render_chart
-from ds4.core.tiny import make_tiny
 from ds4.engine import Session
 
 from cli.bench import register
@@ -26,15 +24,8 @@ from cli.bench import register
 SMALL = ["--ctx-start", "16", "--ctx-max", "64", "--step-mul", "2", "--gen-tokens", "4"]
 
 
-@pytest.fixture(autouse=True)
-def _private_cache(tmp_path_factory, monkeypatch):
-    monkeypatch.setenv("DS4_CACHE", str(tmp_path_factory.mktemp("cache")))
-    monkeypatch.setenv("COLUMNS", "200")
+pytestmark = pytest.mark.usefixtures("private_cache")
 
-
-@pytest.fixture(scope="module")
-def model_path(tmp_path_factory) -> Path:
-    return make_tiny(tmp_path_factory.mktemp("model") / "test.gguf", preset="test")
 
 
 @pytest.fixture(scope="module")

@@ -27,16 +27,8 @@ ROOT = Path(__file__).resolve().parents[1]
 STATS = re.compile(r"prompt: (\d+) tokens, .*tokens/s .* generated: (\d+) tokens, .*tokens/s")
 
 
-@pytest.fixture(autouse=True)
-def _private_cache(tmp_path_factory, monkeypatch):
-    # Never write the embedded default model into the user's cache.
-    monkeypatch.setenv("DS4_CACHE", str(tmp_path_factory.mktemp("cache")))
-    monkeypatch.setenv("COLUMNS", "200")
+pytestmark = pytest.mark.usefixtures("private_cache")
 
-
-@pytest.fixture(scope="module")
-def model_path(tmp_path_factory) -> Path:
-    return make_tiny(tmp_path_factory.mktemp("model") / "test.gguf", preset="test")
 
 
 def run(*args: str, input: str | None = None):

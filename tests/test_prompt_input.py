@@ -17,7 +17,6 @@ from typer.testing import CliRunner
 
 import ds4
 from ds4.core.chat import encode_prompt
-from ds4.core.tiny import make_tiny
 
 from cli.common import strip_one_newline
 from cli.main import app
@@ -26,15 +25,8 @@ ROOT = Path(__file__).resolve().parents[1]
 PROMPT_TOKENS = re.compile(r"prompt: (\d+) tokens")
 
 
-@pytest.fixture(autouse=True)
-def _private_cache(tmp_path_factory, monkeypatch):
-    monkeypatch.setenv("DS4_CACHE", str(tmp_path_factory.mktemp("cache")))
-    monkeypatch.setenv("COLUMNS", "200")
+pytestmark = pytest.mark.usefixtures("private_cache")
 
-
-@pytest.fixture(scope="module")
-def model_path(tmp_path_factory) -> Path:
-    return make_tiny(tmp_path_factory.mktemp("model") / "test.gguf", preset="test")
 
 
 @pytest.fixture(scope="module")

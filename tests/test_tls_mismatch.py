@@ -281,13 +281,9 @@ def test_ds4t_mismatch_fails_the_worker_at_once_and_the_leader_waits_on(model_pa
                 join_leader("127.0.0.1", port, model, wrong, connect_timeout=SLOW_S)
             assert took.seconds < FAST_S, took.seconds
             _wait_for_log(caplog, "tls: the worker")
-            assert t.is_alive() and "e" not in out, out
-            pair = join_leader("127.0.0.1", port, model, right, connect_timeout=SLOW_S)
-            t.join(T_OUT)
+            _a_worker_still_joins(port, t, out, model, right)
     finally:
         lsock.close()
-    pair.close()
-    out["pair"].close()
     if leader_tls:
         assert "refused this worker: tls: the worker connected in plain text but this leader " \
             "requires TLS" in str(e.value)
@@ -296,6 +292,16 @@ def test_ds4t_mismatch_fails_the_worker_at_once_and_the_leader_waits_on(model_pa
         assert "answered in plain text, not TLS" in str(e.value)
         assert "tls: the worker speaks TLS" in caplog.text
         assert "this leader runs without TLS" in caplog.text
+
+
+def _a_worker_still_joins(port: int, t: threading.Thread, out: dict, model, opts: Options) -> None:
+    """The leader (_leading) is still waiting, nothing having ended its wait: a worker that fits
+    joins it."""
+    assert t.is_alive() and "e" not in out, out
+    pair = join_leader("127.0.0.1", port, model, opts, connect_timeout=SLOW_S)
+    t.join(T_OUT)
+    pair.close()
+    out["pair"].close()
 
 
 def _wait_for_log(caplog, text: str) -> None:
@@ -351,13 +357,9 @@ def test_ds4t_a_stranger_cannot_end_a_leaders_wait(model_path, certs, contexts, 
         with caplog.at_level(logging.WARNING, logger="ds4.tp"):
             _stranger(port, payload)
             _wait_for_log(caplog, reason)
-            assert t.is_alive() and "e" not in out, out
-            pair = join_leader("127.0.0.1", port, model, right, connect_timeout=SLOW_S)
-            t.join(T_OUT)
+            _a_worker_still_joins(port, t, out, model, right)
     finally:
         lsock.close()
-    pair.close()
-    out["pair"].close()
     assert "refused 127.0.0.1" in caplog.text
 
 

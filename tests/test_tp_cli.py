@@ -27,10 +27,7 @@ GATE_MS = "20000"
 GREEDY = ["--temp", "0", "--numerics", "exact", "--backend", "reference", "--ctx", "256"]
 
 
-@pytest.fixture(autouse=True)
-def _private_cache(tmp_path_factory, monkeypatch):
-    monkeypatch.setenv("DS4_CACHE", str(tmp_path_factory.mktemp("cache")))
-    monkeypatch.setenv("COLUMNS", "200")
+pytestmark = pytest.mark.usefixtures("private_cache")
 
 
 @pytest.fixture(scope="module")
