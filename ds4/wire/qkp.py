@@ -82,7 +82,8 @@ Choices this module makes where the spec leaves room (all ours, all local to qkp
   worker refuses a client whose numerics differ from its own, with a refusal naming the field
   ("numerics"), the worker's value and the client's.
 * A reply pads the top-k list with (NO_TOKEN, -inf) when fewer than `topk` logits are finite,
-  and a greedy id is NO_TOKEN when a position has no finite logit at all.
+  and the final position's greedy id is NO_TOKEN when it has no finite logit at all (the other
+  positions' ids are the backend's argmax).
 * A chain vouches for itself: a middle stage answers a hello only after its own next stage's
   hello passed the checks the head applies (`check_next_stage`), so the head, which sees only
   the first worker, knows the chain reaches n_layer. A middle stage passes `topk` through to

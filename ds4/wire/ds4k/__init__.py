@@ -49,13 +49,13 @@ opener (step 0) and the refusal in place of the hello, so that a TLS mismatch fa
 both ends; a TLS sender facing a plain receiver gets its hello where a ServerHello belongs and
 says that the receiver runs without TLS.
 
-A probe is a record with `manifest_bytes` 0: steps 1–5 as above (the hello checked, the token
+A probe is a record with `manifest_bytes` 0: steps 0–5 as above (the hello checked, the token
 proven both ways), then the receiver answers step 5 with status 0 and closes; it is not a
 failure and the receiver goes on waiting. A sender that has the payload still to make
 (`ds4 prefill --send-kv`) probes first (`probe_receiver`), so that a dead host, a listener that
 is not a DS4K receiver or a token mismatch fails before the work, not after it.
 
-Deadlines: steps 1–5 must finish within the io timeout, and the payload within the io timeout
+Deadlines: steps 0–5 must finish within the io timeout, and the payload within the io timeout
 plus `payload_bytes / min_rate`, however the bytes trickle in. A receiver serves several
 connections at once (up to `max_conns`); a bad, refused or slow one is logged and dropped while
 the receiver keeps waiting for a payload until its own deadline.

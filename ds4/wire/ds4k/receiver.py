@@ -1,5 +1,5 @@
 """The DS4K receiver (the server): `Receiver` listens, serves up to `max_conns` connections at
-once on their own threads, runs steps 1–7 on each (hello, proofs, manifest checks against this
+once on their own threads, runs steps 0–7 on each (hello, proofs, manifest checks against this
 end's model, size limit and free disk), streams the one payload that lands to a temporary file
 beside the destination, verifies it and renames it into place; `receive_payload` wraps it.
 """

@@ -58,7 +58,7 @@ PROBE_MANIFEST_BYTES = 0  # a record announcing no manifest is a probe (a real o
 
 
 class _Probed(Exception):
-    """The peer ran steps 1–5 with no manifest (`probe_receiver`) and was answered: not a failure."""
+    """The peer ran steps 0–5 with no manifest (`probe_receiver`) and was answered: not a failure."""
 
 
 class DS4KError(RuntimeError):

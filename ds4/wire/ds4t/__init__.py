@@ -134,9 +134,10 @@ DS4 changes from ds4_tp.h (why):
 * TORCH_GATES (`--tp-transport nccl|gloo`): the gate records do not travel on the data
   connection but through `torch.distributed` (an all-gather of the partials, each stamped with
   the same 24-byte header fields, checked the same way). Right after the data connection's
-  handshake the leader sends `{u32 store_port, u32 reserved 0}`: the port of the
-  `torch.distributed` TCPStore it opened on its own address, where the worker joins as rank 1.
-  Both ends must set it alike.
+  handshake the leader sends a 24-byte store record `{u32 store_port, u32 record version 2,
+  16-byte key prefix}` (`ds4.tp.link`): the port of the `torch.distributed` TCPStore it opened on
+  its own address, where the worker joins as rank 1, and the prefix its keys live under (known
+  only to the authenticated pair). Both ends must set it alike.
 * After every command the worker answers, in order: with DEBUG_HASH one HASH per layer that
   ran (seq = that layer's FFN gate seq, value = a hash of the hidden state after the layer), a
   LOGITS when the command produced logits, then COMMAND_ACK.
