@@ -263,6 +263,33 @@ def test_f16_rows_take_two_fp16_terms(tri, rng):
                    "matmul_kernel"], ran
 
 
+def test_normed_input_is_split_once_per_byte_order(tri, rng):
+    """Prefill products that read one normed input (as wq_a, wkv and the compressors' and
+    indexer's products read a layer's) split it once for the Q8C rows and once for the F16 rows,
+    not once a product, and each result equals the product of a fresh input against float64."""
+    n, K = 19, 512
+    x = (rng.standard_normal((n, K)) * 10.0 ** rng.uniform(-2, 2, (n, 1))).astype(np.float32)
+    xt = torch.from_numpy(x).to(tri.dev)
+    nw = rng.uniform(0.5, 1.5, K).astype(np.float32)
+    norm = tri.upload(Tensor("nw", T.F32, (K,), nw.view(np.uint8)))
+    x64 = x.astype(np.float64)
+    ms = np.sqrt(np.mean(x64 * x64, axis=1, keepdims=True) + tri.cfg.rms_eps)
+    a64 = x64 / ms * nw.astype(np.float64)
+    ws = [_experts(tri, t, K, N, 1, rng) for t, N in ((T.Q8_0, 48), (T.Q8_0, 32), (T.F16, 40), (T.F16, 24))]
+    shared = tri.rms_norm(xt, norm)
+    tri.ledger = []
+    got = [tri.to_numpy(tri.linear(shared, w)) for w, _ in ws]
+    ran = [name for name, _ in tri.ledger]
+    tri.ledger = []
+    alone = [tri.to_numpy(tri.linear(tri.rms_norm(xt, norm), w)) for w, _ in ws]
+    ran_alone = [name for name, _ in tri.ledger]
+    tri.ledger = None
+    assert ran.count("x16_kernel") == 2 and ran_alone.count("x16_kernel") == 4, (ran, ran_alone)
+    for g, a, (_, W) in zip(got, alone, ws):
+        assert np.array_equal(g, a)
+        assert _rel_rows(g, a64 @ W[0].T, np.abs(a64) @ np.abs(W[0]).T) < 1e-6
+
+
 # ---- the "f16" prefill precision: x rounded once to fp16, one product per block ------------------
 
 def _f16_rounded(x, block):

@@ -61,7 +61,7 @@ class _LinearOps:
                          N, Kd, w.RB, gr, self.cfg.rms_eps, NORM=norm, **c,
                          nbytes=w.RB * N + 4 * n * (Kd + N))
         elif self._f16w(w, src, group_stride):
-            self._matmul16(src, w, out, group_rows, group_stride)
+            self._matmul16(src, w, out, group_rows, group_stride, split=self._split_of(x, w, src))
         else:
             mc = self._mm_cfg(w.kt, Kd)
             BM, BN, warps = self.mm_tile_q8 if mc["U"] and not self.interpret else self.mm_tile
@@ -111,6 +111,18 @@ class _LinearOps:
                 (self.f16_x2 and w.kt == KernelType.F16) or (self.q8_hl and w.kt == KernelType.Q8C))
         return (takes and x.shape[1] % 256 == 0 and w.K % 256 == 0 and group_stride % 256 == 0
                 and x.stride(1) == 1)
+
+    def _split_of(self, x, w: QWeight, src):
+        """src (x materialised)'s _x16_for(w, src), kept on a lazy normed x for the other prefill
+        products that read it (a layer's attention input feeds wq_a, wkv and the compressors' and
+        indexer's products: two splits, one per byte order, instead of up to seven); None for
+        other inputs (_matmul16 splits them itself)."""
+        if not isinstance(x, _Normed):
+            return None
+        key = (w.kt == KernelType.Q8C, self._x_lo)
+        if key not in x.x16:
+            x.x16[key] = self._x16_for(w, src)
+        return x.x16[key]
 
     def _x16_for(self, w: QWeight, x):
         """x split as _matmul16 multiplies it by w: in Q8C quant byte order for Q8C rows, with

@@ -120,10 +120,11 @@ class _Lazy:
 
 
 class _Normed(_Lazy):
-    __slots__ = ("x", "w", "xq", "xq8")
+    __slots__ = ("x", "w", "xq", "xq8", "x16")
 
     def __init__(self, x, w):
         self.x, self.w, self.val, self.xq, self.xq8 = x, w, None, None, None
+        self.x16 = {}  # its prefill fp16 splits (Linear._split_of), by (Q8C byte order, low term)
 
     @property
     def shape(self):
