@@ -192,6 +192,24 @@ def test_ds4k_a_stranger_at_a_tls_receiver_is_told_too(contexts, tmp_path):
     assert out["e"].status == ds4k.TLS_MISMATCH
 
 
+def test_ds4k_a_tls_receiver_sends_its_hello_at_once_to_an_old_sender(contexts, tmp_path):
+    """A version-2 sender speaks TLS, sends nothing first (it has no opener) and waits for the
+    hello: a TLS receiver sends it right after the handshake, so the sender sees version 3 at
+    once (were the receiver to wait for the opener first, both would wait for the io timeout)."""
+    server, client = contexts
+    with ds4k.Receiver(0, timeout=SLOW_S, tls=server) as r:
+        t, out = _receiving(r, tmp_path)
+        with Timed() as took, socket.create_connection(("127.0.0.1", r.port), timeout=5) as raw, \
+                client.wrap_socket(raw, server_hostname="127.0.0.1") as c:
+            hello = ds4k._recv_exact(c, ds4k.HELLO.size, "the hello")
+        t.join(T_OUT)
+    assert took.seconds < FAST_S, took.seconds
+    magic, version, _flags, _zero, _nonce = ds4k.HELLO.unpack(hello)
+    assert (magic, version) == (ds4k.MAGIC, ds4k.VERSION) and ds4k.VERSION == 3
+    assert out["e"].status == ds4k.INCOMPLETE  # (the old sender hung up after the hello)
+    assert os.listdir(tmp_path) == []
+
+
 def _spawn_kv_recv(tmp_path: Path, *args) -> tuple[subprocess.Popen, int]:
     code = "import typer; from cli.kv import register; app = typer.Typer(); register(app); app()"
     p = subprocess.Popen([sys.executable, "-c", code, "kv-recv", "0", *map(str, args)], cwd=ROOT,

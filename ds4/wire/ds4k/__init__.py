@@ -19,12 +19,15 @@ receiver has `--tls-cert`, `ds4.wire.tls`):
    other until the io timeout.
 1. server → client, hello (48 bytes):
    `u32 magic 0x4b345344 ("DS4K"), u32 version 3, u32 flags (bit0: the token must be proven),
-   u32 0, 32-byte server nonce` (fresh random bytes per connection). A plain receiver sends it at
-   once, without waiting for the opener (an older sender, which sends nothing first, then sees
-   the version at once); then it reads the opener and refuses a TLS ClientHello there. Instead
-   of the hello, a receiver may send the reply record of step 3 with a non-zero status (its
-   first u32 is a status, never the magic) and close: a receiver that requires TLS does so,
-   with status TLS_MISMATCH, for a sender whose opener came in plain text.
+   u32 0, 32-byte server nonce` (fresh random bytes per connection). Every receiver sends it at
+   once, without waiting for the opener: a plain one as soon as it accepts, a TLS one as soon
+   as the TLS handshake is done (before it, it only peeks at the first bytes, which a TLS
+   sender's ClientHello fills at once). So an older sender, which sends nothing first, sees the
+   version at once, with TLS or without. Then the receiver reads the opener (a plain one refuses
+   a TLS ClientHello there). Instead of the hello, a receiver may send the reply record of
+   step 3 with a non-zero status (its first u32 is a status, never the magic) and close: a
+   receiver that requires TLS does so, with status TLS_MISMATCH, for a sender whose opener came
+   in plain text.
    A sender that has a token refuses a receiver whose flags do not ask for it, sending nothing
    more.
 2. client → server, record header (16 bytes):
