@@ -52,12 +52,14 @@ class _AttentionOps:
         if ring is not None and (ROWS, D) != (1, ring.shape[1]):
             raise ValueError(f"rope into the raw window: expected rows of {ring.shape[1]} values, got {shape}")
         out = self._new(shape) if ring is None else ring
-        BR = min(_pow2(ROWS), 16 if n >= MM_MIN else self.rope_rows_decode)
+        BR, warps = self.rope_tile_prefill if n >= MM_MIN else (self.rope_rows_decode, 4)
+        BR = min(_pow2(ROWS), BR)
+        warps = max(1, min(warps, BR * D // 256))
         self._launch(K.rope_kernel, (n, _cdiv(ROWS, BR)), src, out, nw, self._freq[il], self._pos, ROWS,
                      self.cfg.rms_eps, D=D, NROT=self.cfg.n_rot, BR=BR, NORM=norm, INVERSE=inverse,
                      QAT=qat, QS=float(np.float32(1.0 / np.sqrt(D))), LOGD=max(0, D.bit_length() - 1),
                      HDP=_pow2(D // 2), RING=ring is not None, RAWCAP=1 if ring is None else ring.shape[0],
-                     NN=self.cfg.n_nope, DS4=self.ds4_numerics, num_warps=max(1, min(4, BR * D // 256)),
+                     NN=self.cfg.n_nope, DS4=self.ds4_numerics, num_warps=warps,
                      nbytes=(4 + out.element_size()) * n * ROWS * D)
         return out
 

@@ -175,6 +175,9 @@ class TritonTuning:
     combine_pairs: int = 32
     # decode RoPE: heads per program (few, so that a token's heads spread over many programs)
     rope_rows_decode: int = 2
+    # prefill RoPE (a chunk's queries, unless attention applies it): rows (heads) per program
+    # and warps
+    rope_tile_prefill: tuple = (16, 4)
     attn_split_rows: int = 32  # decode attention: KV rows per program (attn_combine_kernel merges them)
     # decode attention: heads per program (a power of two, at least 16 for the tensor cores'
     # product); each head group reads every row once
