@@ -19,8 +19,10 @@ from rich.text import Text
 
 from ds4.core.chat import DEFAULT_SYSTEM
 from ds4.core.payload import PayloadError
+from ds4.core.text import check_utf8
 
-from .common import CLIError, check_output, check_prefill_cap, err, library_errors, open_engine, rate
+from .common import (CLIError, check_output, check_prefill_cap, err, library_errors, open_engine,
+                     print_error, rate)
 from .options import (MAX_SEED, BackendOption, CtxOption, MinPOption, ModelOption, NoThinkOption,
                       NumericsOption, PrefillCapOption, SeedOption, SystemOption, TempOption, TopKOption,
                       TopPOption, check_range)
@@ -71,6 +73,8 @@ def chat(
 
     with contextlib.suppress(AttributeError, ValueError):
         sys.stdout.reconfigure(errors="replace")
+    with contextlib.suppress(AttributeError, ValueError):  # a line that is not UTF-8 is said below
+        sys.stdin.reconfigure(errors="surrogateescape")
     with library_errors():
         check_prefill_cap(prefill_cap, ctx)
     eng = open_engine(model, backend, numerics)
@@ -123,6 +127,11 @@ def chat(
                 err.print(Text(f"saved {len(session.tokens)} tokens to {arg} ({size:,} bytes)", style="dim"))
             else:
                 err.print(Text(f"unknown command {text!r}; {HELP}", style="yellow"), soft_wrap=True)
+            continue
+        try:  # (a byte that is not UTF-8 arrives as a lone surrogate: said, and the chat goes on)
+            check_utf8(line, "this line")
+        except ValueError as e:
+            print_error(f"{e} (not sent)")
             continue
         held = session.tokens
         ids = turn_tokens(tok, held, text, think, system or None)

@@ -14,6 +14,8 @@ from rich.progress import (BarColumn, MofNCompleteColumn, Progress, TaskProgress
                            TimeElapsedColumn)
 from rich.text import Text
 
+from .options import check_text
+
 # Results go to stdout; progress, status and diagnostics to stderr, so `ds4 ... > file` keeps
 # only the result. Both consoles look sys.stdout/sys.stderr up at write time.
 out = Console(highlight=False)
@@ -111,11 +113,22 @@ def strip_one_newline(text: str) -> str:
     return text
 
 
-def prompt_text(prompt: str) -> str:
+def read_stdin_text() -> str:
+    """All of stdin as text. A byte that is not UTF-8 becomes a lone surrogate (as in argv), which
+    check_text names, rather than a UnicodeDecodeError where the locale makes stdin strict."""
+    with contextlib.suppress(AttributeError, ValueError):  # (a stand-in stdin may not reconfigure)
+        sys.stdin.reconfigure(errors="surrogateescape")
+    return sys.stdin.read()
+
+
+def prompt_text(prompt: str, option: str = "--prompt") -> str:
     """The user message of `-p PROMPT`: PROMPT, or for `-p -` stdin's text less one trailing
     newline. `echo` and a shell's here-string (`<<<`) end the text with a newline that is not
-    part of the message; a second one, typed on purpose, is kept."""
-    return strip_one_newline(sys.stdin.read()) if prompt == STDIN_PROMPT else prompt
+    part of the message; a second one, typed on purpose, is kept. Text that is not UTF-8 is a
+    command-line error naming `option` (check_text)."""
+    if prompt == STDIN_PROMPT:
+        return check_text(strip_one_newline(read_stdin_text()), option, "stdin")
+    return check_text(prompt, option)
 
 
 def prompt_file_text(path: Path, option: str = "--prompt-file") -> str:

@@ -120,6 +120,7 @@ def prefill(
     dest = check_hostport(send_kv, "--send-kv", default_host=LOOPBACK) if send_kv is not None else None
     with library_errors():
         check_prefill_cap(prefill_cap, ctx)
+        prompt = prompt_file_text(prompt_file) if prompt_file is not None else prompt_text(prompt)
         token = wire_token(auth_token, auth_token_file) if send_kv is not None else None
         tls = client_tls(tls_cert, tls_key, tls_ca) if send_kv is not None else None
         # Where the payload goes is checked before the prefill, not after it: the probe runs
@@ -131,7 +132,6 @@ def prefill(
             from ds4.wire.ds4k import probe_receiver
 
             probe_receiver(*dest, auth_token=token, timeout=io_timeout, tls=tls)
-        prompt = prompt_file_text(prompt_file) if prompt_file is not None else prompt_text(prompt)
     tp = TpLeader.of(tp_listen, tp_transport, gate_timeout_ms, debug_hash, tp_wait)
     # The leader is a TLS server, --send-kv a client: --tls-ca alone (trust the receiver) leaves
     # the pair's link plain; with --tls-cert/--tls-key both use them (and --tls-ca also asks the

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import math
 from pathlib import Path
-from typing import Annotated, Literal, Optional
+from typing import Annotated, Callable, Literal, Optional
 
 import typer
 
@@ -56,6 +56,24 @@ def check_hostport(value: str, option: str, *, default_host: str | None = None,
         raise typer.BadParameter(e.detail, param_hint=f"'{option}'") from None
 
 
+def check_text(text: str, option: str, source: str = "") -> str:
+    """`text` if UTF-8 can encode it; else a command-line error (exit 2) naming `option`, the
+    byte that was not UTF-8 and its position (in `source`, e.g. "stdin", where it came from)."""
+    from ds4.core.text import check_utf8
+
+    try:
+        return check_utf8(text, option)
+    except ValueError as e:
+        detail = str(e).removeprefix(f"{option}: ")
+        raise typer.BadParameter(f"{source}: {detail}" if source else detail,
+                                 param_hint=f"'{option}'") from None
+
+
+def text_option(option: str) -> Callable[[Optional[str]], Optional[str]]:
+    """An option's callback that refuses text UTF-8 cannot encode (see check_text)."""
+    return lambda value: value if value is None else check_text(value, option)
+
+
 # ---- model and engine ---------------------------------------------------------------------------
 
 ModelOption = Annotated[Optional[Path], typer.Option(
@@ -100,7 +118,7 @@ PromptOption = Annotated[str, typer.Option(
     "--prompt", "-p", metavar="TEXT", show_default=False, help=PROMPT_HELP)]
 
 SystemOption = Annotated[str, typer.Option(
-    "--system", metavar="TEXT",
+    "--system", metavar="TEXT", callback=text_option("--system"),
     help="System text placed before the user message; --system '' leaves it out.")]
 
 NoThinkOption = Annotated[bool, typer.Option(

@@ -121,6 +121,54 @@ def test_a_corrupted_file_is_refused(models, saved):
         assert s.tokens == []
 
 
+# The SHA-256 of no bytes, and the same with its 21st hex digit changed (f -> 0): the two share
+# their first 20 digits, more than a message's usual 16.
+EMPTY_SHA = "e3b0c44298fc1c149afbf4c8996fb92427ae41e4649b934ca495991b7852b855"
+EMPTY_SHA_20 = "e3b0c44298fc1c149afb04c8996fb92427ae41e4649b934ca495991b7852b855"
+
+
+def test_two_hashes_that_share_16_digits_are_shown_until_they_differ():
+    """A message shows 16 hex digits of a hash; where those of the two hashes it compares are the
+    same, it shows both up to the first digit that differs and 3 more (all 64 where fewer are
+    left). They read "cafa462a7b7831cb…" twice."""
+    with pytest.raises(PayloadError, match="^" + pl.E_CHECKSUM + ": the SHA-256 of its 0 body bytes is "
+                       "e3b0c44298fc1c149afbf4c8…, the trailer says e3b0c44298fc1c149afb04c8…$"):
+        pl.verify_digest(b"", pl.Identity(pl.ModelRef(b"\0" * 32), bytes.fromhex(EMPTY_SHA_20), 0))
+    a = pl.ModelRef(bytes.fromhex("cafa462a7b7831cb" + "11" * 23 + "0e"), "x.gguf")
+    b = pl.ModelRef(bytes.fromhex("cafa462a7b7831cb" + "11" * 23 + "0f"), "x.gguf")
+    c = pl.ModelRef(bytes.fromhex("cafa462a7b7831cc" + "11" * 23 + "0e"), "y.gguf")
+    cases = [
+        (a, b, "x.gguf (fingerprint cafa462a7b7831cb" + "11" * 23 + "0e), "  # the last digit: all 64
+               "this is x.gguf (fingerprint cafa462a7b7831cb" + "11" * 23 + "0f)"),
+        (a, c, "x.gguf (fingerprint cafa462a7b7831cb…), this is y.gguf (fingerprint cafa462a7b7831cc…)"),
+    ]
+    for saved_from, this, says in cases:
+        with pytest.raises(PayloadError) as e:
+            pl.check_model(pl.Identity(saved_from, b"\0" * 32, 0), this)
+        assert str(e.value) == f"{pl.E_MODEL}: the file was saved from {says}"
+
+
+def test_a_flipped_byte_deep_in_the_trailer_shows_two_different_values(cli, models, saved, tmp_path):
+    """`ds4 decode` of a file with a byte flipped 30 bytes from its end (in the stored SHA-256:
+    hex digit 53 differs) or 60 (in the fingerprint: digit 57) shows each pair of values up to
+    that digit and 3 more."""
+    a, _ = models
+    path, body = saved
+    data = path.read_bytes()
+    fp, sha = a.model.fingerprint.hex(), hashlib.sha256(body).hexdigest()
+    bad_fp, bad_sha = _flip(a.model.fingerprint, 28).hex(), _flip(hashlib.sha256(body).digest(), 26).hex()
+    for back, says in (
+            (30, f"{pl.E_CHECKSUM}: the SHA-256 of its {len(body)} body bytes is {sha[:57]}…, "
+                 f"the trailer says {bad_sha[:57]}…"),
+            (60, f"{pl.E_MODEL}: the file was saved from a.gguf (fingerprint {bad_fp[:61]}…), "
+                 f"this is a.gguf (fingerprint {fp[:61]}…)")):
+        bad = tmp_path / f"{back}.dsv4"
+        bad.write_bytes(_flip(data, len(data) - back))
+        r = cli("decode", "-m", a.model.path, "--load-kv", bad, "-n", 1, "--backend", "reference")
+        assert r.exit_code == 1, r.output
+        assert says in r.stderr, r.stderr
+
+
 def test_a_payload_with_no_tokens_is_refused_on_load(models, saved):
     a, _ = models
     _, body = saved

@@ -287,3 +287,14 @@ def test_small_tokenizer_roundtrip(small_tok, text):
     assert all(0 <= i < 512 for i in ids)
     assert small_tok.decode(ids) == text
     assert small_tok.decode(small_tok.encode_rendered(text)) == text
+
+
+def test_text_that_is_not_utf8_is_refused_before_the_bpe(small_tok):
+    """A lone surrogate (a non-UTF-8 byte decoded with surrogateescape, or an escaped one from
+    JSON) is a ValueError naming the byte or code point and its position in the whole text;
+    it reached HF tokenizers, which failed with "TextEncodeInput must be Union[...]"."""
+    with pytest.raises(ValueError, match=r"^text: expected UTF-8 text, got the byte 0xe9 at character 3$"):
+        small_tok.encode("caf\udce9")
+    with pytest.raises(ValueError, match=r"^text: expected UTF-8 text, got a lone surrogate U\+D800 "
+                                         r"at character 10$"):
+        small_tok.encode_rendered("<｜User｜>ab\ud800<｜Assistant｜>")

@@ -45,6 +45,24 @@ MAX_MODEL_NAME_BYTES = 255
 DIGEST_BYTES = 32  # SHA-256
 
 
+SHORT_HEX = 16  # hex digits of a hash that a message shows
+
+
+def short_hex(value: bytes, digits: int | None = None) -> str:
+    """The first `digits` (default SHORT_HEX) hex digits of `value`, and "…" if there are more."""
+    h = value.hex()
+    digits = SHORT_HEX if digits is None else digits
+    return h if digits >= len(h) else f"{h[:digits]}…"
+
+
+def distinct_digits(a: bytes, b: bytes) -> int:
+    """How many hex digits a message comparing `a` and `b` shows of each: SHORT_HEX; where those
+    are the same in both, up to the first digit that differs and 3 more (short_hex shows all 64
+    where fewer are left), so that two different values never read the same."""
+    first = next((i for i, (x, y) in enumerate(zip(a.hex(), b.hex())) if x != y), 0)
+    return SHORT_HEX if first < SHORT_HEX else first + 4
+
+
 class PayloadError(ValueError):
     """A payload that cannot be read into this session; the message starts with ds4's text
     (payload.py re-exports it)."""
@@ -70,9 +88,10 @@ class ModelRef:
         path = getattr(model, "path", None)
         return cls(bytes(fp), Path(path).name if path is not None else "")
 
-    def describe(self) -> str:
+    def describe(self, digits: int | None = None) -> str:
+        """Its name and fingerprint, the latter in `digits` hex digits (default SHORT_HEX)."""
         name = f"{self.name} " if self.name else ""
-        return f"{name}(fingerprint {self.fingerprint.hex()[:16]}…)"
+        return f"{name}(fingerprint {short_hex(self.fingerprint, digits)})"
 
 
 @dataclass(frozen=True)
@@ -181,11 +200,13 @@ _HASH_CHUNK = 1 << 20
 def check_model(ident: Identity | None, model: ModelRef | None) -> None:
     """Refuse a payload whose trailer names another model than `model`."""
     if ident is not None and model is not None and ident.model.fingerprint != model.fingerprint:
-        raise _fail(E_MODEL, f"the file was saved from {ident.model.describe()}, this is "
-                             f"{model.describe()}")
+        digits = distinct_digits(ident.model.fingerprint, model.fingerprint)
+        raise _fail(E_MODEL, f"the file was saved from {ident.model.describe(digits)}, this is "
+                             f"{model.describe(digits)}")
 
 
 def _check_digest(got: bytes, ident: Identity) -> None:
     if got != ident.sha256:
-        raise _fail(E_CHECKSUM, f"the SHA-256 of its {ident.body_bytes} body bytes is "
-                                f"{got.hex()[:16]}…, the trailer says {ident.sha256.hex()[:16]}…")
+        digits = distinct_digits(got, ident.sha256)
+        raise _fail(E_CHECKSUM, f"the SHA-256 of its {ident.body_bytes} body bytes is {short_hex(got, digits)}, "
+                                f"the trailer says {short_hex(ident.sha256, digits)}")

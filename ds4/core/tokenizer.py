@@ -24,6 +24,8 @@ from collections.abc import Iterable
 import tokenizers
 from tokenizers import Regex, decoders, models, pre_tokenizers
 
+from .text import check_utf8
+
 BOS = "<｜begin▁of▁sentence｜>"
 EOS = "<｜end▁of▁sentence｜>"
 USER = "<｜User｜>"
@@ -190,15 +192,18 @@ class Tokenizer:
         return cls(hf, tokens, {s: vocab[s] for s in SPECIAL_TOKENS})
 
     def encode(self, text: str) -> list[int]:
-        """Byte-level BPE of `text`; special-token strings in it are ordinary text."""
+        """Byte-level BPE of `text`; special-token strings in it are ordinary text. Text that UTF-8
+        cannot encode (a lone surrogate) is a ValueError (ds4.core.text.check_utf8)."""
         if not text:
             return []
+        check_utf8(text, "text")  # (HF tokenizers would fail with an unrelated TypeError)
         # (encode_batch releases the GIL while it works, encode holds it: a server tokenizing a
         # long prompt on a worker thread would stall its event loop for the whole encode)
         return self._hf.encode_batch([text], add_special_tokens=False)[0].ids
 
     def encode_rendered(self, text: str) -> list[int]:
         """Rendered chat text: the seven special strings become their ids, the rest is BPE'd."""
+        check_utf8(text, "text")  # (here, so that the position it names is in the whole text)
         ids: list[int] = []
         start = 0
         for m in self._special_re.finditer(text):
