@@ -282,6 +282,22 @@ def test_a_sender_killed_half_way_leaves_nothing(eng, payload, tmp_path):
                     [f"after {len(payload) // 2} of {len(payload)} payload bytes"], dest)
 
 
+def test_a_model_that_shares_the_shown_digits_is_told_apart(eng, tmp_path):
+    """Two fingerprints alike in their first 20 hex digits: the refusal shows both up to the first
+    digit that differs and 3 more, so that the two never read the same."""
+    mine = bytes.fromhex("ab" * 10 + "cd" + "00" * 21)
+    theirs = "ab" * 10 + "ce" + "11" * 21
+    r = receiver(eng, fingerprint=mine)
+    try:
+        m = ds4k.Manifest(theirs, 1, "00" * 32, 1, 1, 1, 0)
+        with pytest.raises(DS4KError) as e:
+            r._check_manifest(m, tmp_path / "s.dsv4")
+    finally:
+        r.close()
+    # (digit 21 is the first that differs: 22 digits and 3 more)
+    assert f"the manifest names model {'ab' * 10}ce111…, this receiver serves model {'ab' * 10}cd000…" in str(e.value)
+
+
 def test_another_models_payload_is_refused(eng, payload, tmp_path):
     # A receiver serving another model: refused on the manifest, before the payload moves.
     r = receiver(eng, fingerprint=bytes(range(32)))

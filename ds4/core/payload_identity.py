@@ -48,18 +48,23 @@ DIGEST_BYTES = 32  # SHA-256
 SHORT_HEX = 16  # hex digits of a hash that a message shows
 
 
-def short_hex(value: bytes, digits: int | None = None) -> str:
-    """The first `digits` (default SHORT_HEX) hex digits of `value`, and "…" if there are more."""
-    h = value.hex()
+def _hex(value: bytes | str) -> str:
+    return value if isinstance(value, str) else value.hex()
+
+
+def short_hex(value: bytes | str, digits: int | None = None) -> str:
+    """The first `digits` (default SHORT_HEX) hex digits of `value` (bytes, or already in hex),
+    and "…" if there are more."""
+    h = _hex(value)
     digits = SHORT_HEX if digits is None else digits
     return h if digits >= len(h) else f"{h[:digits]}…"
 
 
-def distinct_digits(a: bytes, b: bytes) -> int:
+def distinct_digits(a: bytes | str, b: bytes | str) -> int:
     """How many hex digits a message comparing `a` and `b` shows of each: SHORT_HEX; where those
     are the same in both, up to the first digit that differs and 3 more (short_hex shows all 64
     where fewer are left), so that two different values never read the same."""
-    first = next((i for i, (x, y) in enumerate(zip(a.hex(), b.hex())) if x != y), 0)
+    first = next((i for i, (x, y) in enumerate(zip(_hex(a), _hex(b))) if x != y), 0)
     return SHORT_HEX if first < SHORT_HEX else first + 4
 
 

@@ -20,6 +20,7 @@ from pathlib import Path
 from ...core.atomic import atomic_path
 from ...core.config import ModelConfig
 from ...core.payload import HEADER_BYTES, ModelRef, PayloadError, check_payload
+from ...core.payload_identity import SHORT_HEX, distinct_digits, short_hex
 from .. import auth, sniff
 from ..address import format_hostport
 from ..deadline import Deadline
@@ -270,9 +271,11 @@ class Receiver:
 
     def _check_manifest(self, m: Manifest, out_path: Path) -> None:
         if self.fingerprint is not None and m.fingerprint != self.fingerprint:
-            got = "no model fingerprint" if m.fingerprint is None else f"model {m.fingerprint[:16]}…"
+            digits = SHORT_HEX if m.fingerprint is None else distinct_digits(m.fingerprint, self.fingerprint)
+            got = ("no model fingerprint" if m.fingerprint is None
+                   else f"model {short_hex(m.fingerprint, digits)}")
             raise DS4KError(f"the payload is for a different model: the manifest names {got}, "
-                            f"this receiver serves model {self.fingerprint[:16]}…", REFUSED)
+                            f"this receiver serves model {short_hex(self.fingerprint, digits)}", REFUSED)
         if m.payload_bytes > self.max_bytes:
             raise DS4KError(f"payload of {m.payload_bytes} bytes is over the receiver's limit of "
                             f"{self.max_bytes} bytes (--max-kv-bytes)", REFUSED)
@@ -334,8 +337,9 @@ class Receiver:
             left -= got
         digest = h.hexdigest()
         if digest != m.sha256:
-            raise DS4KError(f"SHA-256 mismatch: the payload was corrupted in transit "
-                            f"(received {digest[:16]}…, manifest {m.sha256[:16]}…)", CORRUPT)
+            digits = distinct_digits(digest, m.sha256)
+            raise DS4KError(f"SHA-256 mismatch: the payload was corrupted in transit (received "
+                            f"{short_hex(digest, digits)}, manifest {short_hex(m.sha256, digits)})", CORRUPT)
 
 
 def receive_payload(port: int, out_path: str | os.PathLike, *, host: str = "127.0.0.1",
