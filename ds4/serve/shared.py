@@ -328,9 +328,10 @@ async def first_event(job: Job, request):
 
 async def events(job: Job, request, stream: bool = False) -> AsyncIterator:
     """The job's events after `Started`, up to `Finished` or `Failed`; cancels the job if the
-    client goes away or the consumer stops early. A stream (`stream`) does not poll for the
-    client: the server closes this iterator when a send to a client that went away fails,
-    which happens at the next token."""
+    client goes away or the consumer stops early. A stream (`stream`) does not look for the
+    client: Starlette's StreamingResponse listens for the disconnect beside the stream (under
+    uvicorn's ASGI 2.3) and cancels it as it comes, which ends this iterator (under a server of
+    ASGI 2.4, the next token's send fails instead)."""
     try:
         while True:
             ev = await (job.events.get() if stream else next_event(job, request))
