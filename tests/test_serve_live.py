@@ -632,6 +632,35 @@ def test_queue_full_429_and_disconnect_cancels(server, oa):
     assert r.usage.completion_tokens == 1
 
 
+def test_a_request_not_streamed_stops_when_its_client_leaves(server):
+    """A client that hangs up on a request it did not stream stops the generation within a
+    token or so: the server looks for it at each token, not only when no token came for a
+    while (tokens that come faster than that kept a gone client's generation to its end)."""
+    url = server.url
+    wait_idle(url, AUTH)
+    cancelled0 = metric(url, "ds4_cancelled_generations_total", AUTH)
+    generated0 = metric(url, "ds4_generated_tokens_total", AUTH)
+    sock = socket.create_connection(("127.0.0.1", server.port))
+    body = json.dumps({"messages": [{"role": "user", "content": "long"}], "max_tokens": 500,
+                       "temperature": 0, "reasoning_effort": "none"}).encode()
+    t0 = time.monotonic()
+    sock.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                 + f"Authorization: Bearer {KEY}\r\nContent-Length: {len(body)}\r\n\r\n".encode() + body)
+    deadline = time.monotonic() + 30
+    while metric(url, "ds4_generations_running", AUTH) < 1:  # generating now
+        assert time.monotonic() < deadline
+        time.sleep(0.02)
+    time.sleep(0.5)  # (a few tokens in)
+    sock.close()
+    held = time.monotonic() - t0
+    wait_idle(url, AUTH)
+    assert metric(url, "ds4_cancelled_generations_total", AUTH) == cancelled0 + 1
+    generated = metric(url, "ds4_generated_tokens_total", AUTH) - generated0
+    # a bound in time, as in the streamed case: its decode time fits in the time the client was there
+    decode_s = generated / metric(url, "ds4_decode_tokens_per_second", AUTH)
+    assert generated < 500 and decode_s < held + 0.5, (generated, decode_s, held)
+
+
 def test_sigterm_ends_open_streams_with_an_error_event(tmp_path):
     """Ctrl-C / SIGTERM: a stream under way ends with an error event saying why (its client
     knows the reply is cut), and the server exits cleanly within the grace period."""

@@ -364,7 +364,7 @@ class _LoopWatchingTokenizer:
         return self._tok.encode_rendered(text)
 
 
-def _app_client(tok, submit):
+def _app_client(tok, submit, ctx: int = APP_CTX):
     """(an in-process client of create_app's app, its stand-in driver) whose `submit` is given."""
     from types import SimpleNamespace
 
@@ -373,8 +373,8 @@ def _app_client(tok, submit):
     from ds4.serve.app import create_app
     from ds4.serve.metrics import Metrics
 
-    driver = SimpleNamespace(tokenizer=tok, ctx=APP_CTX, metrics=Metrics(), remote=False, submit=submit)
-    app = create_app(driver, model_id="ds4", max_tokens_limit=APP_CTX)
+    driver = SimpleNamespace(tokenizer=tok, ctx=ctx, metrics=Metrics(), remote=False, submit=submit)
+    app = create_app(driver, model_id="ds4", max_tokens_limit=ctx)
     return TestClient(app, raise_server_exceptions=False), driver
 
 
@@ -406,7 +406,7 @@ def test_a_prompt_is_tokenized_off_the_event_loop_after_its_length_is_checked(to
 
     client, _ = _app_client(watched, submit)
     longest = max(len(tok.token_bytes(i)) for i in range(tok.vocab_size))
-    most = (APP_CTX - 1) * longest  # characters: each is one byte or more
+    most = APP_CTX * longest  # characters (each one byte or more) that may be the context's tokens
 
     def requests(text):
         msgs = [{"role": "user", "content": text}]
@@ -417,14 +417,15 @@ def test_a_prompt_is_tokenized_off_the_event_loop_after_its_length_is_checked(to
     for path, body, param in requests("x" * (most + 1)):
         r = client.post(path, json=body)
         message = r.json()["error"]["message"]
-        assert r.status_code == 400 and message.startswith(f"{param}: the prompt's text has {most + 1} "
-                                                           f"characters, more than the {most}"), message
+        assert r.status_code == 400, message
+        assert f"the prompt's text has {most + 1} characters" in message, message
+        assert f"at least {APP_CTX + 1} tokens" in message, message
     assert watched.on_loop == []  # refused untokenized
     for path, body, param in requests("x" * most):  # within the bound: tokenized, then too long
         r = client.post(path, json=body)
         message = r.json()["error"]["message"]
-        assert r.status_code == 400 and re.match(rf"{param}: the prompt has \d+ tokens, which leaves "
-                                                 rf"no room in the server's context of {APP_CTX}", message)
+        assert r.status_code == 400, message
+        assert re.search(r"(the prompt has|prompt is too long:) \d+ tokens", message), message
     for path, body, param in requests("hi"):
         assert client.post(path, json=body).status_code == 429
     assert len(submitted) == 3
@@ -487,10 +488,10 @@ def test_finish_reason_of_tool_calls_cut_by_the_limit():
 
 # ---- the official clients against the app over a stand-in driver ---------------------------------
 
-def _official_clients(tok, submit):
+def _official_clients(tok, submit, ctx: int = APP_CTX):
     """(openai client, anthropic client, stand-in driver) talking to create_app's app in process
     (the test client is an httpx client, which both official clients take)."""
-    client, driver = _app_client(tok, submit)
+    client, driver = _app_client(tok, submit, ctx)
     oa = openai.OpenAI(base_url=f"{client.base_url}/v1", api_key="-", http_client=client, max_retries=0)
     an = anthropic.Anthropic(base_url=str(client.base_url), api_key="-", http_client=client, max_retries=0)
     return oa, an, driver
@@ -566,8 +567,9 @@ def test_max_tokens_past_the_context_is_refused_naming_the_context(tok):
     chat = len([tok.bos_id, tok.user_id] + tok.encode("hi") + [tok.assistant_id, tok.think_start_id])
 
     def message(param, prompt, asked):
-        return (f"{param}: expected at most {APP_CTX - prompt} (the server's context of {APP_CTX} "
-                f"tokens less the prompt's {prompt} tokens), got {asked}")
+        return (f"This model's maximum context length is {APP_CTX} tokens; you requested {prompt + asked} "
+                f"tokens ({prompt} in the prompt, {asked} for {param}): {param} may be at most "
+                f"{APP_CTX - prompt}")
 
     openai_calls = [  # (the call with a limit, its field, the prompt's tokens)
         (lambda n: oa.chat.completions.create(model="ds4", messages=msgs, max_tokens=n),
@@ -595,9 +597,224 @@ def test_max_tokens_past_the_context_is_refused_naming_the_context(tok):
     with pytest.raises(anthropic.BadRequestError) as e:
         an.messages.create(model="ds4", max_tokens=room + 1, messages=msgs)
     assert e.value.body == {"type": "error", "error": {
-        "type": "invalid_request_error", "message": message("max_tokens", chat, room + 1)}}
+        "type": "invalid_request_error",
+        "message": f"input length and `max_tokens` exceed context limit: {chat} + {room + 1} > {APP_CTX}"}}
     assert submitted == []
 
     with pytest.raises(openai.RateLimitError):  # no limit asked for: what the context leaves
         oa.chat.completions.create(model="ds4", messages=msgs)
     assert submitted.pop().max_tokens == APP_CTX - chat
+
+
+def _raw(client, path: str, body: str):
+    """POST a JSON body written by hand (the official clients cannot send a lone surrogate: they
+    encode their JSON as UTF-8 text, where JSON itself may carry one escaped, "\\ud800")."""
+    return client.post(path, content=body.encode("ascii"), headers={"Content-Type": "application/json"})
+
+
+LONE = "a\\ud800b"  # JSON text: "a", a lone surrogate, "b"
+
+
+@pytest.mark.parametrize("path, body, param", [
+    ("/v1/chat/completions", f'{{"messages": [{{"role": "user", "content": "{LONE}"}}]}}',
+     "messages[0].content"),
+    ("/v1/chat/completions", f'{{"messages": [{{"role": "system", "content": "ok"}}, {{"role": "user", '
+                             f'"content": [{{"type": "text", "text": "{LONE}"}}]}}]}}',
+     "messages[1].content[0].text"),
+    ("/v1/chat/completions", f'{{"messages": [{{"role": "user", "content": "hi"}}], "tools": [{{"type": '
+                             f'"function", "function": {{"name": "f", "description": "{LONE}"}}}}]}}',
+     "tools[0].function.description"),
+    ("/v1/chat/completions", f'{{"messages": [{{"role": "user", "content": "hi"}}, {{"role": "assistant", '
+                             f'"tool_calls": [{{"id": "c", "type": "function", "function": {{"name": "f", '
+                             f'"arguments": "{{\\"q\\": \\"{LONE}\\"}}"}}}}]}}]}}',
+     "messages[1].tool_calls[0].function.arguments@8"),  # (its character 8: '{"q": "a' before it)
+    ("/v1/chat/completions", f'{{"messages": [{{"role": "user", "content": "hi"}}], "model": "{LONE}"}}',
+     "model"),
+    ("/v1/completions", f'{{"prompt": "{LONE}"}}', "prompt"),
+    ("/v1/completions", f'{{"prompt": ["{LONE}"]}}', "prompt[0]"),
+    ("/v1/messages", f'{{"max_tokens": 1, "messages": [{{"role": "user", "content": "{LONE}"}}]}}',
+     "messages[0].content"),
+    ("/v1/messages", f'{{"max_tokens": 1, "system": "{LONE}", "messages": [{{"role": "user", '
+                     f'"content": "hi"}}]}}',
+     "system"),
+    ("/v1/messages", f'{{"max_tokens": 1, "messages": [{{"role": "user", "content": [{{"type": "tool_result", '
+                     f'"tool_use_id": "t", "content": "{LONE}"}}]}}]}}',
+     "messages[0].content[0].content"),
+    ("/v1/messages", f'{{"max_tokens": 1, "messages": [{{"role": "user", "content": "hi"}}, {{"role": '
+                     f'"assistant", "content": [{{"type": "tool_use", "id": "t", "name": "f", "input": '
+                     f'{{"q": "{LONE}"}}}}]}}]}}',
+     "messages[1].content[0].input.q"),
+    ("/v1/messages", f'{{"max_tokens": 1, "messages": [{{"role": "user", "content": "hi"}}], "tools": '
+                     f'[{{"name": "f", "input_schema": {{"type": "object", "properties": '
+                     f'{{"{LONE}": {{}}}}}}}}]}}',
+     "tools[0].input_schema.properties"),
+    ("/v1/messages/count_tokens", f'{{"messages": [{{"role": "user", "content": "{LONE}"}}]}}',
+     "messages[0].content"),
+])
+def test_a_lone_surrogate_in_request_text_is_a_400_naming_its_field(tok, path, body, param):
+    """JSON may escape a lone surrogate ("\\ud800"), which is no character UTF-8 can encode: the
+    request gets a 400 in its API's error JSON naming the field (a key, the object holding it),
+    not a plain-text 500 from the tokenizer; nothing reaches the generation."""
+    submitted = []
+    client, _ = _app_client(tok, _queue_full(submitted))
+    r = _raw(client, path, body)
+    assert r.status_code == 400, r.text
+    param, _, at = param.partition("@")
+    where = f"{param}: a key" if param.endswith("properties") else param
+    message = f"{where}: expected UTF-8 text, got a lone surrogate U+D800 at character {at or 1}"
+    if path.startswith("/v1/messages"):
+        assert r.json() == {"type": "error", "error": {"type": "invalid_request_error", "message": message}}
+    else:
+        assert r.json() == {"error": {"message": message, "type": "invalid_request_error",
+                                      "param": param, "code": None}}
+    assert submitted == []
+
+
+def test_a_prompt_past_the_context_gets_the_code_and_wording_clients_key_on(tok):
+    """A prompt the context cannot hold, or a prompt and max_tokens that pass it, gets each
+    API's own wording, which clients look for to shorten a history: OpenAI's code
+    "context_length_exceeded" and "maximum context length is N tokens" (and the field in
+    param), Anthropic's "prompt is too long: P tokens > N maximum" and "input length and
+    `max_tokens` exceed context limit: P + M > N". Counted by hand from spec §5's template."""
+    submitted = []
+    oa, an, _ = _official_clients(tok, _queue_full(submitted))
+
+    def chat_tokens(text):  # BOS <｜User｜>text <｜Assistant｜> <think> or </think>
+        return 4 + len(tok.encode(text))
+
+    long = " hi" * APP_CTX
+    msgs = [{"role": "user", "content": long}]
+    n = chat_tokens(long)
+    assert n > APP_CTX
+    with pytest.raises(openai.BadRequestError) as e:
+        oa.chat.completions.create(model="ds4", messages=msgs)
+    assert (e.value.code, e.value.param, e.value.type) == ("context_length_exceeded", "messages",
+                                                           "invalid_request_error")
+    assert e.value.body["message"] == (f"This model's maximum context length is {APP_CTX} tokens; the "
+                                       f"prompt has {n} tokens, which leaves no room for a reply: "
+                                       f"shorten messages")
+    with pytest.raises(openai.BadRequestError) as e:
+        oa.completions.create(model="ds4", prompt=long)
+    assert (e.value.code, e.value.param) == ("context_length_exceeded", "prompt")
+    assert f"maximum context length is {APP_CTX} tokens" in e.value.body["message"]
+    with pytest.raises(anthropic.BadRequestError) as e:
+        an.messages.create(model="ds4", max_tokens=1, messages=msgs)
+    assert e.value.body == {"type": "error", "error": {
+        "type": "invalid_request_error", "message": f"prompt is too long: {n} tokens > {APP_CTX} maximum"}}
+
+    short = [{"role": "user", "content": "hi"}]
+    n = chat_tokens("hi")
+    asked = APP_CTX - n + 1
+    for param in ("max_tokens", "max_completion_tokens"):
+        with pytest.raises(openai.BadRequestError) as e:
+            oa.chat.completions.create(model="ds4", messages=short, **{param: asked})
+        assert (e.value.code, e.value.param) == ("context_length_exceeded", param)
+        assert e.value.body["message"] == (
+            f"This model's maximum context length is {APP_CTX} tokens; you requested {n + asked} "
+            f"tokens ({n} in the prompt, {asked} for {param}): {param} may be at most {APP_CTX - n}")
+    with pytest.raises(anthropic.BadRequestError) as e:
+        an.messages.create(model="ds4", max_tokens=asked, messages=short)
+    assert e.value.body["error"] == {
+        "type": "invalid_request_error",
+        "message": f"input length and `max_tokens` exceed context limit: {n} + {asked} > {APP_CTX}"}
+    # a prompt that fills the context exactly is not too long for Anthropic: max_tokens is
+    full = next(t for t in (" hi" * k for k in range(APP_CTX)) if chat_tokens(t) == APP_CTX)
+    with pytest.raises(anthropic.BadRequestError) as e:
+        an.messages.create(model="ds4", max_tokens=1, messages=[{"role": "user", "content": full}])
+    assert e.value.body["error"]["message"] == (f"input length and `max_tokens` exceed context limit: "
+                                                f"{APP_CTX} + 1 > {APP_CTX}")
+    with pytest.raises(openai.BadRequestError) as e:
+        oa.chat.completions.create(model="ds4", messages=[{"role": "user", "content": full}])
+    assert e.value.code == "context_length_exceeded" and e.value.param == "messages"
+
+    # text longer than the context can hold, refused before it is tokenized: a lower bound
+    longest = max(len(tok.token_bytes(i)) for i in range(tok.vocab_size))
+    chars = APP_CTX * longest + 1
+    least = -(-chars // longest)
+    huge = [{"role": "user", "content": "x" * chars}]
+    with pytest.raises(openai.BadRequestError) as e:
+        oa.chat.completions.create(model="ds4", messages=huge)
+    assert (e.value.code, e.value.param) == ("context_length_exceeded", "messages")
+    assert e.value.body["message"].startswith(f"This model's maximum context length is {APP_CTX} "
+                                              f"tokens; the prompt's text has {chars} characters, at "
+                                              f"least {least} tokens")
+    with pytest.raises(anthropic.BadRequestError) as e:
+        an.messages.create(model="ds4", max_tokens=1, messages=huge)
+    assert e.value.body["error"]["message"].startswith(f"prompt is too long: at least {least} tokens > "
+                                                       f"{APP_CTX} maximum (")
+    assert submitted == []
+
+
+def _replying(tok, text: str, reason: str | None, think: bool):
+    """A stand-in submit whose job replies with `text`'s tokens (through the real ReplyStream)
+    and ends as the driver ends it: `reason` None is the token limit."""
+    import asyncio
+
+    from ds4.serve.driver import Job, Started, Token, finish_reason
+
+    def submit(req):
+        job = Job(req, asyncio.get_running_loop())
+        r = ReplyStream(tok, think=think)
+        ids = tok.encode(text)
+        job.events.put_nowait(Started(len(req.prompt), 0))
+        for t in ids:
+            channel = r.channel
+            job.events.put_nowait(Token(r.push(t), None, channel))
+        pieces, calls = r.finish()
+        job.events.put_nowait(Finished(finish_reason(reason, bool(calls)), r.stop_hit, len(req.prompt), 0,
+                                       len(ids), calls, pieces, dict(r.text)))
+        return job
+
+    return submit
+
+
+def test_anthropic_reply_cut_while_thinking_is_the_same_streamed_and_has_no_empty_text(tok):
+    """A thinking reply that max_tokens cuts before its answer is one thinking block, streamed
+    or not (it had an empty text block after it when not streamed, which the real API refuses
+    in a request: a client sending the reply back got a 400); an empty reply is one empty text
+    block both ways, as before."""
+    _, an, _ = _official_clients(tok, _replying(tok, "Let me weigh this", None, think=True))
+    kw = dict(model="ds4", max_tokens=5, messages=[{"role": "user", "content": "hi"}],
+              thinking={"type": "enabled", "budget_tokens": 1024})
+    whole = an.messages.create(**kw)
+    with an.messages.stream(**kw) as s:
+        streamed = s.get_final_message()
+    for m in (whole, streamed):
+        assert m.stop_reason == "max_tokens"
+        assert [b.model_dump() for b in m.content] == [
+            {"type": "thinking", "thinking": "Let me weigh this", "signature": ""}]
+
+    _, an, _ = _official_clients(tok, _replying(tok, "", "stop", think=False))
+    kw = dict(model="ds4", max_tokens=5, messages=[{"role": "user", "content": "hi"}])
+    whole = an.messages.create(**kw)
+    with an.messages.stream(**kw) as s:
+        streamed = s.get_final_message()
+    for m in (whole, streamed):
+        assert [b.model_dump() for b in m.content] == [{"type": "text", "text": "", "citations": None}]
+
+
+def test_anthropic_disable_parallel_tool_use_is_refused(tok):
+    """This server cannot hold a reply to one tool call: tool_choice's disable_parallel_tool_use
+    true is a 400 naming it (as OpenAI's parallel_tool_calls false is), false or absent is taken."""
+    submitted = []
+    _, an, _ = _official_clients(tok, _queue_full(submitted), ctx=1024)  # (room for the tool prompt)
+    tools = [{"name": "f", "input_schema": {"type": "object", "properties": {}}}]
+    msgs = [{"role": "user", "content": "hi"}]
+    for choice in ({"type": "auto"}, {"type": "any"}, {"type": "tool", "name": "f"}):
+        for value in (True, False, None):
+            tc = choice if value is None else {**choice, "disable_parallel_tool_use": value}
+            if value:
+                with pytest.raises(anthropic.BadRequestError) as e:
+                    an.messages.create(model="ds4", max_tokens=1, messages=msgs, tools=tools, tool_choice=tc)
+                assert e.value.body["error"]["message"] == (
+                    "tool_choice.disable_parallel_tool_use: this server cannot hold a reply to one tool "
+                    "call: expected false, got true")
+                assert submitted == []
+            else:
+                with pytest.raises(anthropic.RateLimitError):  # (every check passed)
+                    an.messages.create(model="ds4", max_tokens=1, messages=msgs, tools=tools, tool_choice=tc)
+                assert submitted.pop().tools
+    with pytest.raises(anthropic.BadRequestError) as e:
+        an.messages.create(model="ds4", max_tokens=1, messages=msgs, tools=tools,
+                           tool_choice={"type": "auto", "disable_parallel_tool_use": "yes"})
+    assert e.value.body["error"]["message"].startswith("tool_choice.disable_parallel_tool_use: ")

@@ -23,9 +23,9 @@ from pydantic import BaseModel, ConfigDict, Field
 from .driver import Failed, Finished, GenRequest, Token
 from .prompt import Conversation, Turn, add_turn
 from .reply import CONTENT, REASONING
-from .shared import (APIError, ServerState, api_sampling, bad, check_prompt, encode_conversation,
-                     encode_prompt, engine_seed, events, first_event, got, max_tokens_for, parse,
-                     stops_from, submit)
+from .shared import (APIError, ServerState, api_sampling, bad, check_prompt, check_request_text,
+                     encode_conversation, encode_prompt, engine_seed, events, first_event, got,
+                     max_tokens_for, parse, stops_from, submit)
 from .tools import ToolCall, ToolSpec, new_call_id
 
 # Anthropic documents no limit on stop_sequences; this server's own bound keeps the work of
@@ -34,10 +34,11 @@ MAX_STOP_SEQUENCES = 16
 
 
 class _ToolChoice(BaseModel):
-    model_config = ConfigDict(extra="allow", strict=True)  # (disable_parallel_tool_use)
+    model_config = ConfigDict(extra="allow", strict=True)
 
     type: str
     name: Optional[str] = None
+    disable_parallel_tool_use: Optional[bool] = None  # (true is refused: see conversation)
 
 
 class _Prompt(BaseModel):
@@ -165,6 +166,11 @@ def conversation(req: _Prompt) -> Conversation:
     conv.continue_last = bool(conv.turns) and conv.turns[-1].role == "assistant" and not conv.turns[-1].tool_calls
     if req.tool_choice is not None and not req.tools:
         raise bad("tool_choice", "tool_choice may only be specified while providing tools")
+    if req.tool_choice is not None and req.tool_choice.disable_parallel_tool_use:
+        # (as the OpenAI API's parallel_tool_calls false: the model may call several tools in a
+        # reply, and the server would not cut it to one)
+        raise bad("tool_choice.disable_parallel_tool_use", "this server cannot hold a reply to one "
+                                                            "tool call: expected false, got true")
     specs = []
     for j, tool in enumerate(req.tools or ()):  # (checked whatever tool_choice says)
         if not isinstance(tool.get("name"), str):
@@ -222,7 +228,9 @@ def message(fin: Finished, *, model: str, mid: str | None = None) -> dict:
     content = []
     if fin.text[REASONING]:
         content.append({"type": "thinking", "thinking": fin.text[REASONING], "signature": ""})
-    if fin.text[CONTENT] or not fin.tool_calls:
+    # (as message_events streams it: a text block holds text, and an empty reply is one empty
+    # text block; a reply cut while thinking is its thinking block alone)
+    if fin.text[CONTENT] or not (content or fin.tool_calls):
         content.append({"type": "text", "text": fin.text[CONTENT]})
     content += [_tool_use(c) for c in fin.tool_calls]
     return {"id": mid or "msg_" + secrets.token_hex(12), "type": "message", "role": "assistant",
@@ -297,17 +305,21 @@ def register(app: FastAPI, state: ServerState) -> None:
 
     @app.post("/v1/messages/count_tokens")
     async def count_tokens(body: _Prompt) -> dict:
+        check_request_text(body)
         # (off the loop as encode_prompt, but any length: the count is the answer, not a prompt)
         prompt = await asyncio.to_thread(encode_conversation, state, conversation(body), _think(body))
         return {"input_tokens": len(prompt)}
 
     @app.post("/v1/messages")
     async def messages(body: MessagesRequest, request: Request):
+        check_request_text(body)
         stops = stops_from(body.stop_sequences, "stop_sequences", MAX_STOP_SEQUENCES, "this server's limit")
         think = _think(body)
         conv = conversation(body)
         prompt = await encode_prompt(state, conv, think)
-        check_prompt(state, prompt, "messages")
+        # (max_tokens is always given: a prompt that fills the context is too long with it, in
+        # Anthropic's words, rather than on its own)
+        check_prompt(state, prompt, "messages", most=state.ctx)
         n = max_tokens_for(state, body.max_tokens, "max_tokens", None, len(prompt))
         params = api_sampling(body.temperature, body.top_k, body.top_p, body.min_p)
         # (a continued reply is past its thinking: the prefilled turn closed it)

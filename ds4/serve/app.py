@@ -5,7 +5,7 @@
   * limits: a request body over `max_body` bytes gets 413, before it is read where its
     Content-Length says so, else once the bytes received pass it (a chunked body, with or
     without a Content-Length, is counted as it arrives); `max_tokens` above the server's limit, or
-    past the context with the prompt, 400;
+    past the context with the prompt, 400 (the context's in each API's words: ContextExceeded);
   * errors: every refused request gets the calling API's own error JSON (OpenAI's `error`
     object with `param` naming the field, Anthropic's `{"type": "error", ...}`), 400 for an
     invalid field (never FastAPI's 422);
@@ -42,7 +42,8 @@ def _is_anthropic(path: str) -> bool:
 
 
 def error_response(path: str, status: int, message: str, param: str | None = None,
-                   kind: str | None = None, headers: dict | None = None) -> JSONResponse:
+                   kind: str | None = None, headers: dict | None = None,
+                   code: str | None = None) -> JSONResponse:
     if _is_anthropic(path):
         kind = _ANTHROPIC_KINDS.get(status, kind or "api_error")
         body = {"type": "error", "error": {"type": kind, "message": message}}
@@ -50,7 +51,7 @@ def error_response(path: str, status: int, message: str, param: str | None = Non
         if kind is None:
             kind = {401: "authentication_error", 429: "rate_limit_error", 404: "not_found_error"}.get(
                 status, "invalid_request_error" if status < 500 else "api_error")
-        body = {"error": {"message": message, "type": kind, "param": param, "code": None}}
+        body = {"error": {"message": message, "type": kind, "param": param, "code": code}}
     return JSONResponse(body, status_code=status, headers=headers)
 
 
@@ -146,7 +147,9 @@ def create_app(driver: Driver, *, model_id: str, max_tokens_limit: int, api_key:
 
     @app.exception_handler(APIError)
     async def _api_error(request: Request, e: APIError):
-        return error_response(request.url.path, e.status, e.message, e.param, e.kind, e.headers)
+        path = request.url.path
+        return error_response(path, e.status, e.anthropic_message if _is_anthropic(path) else e.message,
+                              e.param, e.kind, e.headers, e.code)
 
     @app.exception_handler(RequestValidationError)
     async def _invalid(request: Request, e: RequestValidationError):

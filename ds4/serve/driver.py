@@ -39,7 +39,8 @@ log = logging.getLogger("ds4.serve")
 
 # How the average generation's duration is tracked for Retry-After (weight of the newest one).
 _DURATION_EMA_WEIGHT = 0.3
-# How often a request that is not streamed checks that its client is still there (seconds).
+# How often a request that is not streamed checks that its client is still there while no
+# token comes (seconds); it checks at each token as well.
 DISCONNECT_POLL_S = 0.25
 # How long shutdown waits for the generation thread to finish its cancelled token (seconds).
 CLOSE_WAIT_S = 30.0
@@ -490,11 +491,18 @@ def token_logprobs(logits: np.ndarray, token: int, top: int) -> dict:
 
 
 async def next_event(job: Job, request, poll_s: float = DISCONNECT_POLL_S):
-    """The job's next event; cancels the job (and returns None) once the client is gone."""
+    """The job's next event; cancels the job (and returns None) once the client is gone. The
+    client is looked for at each event (a token) and every `poll_s` while none comes (a prefill):
+    looked for only when none came, a client that left while tokens came faster than that was
+    never seen, and its generation ran to its end."""
     while True:
         try:
-            return await asyncio.wait_for(job.events.get(), poll_s)
+            ev = await asyncio.wait_for(job.events.get(), poll_s)
         except asyncio.TimeoutError:
-            if await request.is_disconnected():
-                job.cancel()
-                return None
+            ev = None
+        # (the server's own flag, set when it saw the connection close: no wait)
+        if await request.is_disconnected():
+            job.cancel()
+            return None
+        if ev is not None:
+            return ev

@@ -25,8 +25,8 @@ from .driver import Failed, Finished, GenRequest, Token
 from .prompt import Conversation, Turn, add_turn
 from .reply import CONTENT, REASONING
 from .shared import (MAX_SEED, MAX_TOP_LOGPROBS, MIN_SEED, APIError, ServerState, api_sampling, bad,
-                     check_prompt, check_text, encode_prompt, engine_seed, events, first_event, got,
-                     max_tokens_for, parse, stops_from, submit)
+                     check_prompt, check_request_text, check_text, encode_prompt, engine_seed, events,
+                     first_event, got, max_tokens_for, parse, stops_from, submit)
 from .tools import ToolCall, ToolSpec
 
 COMPLETIONS_DEFAULT_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
@@ -382,6 +382,7 @@ def register(app: FastAPI, state: ServerState) -> None:
 
     @app.post("/v1/chat/completions")
     async def chat_completions(body: ChatRequest, request: Request):
+        check_request_text(body)
         body.check_unsupported()
         stops = stops_from(body.stop, "stop", MAX_STOP, "OpenAI's limit")
         if body.max_tokens is not None and body.max_completion_tokens is not None:
@@ -424,6 +425,7 @@ def register(app: FastAPI, state: ServerState) -> None:
 
     @app.post("/v1/completions")
     async def completions(body: CompletionRequest, request: Request):
+        check_request_text(body)
         body.check_unsupported()
         stops = stops_from(body.stop, "stop", MAX_STOP, "OpenAI's limit")
         if body.echo:

@@ -13,6 +13,7 @@ from pydantic import BaseModel, ValidationError
 
 from ds4.core.chat import THINK_MAX_MIN_CONTEXT, Part, encode_parts
 from ds4.core.sampling import SamplingParams
+from ds4.core.text import check_utf8
 
 from .driver import Driver, Failed, Finished, GenRequest, Job, QueueFull, Started, next_event
 from .prompt import Conversation, conversation_parts
@@ -23,13 +24,59 @@ MAX_TOP_LOGPROBS = 20
 
 
 class APIError(Exception):
-    """A request the server refuses; rendered in the calling API's own error JSON."""
+    """A request the server refuses; rendered in the calling API's own error JSON (`code`:
+    OpenAI's error code, where it has one for this error)."""
+
+    code: str | None = None
 
     def __init__(self, status: int, message: str, param: str | None = None,
                  kind: str = "invalid_request_error", headers: dict | None = None):
         super().__init__(message)
         self.status, self.message, self.param, self.kind = status, message, param, kind
         self.headers = headers or {}
+
+    @property
+    def anthropic_message(self) -> str:
+        """The message as the Anthropic API words it (the same, unless it has its own wording)."""
+        return self.message
+
+
+class ContextExceeded(APIError):
+    """A prompt the context cannot hold, or a prompt and a reply's max_tokens that pass it, in
+    each API's wording, which clients look for (to shorten a history, say): OpenAI's code
+    context_length_exceeded and "This model's maximum context length is N tokens", with the
+    field in `param`; Anthropic's "prompt is too long: P tokens > N maximum" and "input length
+    and `max_tokens` exceed context limit: P + M > N". With `chars`, text refused untokenized:
+    `prompt` is the least number of tokens that many characters are, a token standing for at
+    most `longest` bytes."""
+
+    code = "context_length_exceeded"
+
+    def __init__(self, param: str, ctx: int, prompt: int, requested: int | None = None, *,
+                 chars: int | None = None, longest: int | None = None):
+        self.ctx, self.prompt, self.requested = ctx, prompt, requested
+        self.counted = "" if chars is None else \
+            f"the prompt's text has {chars} characters, and a token stands for at most {longest} bytes"
+        head = f"This model's maximum context length is {ctx} tokens; "
+        if requested is not None:
+            message = (head + f"you requested {prompt + requested} tokens ({prompt} in the prompt, "
+                              f"{requested} for {param}): {param} may be at most {ctx - prompt}")
+        elif chars is not None:
+            message = head + (f"the prompt's text has {chars} characters, at least {prompt} tokens (a "
+                              f"token stands for at most {longest} bytes): shorten {param}")
+        else:
+            message = head + (f"the prompt has {prompt} tokens, which leaves no room for a reply: "
+                              f"shorten {param}")
+        super().__init__(400, message, param)
+
+    @property
+    def anthropic_message(self) -> str:
+        if self.requested is not None:
+            return (f"input length and `max_tokens` exceed context limit: {self.prompt} + "
+                    f"{self.requested} > {self.ctx}")
+        if self.counted:
+            return f"prompt is too long: at least {self.prompt} tokens > {self.ctx} maximum ({self.counted})"
+        return f"prompt is too long: {self.prompt} tokens > {self.ctx} maximum"
 
 
 def bad(param: str, message: str) -> APIError:
@@ -105,6 +152,33 @@ def invalid(error: dict, prefix: str = "") -> APIError:
     return bad(param, detail)
 
 
+def check_request_text(body: BaseModel) -> None:
+    """Refuse a request any of whose strings (a key of an object included) UTF-8 cannot encode,
+    with a 400 naming the first one's field. JSON may carry a lone surrogate escaped ("\\ud800"),
+    which is no character: the tokenizer would fail on it (an unhandled 500), and so would the
+    JSON of a reply that echoes it (the model, a tool call's arguments). Every field is looked
+    at, once, before any is read, so that each API's text fields need no check of their own."""
+    def walk(value, path: str) -> None:
+        if isinstance(value, str):
+            check(value, path, path)
+            return
+        # (an object's keys before its values: a key names the path of what it holds)
+        items = value.items() if isinstance(value, dict) else value if isinstance(value, BaseModel) \
+            else enumerate(value) if isinstance(value, (list, tuple)) else ()
+        for key, item in items:  # (a model's fields and any extra ones)
+            if isinstance(key, str):
+                check(key, f"{path or 'body'}: a key", path or "body")
+            walk(item, field_path([key], path))
+
+    def check(text: str, what: str, param: str) -> None:
+        try:
+            check_utf8(text, what)
+        except ValueError as e:
+            raise APIError(400, str(e), param) from None
+
+    walk(body, "")
+
+
 M = TypeVar("M", bound=BaseModel)
 
 
@@ -160,23 +234,23 @@ async def encode_prompt(state: ServerState, conv: Conversation, think: bool, thi
 
 def check_text(state: ServerState, chars: int, param: str) -> None:
     """Refuse, before tokenizing it, a prompt whose text cannot fit the context whatever its
-    tokens. A prompt has at most ctx - 1 tokens (check_prompt), each standing for at most
-    `longest_token` bytes of text, and a character is one byte or more: text of more characters
-    than (ctx - 1) * longest_token is more tokens than that. Only such plainly too long text is
-    refused here; check_prompt counts the tokens of the rest."""
-    most = (state.ctx - 1) * state.longest_token
-    if chars > most:
-        raise bad(param, f"the prompt's text has {chars} characters, more than the {most} that "
-                         f"{state.ctx - 1} tokens (of at most {state.longest_token} bytes each) "
-                         f"can hold: it leaves no room in the server's context of {state.ctx} tokens")
+    tokens. Each token stands for at most `longest_token` bytes of text, and a character is one
+    byte or more: text of `chars` characters is at least chars / longest_token tokens. Text of
+    more than ctx * longest_token characters is more tokens than the whole context, and only
+    such plainly too long text is refused here; check_prompt counts the tokens of the rest."""
+    longest = state.longest_token
+    if chars > state.ctx * longest:
+        raise ContextExceeded(param, state.ctx, -(-chars // longest), chars=chars, longest=longest)
 
 
-def check_prompt(state: ServerState, prompt: list[int], param: str) -> None:
+def check_prompt(state: ServerState, prompt: list[int], param: str, most: int | None = None) -> None:
+    """Refuse an empty prompt, or one of more than `most` tokens (by default ctx - 1: the reply
+    needs one token of the context at least; an API whose max_tokens is always given may pass
+    ctx and leave a prompt that fills the context to max_tokens_for)."""
     if not prompt:
         raise bad(param, "the prompt is empty")
-    if len(prompt) >= state.ctx:
-        raise bad(param, f"the prompt has {len(prompt)} tokens, which leaves no room in the "
-                         f"server's context of {state.ctx} tokens")
+    if len(prompt) > (state.ctx - 1 if most is None else most):
+        raise ContextExceeded(param, state.ctx, len(prompt))
 
 
 def max_tokens_for(state: ServerState, requested: int | None, param: str, default: int | None,
@@ -195,8 +269,7 @@ def max_tokens_for(state: ServerState, requested: int | None, param: str, defaul
         raise bad(param, f"expected at most {state.max_tokens_limit} (the server's limit), "
                          f"got {requested}")
     if requested > room:
-        raise bad(param, f"expected at most {room} (the server's context of {state.ctx} tokens less "
-                         f"the prompt's {prompt_len} tokens), got {requested}")
+        raise ContextExceeded(param, state.ctx, prompt_len, requested)
     return requested
 
 
@@ -255,9 +328,10 @@ async def first_event(job: Job, request):
 
 async def events(job: Job, request, stream: bool = False) -> AsyncIterator:
     """The job's events after `Started`, up to `Finished` or `Failed`; cancels the job if the
-    client goes away or the consumer stops early. A stream (`stream`) does not poll for the
-    client: the server closes this iterator when a send to a client that went away fails,
-    which happens at the next token."""
+    client goes away or the consumer stops early. A stream (`stream`) does not look for the
+    client: Starlette's StreamingResponse listens for the disconnect beside the stream (under
+    uvicorn's ASGI 2.3) and cancels it as it comes, which ends this iterator (under a server of
+    ASGI 2.4, the next token's send fails instead)."""
     try:
         while True:
             ev = await (job.events.get() if stream else next_event(job, request))
