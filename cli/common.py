@@ -129,6 +129,21 @@ def prompt_file_text(path: Path, option: str = "--prompt-file") -> str:
                                  param_hint=f"'{option}'") from None
 
 
+@contextlib.contextmanager
+def listen_errors(port_option: str, host_option: str | None = None) -> Iterator[None]:
+    """A listener that cannot bind (ds4.wire.address.ListenError) as the CLIError
+    `OPTION: cannot listen on HOST:PORT: reason`: OPTION is `host_option` where the host is at
+    fault (it does not resolve, or is not an address of this machine), else `port_option` (a
+    port in use or not allowed). The one way every listening command says it."""
+    from ds4.wire.address import ListenError
+
+    try:
+        yield
+    except ListenError as e:
+        option = host_option if host_option is not None and e.host_fault else port_option
+        raise CLIError(f"{option}: {e}") from None
+
+
 def check_output(dest: Path, option: str, model_path: Path | None) -> None:
     """Refuse an output path that is the model file the command reads: the output's rename
     would replace the model with a payload."""

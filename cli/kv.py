@@ -22,8 +22,9 @@ from ds4.wire.address import LOOPBACK, format_hostport
 
 from .tp import (DEFAULT_GATE_TIMEOUT_MS, DEFAULT_TP_WAIT_S, DebugHashOption, GateTimeoutOption,
                  TpLeader, TpListenOption, TpTransportOption, TpWaitOption)
-from .common import (CLIError, check_output, check_prefill_cap, err, human_bytes, library_errors, open_engine,
-                     out, prompt_file_text, prompt_text, rate, resolve_model, stream_reply)
+from .common import (CLIError, check_output, check_prefill_cap, err, human_bytes, library_errors,
+                     listen_errors, open_engine, out, prompt_file_text, prompt_text, rate, resolve_model,
+                     stream_reply)
 from .wire_options import (DEFAULT_IO_TIMEOUT, AuthTokenFileOption, AuthTokenOption, IoTimeoutOption,
                            TlsCaOption, TlsCertOption, TlsKeyOption, client_tls, server_tls, warn,
                            warn_exposed, wire_token)
@@ -251,7 +252,7 @@ def decode(
         if recv_kv is not None:
             path = tmp / "session.dsv4"
             _receive(recv_kv, path, host, eng.model.fingerprint, eng.config, limit, token,
-                     io_timeout, wait, tls)
+                     io_timeout, wait, tls, port_option="--recv-kv")
         else:
             path = load_kv
             if not path.is_file():
@@ -366,7 +367,7 @@ def kv_recv(
             raise CLIError(f"--out: directory does not exist: {out_file.parent}")
         t0 = time.perf_counter()
         manifest = _receive(port, out_file, host, fingerprint, config, limit, token, io_timeout,
-                            wait, tls)
+                            wait, tls, port_option="PORT")
         dt = time.perf_counter() - t0
     out.print(Text("received ", style="green") + Text(str(out_file), style="bold")
               + Text(f" ({manifest.n_tokens} tokens, {manifest.payload_bytes:,} bytes, "
@@ -380,7 +381,10 @@ class _WarnFailures(logging.Handler):
         warn(record.getMessage())
 
 
-def _receive(port, path, host, fingerprint, config, limit, token, io_timeout, wait, tls):
+def _receive(port, path, host, fingerprint, config, limit, token, io_timeout, wait, tls, *,
+             port_option: str):
+    """Listen on host:port (a failure names `port_option` or --host) until a payload lands at
+    path."""
     from ds4.core.atomic import signals_unwind
     from ds4.wire.ds4k import Receiver
 
@@ -391,11 +395,14 @@ def _receive(port, path, host, fingerprint, config, limit, token, io_timeout, wa
     propagate, logger.propagate = logger.propagate, False  # one line per failure, not two
     try:
         # SIGTERM unwinds the receiver, which removes its partial file
-        with signals_unwind(), Receiver(port, host=host, fingerprint=fingerprint, config=config,
-                                        max_bytes=limit, auth_token=token, timeout=io_timeout,
-                                        tls=tls) as r:
-            err.print(Text(f"listening on {format_hostport(r.host, r.port)}", style="dim"), soft_wrap=True)
-            return r.receive(path, wait)
+        with signals_unwind():
+            with listen_errors(port_option, "--host"):
+                r = Receiver(port, host=host, fingerprint=fingerprint, config=config,
+                             max_bytes=limit, auth_token=token, timeout=io_timeout, tls=tls)
+            with r:
+                err.print(Text(f"listening on {format_hostport(r.host, r.port)}", style="dim"),
+                          soft_wrap=True)
+                return r.receive(path, wait)
     finally:
         logger.removeHandler(handler)
         logger.propagate = propagate
