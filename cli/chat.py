@@ -11,7 +11,6 @@ from __future__ import annotations
 import contextlib
 import sys
 import time
-from pathlib import Path
 from typing import Annotated
 
 import typer
@@ -20,7 +19,8 @@ from rich.text import Text
 from ds4.core.chat import DEFAULT_SYSTEM
 from ds4.core.payload import PayloadError
 
-from .common import CLIError, check_output, check_prefill_cap, err, library_errors, open_engine, rate
+from .common import (CLIError, check_output, check_prefill_cap, err, library_errors, open_engine, output_file,
+                     rate)
 from .options import (MAX_SEED, BackendOption, CtxOption, MinPOption, ModelOption, NoThinkOption,
                       NumericsOption, PrefillCapOption, SeedOption, SystemOption, TempOption, TopKOption,
                       TopPOption, check_range)
@@ -112,8 +112,8 @@ def chat(
                 if not session.tokens:
                     err.print(Text("nothing to save yet", style="yellow"))
                     continue
-                dest = Path(arg)
                 try:  # (a failed save is said, and the conversation goes on)
+                    dest = output_file(arg, "/save")
                     check_output(dest, "/save", getattr(eng.model, "path", None))
                     size = session.save_payload(dest)
                 except (CLIError, OSError, PayloadError) as e:

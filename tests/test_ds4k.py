@@ -472,6 +472,20 @@ def test_cli_kv_send_checks_the_file_first(cli, model_path, payload, tmp_path):
     assert r.exit_code == 1 and "does not exist" in r.stderr
 
 
+def test_cli_kv_recv_checks_the_out_directory_at_startup(cli, tmp_path, read_only_dir):
+    """A directory the payload cannot be written to is refused before listening (the receiver
+    listened, and every transfer failed late on its temporary file); a path that names a
+    directory is refused rather than written as a file."""
+    r = cli("kv-recv", 0, "--out", read_only_dir / "x.dsv4", "--wait", 1)
+    assert r.exit_code == 1 and f"--out: directory not writable: {read_only_dir}" in r.stderr, r.output
+    assert "listening on" not in r.output
+    dest = f"{tmp_path}/new/"
+    r = cli("kv-recv", 0, "--out", dest, "--wait", 1)
+    assert r.exit_code == 1, r.output
+    assert f"--out: expected a file path, got a directory path {dest!r}" in r.stderr
+    assert "listening on" not in r.output and sorted(os.listdir(tmp_path)) == ["ro"]
+
+
 @pytest.fixture
 def busy_port():
     """A loopback port another socket listens on."""
