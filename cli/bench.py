@@ -108,7 +108,7 @@ def bench(
                  "--compare, --model and --csv")
         with library_errors():
             plot = output_file(plot, "--plot")  # (before reading the CSVs, as on a run)
-            groups = [g for p in from_csv for g in group_rows(lib.read_csv(p))]
+            groups = [g for p in from_csv for g in group_rows(_read_csv(p))]
             if not groups:
                 raise CLIError("the CSVs hold no rows to plot")
             plot_bench(groups, plot)
@@ -237,18 +237,32 @@ def _appends_to(path: Path, overwrite: bool) -> bool:
     """True for a non-empty ds4 bench CSV without --overwrite (rows are appended); False when
     there is nothing there or it is to be replaced. Anything else is refused rather than
     appended to or replaced without --overwrite."""
-    from ds4.bench import CSV_COLUMNS
+    from ds4.bench import CSV_COLUMNS, decode_utf8
 
     if path.exists() and not path.is_file():
         raise CLIError(f"--csv {path}: not a regular file")
     if overwrite or not path.exists() or path.stat().st_size == 0:
         return False
-    with open(path, newline="") as f:
-        header = f.readline().rstrip("\r\n")
+    with open(path, "rb") as f:
+        first = f.readline()
+    try:  # (the first line alone: the rows after it are not read)
+        header = decode_utf8(first, f"--csv {path}").rstrip("\r\n")
+    except ValueError as e:
+        raise CLIError(f"{e}; pass --overwrite to replace it") from None
     if header != ",".join(CSV_COLUMNS):
         raise CLIError(f"--csv {path}: not a ds4 bench CSV (its first line is {header[:80]!r}, "
                        f"expected {','.join(CSV_COLUMNS)!r}); pass --overwrite to replace it")
     return True
+
+
+def _read_csv(path: Path) -> list:
+    """ds4.bench.read_csv, its errors naming --from."""
+    from ds4 import bench as lib
+
+    try:
+        return lib.read_csv(path)
+    except ValueError as e:  # (each names the file first)
+        raise CLIError(f"--from {e}") from None
 
 
 def _resolve(name: str) -> str:

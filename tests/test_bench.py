@@ -439,6 +439,23 @@ def test_cli_plot_from_csvs_checks_its_directory_first(tmp_path, read_only_dir):
     assert r.exit_code == 0 and (tmp_path / "p.png").is_file(), r.output
 
 
+def test_cli_csv_that_is_not_utf8_names_the_option_and_file(model_path, tmp_path):
+    binary = tmp_path / "bin.csv"
+    binary.write_bytes(b"backend,dev\xbdice\n")
+    r = run("-m", model_path, *SMALL, "--csv", binary)
+    assert r.exit_code == 1, r.output
+    assert f"--csv {binary}: not UTF-8 text (byte 11 is 0xbd)" in r.stderr and "codec" not in r.output
+    assert binary.read_bytes() == b"backend,dev\xbdice\n"
+    # --from: the byte's offset in the file, past the decoder's first chunk
+    late = _one_row_csv(tmp_path / "late.csv")
+    text = late.read_bytes()
+    late.write_bytes(text + b"x" * 9000 + b"\xbd\n")
+    r = run("--plot", tmp_path / "p.png", "--from", late)
+    assert r.exit_code == 1, r.output
+    assert f"--from {late}: not UTF-8 text (byte {len(text) + 9000} is 0xbd)" in r.stderr
+    assert "codec" not in r.output and not (tmp_path / "p.png").exists()
+
+
 def test_cli_csv_checks_where_it_writes(model_path, tmp_path, read_only_dir):
     """A new --csv needs a directory that takes a file (it is written beside and renamed);
     appending to an existing one needs only the file (it is opened in place)."""
