@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import contextlib
 import math
+import os
 import sys
 from pathlib import Path
 from typing import Annotated, Optional
@@ -23,7 +24,7 @@ from .tp import (DEFAULT_GATE_TIMEOUT_MS, DEFAULT_TP_WAIT_S, DebugHashOption, Ga
                  TpLeader, TpListenOption, TpTransportOption, TpWaitOption)
 from .wire_options import AuthTokenFileOption, TlsCaOption, TlsCertOption, TlsKeyOption
 from .common import (CLIError, check_prefill_cap, err, fail, human_bytes, library_errors, open_engine, out,
-                     progress_callback, resolve_model)
+                     output_file, progress_callback, resolve_model)
 from .options import BackendName, ModelOption, NumericsOption, PrefillCapOption, check_range
 
 HELP = """Measure prefill and generation tokens/s as the context grows.
@@ -72,16 +73,16 @@ def bench(
         "--compare", metavar="B1,B2,...", show_default=False,
         help="Run these backends in turn on the same sequence and print each one's tokens/s "
              "over the first one's.")] = None,
-    csv_path: Annotated[Optional[Path], typer.Option(
-        "--csv", metavar="FILE", dir_okay=False, show_default=False,
+    csv_path: Annotated[Optional[str], typer.Option(  # (str: Path would drop a trailing "/")
+        "--csv", metavar="FILE", show_default=False,
         help="Write the CSV here instead of stdout. Rows are appended to an existing ds4 bench "
              "CSV (each as it is measured) unless --overwrite.")] = None,
     overwrite: Annotated[bool, typer.Option(
         "--overwrite",
         help="Replace an existing --csv FILE (the new file takes its place when the run "
              "finishes; an interrupted run leaves the old one).")] = False,
-    plot: Annotated[Optional[Path], typer.Option(
-        "--plot", metavar="OUT.png", dir_okay=False, show_default=False,
+    plot: Annotated[Optional[str], typer.Option(  # (str: Path would drop a trailing "/")
+        "--plot", metavar="OUT.png", show_default=False,
         help="Draw tokens/s against context (prefill and generation panels) as a PNG.")] = None,
     from_csv: Annotated[Optional[list[Path]], typer.Option(
         "--from", metavar="CSV", exists=True, dir_okay=False, show_default=False,
@@ -106,7 +107,8 @@ def bench(
             fail("--from plots existing CSVs without running: leave out --backend, "
                  "--compare, --model and --csv")
         with library_errors():
-            groups = [g for p in from_csv for g in group_rows(lib.read_csv(p))]
+            plot = output_file(plot, "--plot")  # (before reading the CSVs, as on a run)
+            groups = [g for p in from_csv for g in group_rows(_read_csv(p))]
             if not groups:
                 raise CLIError("the CSVs hold no rows to plot")
             plot_bench(groups, plot)
@@ -146,9 +148,14 @@ def bench(
             raise CLIError("--tp-listen benchmarks one pair: leave out --compare")
 
         _check_model(model, ctx_max, gen_tokens)  # before the CSV is touched
-        if plot is not None and not plot.resolve().parent.is_dir():  # (not after the whole run)
-            raise CLIError(f"--plot: directory does not exist: {plot.parent}")
-        append = csv_path is not None and _appends_to(csv_path, overwrite)
+        if plot is not None:  # (not after the whole run)
+            plot = output_file(plot, "--plot")
+        append = False
+        if csv_path is not None:
+            # rows are appended to a non-empty file in place, else written beside it and renamed
+            appending = not overwrite and os.path.isfile(csv_path) and os.path.getsize(csv_path) > 0
+            csv_path = output_file(csv_path, "--csv", in_place=appending)
+            append = _appends_to(csv_path, overwrite)
 
     table_console = out if csv_path is not None else err
     with contextlib.ExitStack() as stack:
@@ -230,20 +237,32 @@ def _appends_to(path: Path, overwrite: bool) -> bool:
     """True for a non-empty ds4 bench CSV without --overwrite (rows are appended); False when
     there is nothing there or it is to be replaced. Anything else is refused rather than
     appended to or replaced without --overwrite."""
-    from ds4.bench import CSV_COLUMNS
+    from ds4.bench import CSV_COLUMNS, decode_utf8
 
-    if not path.resolve().parent.is_dir():
-        raise CLIError(f"--csv: directory does not exist: {path.parent}")
     if path.exists() and not path.is_file():
         raise CLIError(f"--csv {path}: not a regular file")
     if overwrite or not path.exists() or path.stat().st_size == 0:
         return False
-    with open(path, newline="") as f:
-        header = f.readline().rstrip("\r\n")
+    with open(path, "rb") as f:
+        first = f.readline()
+    try:  # (the first line alone: the rows after it are not read)
+        header = decode_utf8(first, f"--csv {path}").rstrip("\r\n")
+    except ValueError as e:
+        raise CLIError(f"{e}; pass --overwrite to replace it") from None
     if header != ",".join(CSV_COLUMNS):
         raise CLIError(f"--csv {path}: not a ds4 bench CSV (its first line is {header[:80]!r}, "
                        f"expected {','.join(CSV_COLUMNS)!r}); pass --overwrite to replace it")
     return True
+
+
+def _read_csv(path: Path) -> list:
+    """ds4.bench.read_csv, its errors naming --from."""
+    from ds4 import bench as lib
+
+    try:
+        return lib.read_csv(path)
+    except ValueError as e:  # (each names the file first)
+        raise CLIError(f"--from {e}") from None
 
 
 def _resolve(name: str) -> str:

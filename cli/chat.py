@@ -11,7 +11,6 @@ from __future__ import annotations
 import contextlib
 import sys
 import time
-from pathlib import Path
 from typing import Annotated
 
 import typer
@@ -22,7 +21,7 @@ from ds4.core.payload import PayloadError
 from ds4.core.text import check_utf8
 
 from .common import (CLIError, check_output, check_prefill_cap, err, library_errors, open_engine,
-                     print_error, rate)
+                     output_file, print_error, rate)
 from .options import (MAX_SEED, BackendOption, CtxOption, MinPOption, ModelOption, NoThinkOption,
                       NumericsOption, PrefillCapOption, SeedOption, SystemOption, TempOption, TopKOption,
                       TopPOption, check_range)
@@ -116,8 +115,8 @@ def chat(
                 if not session.tokens:
                     err.print(Text("nothing to save yet", style="yellow"))
                     continue
-                dest = Path(arg)
                 try:  # (a failed save is said, and the conversation goes on)
+                    dest = output_file(arg, "/save")
                     check_output(dest, "/save", getattr(eng.model, "path", None))
                     size = session.save_payload(dest)
                 except (CLIError, OSError, PayloadError) as e:

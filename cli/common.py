@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import os
 import sys
 import time
 from pathlib import Path
@@ -140,6 +141,59 @@ def prompt_file_text(path: Path, option: str = "--prompt-file") -> str:
     except UnicodeDecodeError as e:
         raise typer.BadParameter(f"{path} is not UTF-8 text: byte {e.start} is {data[e.start]:#04x}",
                                  param_hint=f"'{option}'") from None
+
+
+def output_file(value: str | os.PathLike, option: str, *, in_place: bool = False) -> Path:
+    """The path an output FILE option names, checked before any long work (the one check of every
+    option that writes a file: --save-kv, kv-recv --out, bench --csv and --plot, chat's /save).
+
+    Refused, as a CLIError naming `option`: a path that names a directory (it ends with a
+    separator or in "." or "..", which Path would drop: 'out/' would write a file 'out'; or it is
+    an existing directory), a directory that does not exist, and one this process may not create
+    a file in (os.access, which also says no on a read-only mount). Files are written as a
+    temporary file beside the target renamed into place, so the directory must take new files;
+    `in_place`: the file is opened where it is (bench --csv appending), so where it exists the
+    file itself must be writable instead."""
+    text = os.fspath(value)
+    if os.path.basename(text) in ("", ".", ".."):
+        raise CLIError(f"{option}: expected a file path, got a directory path {text!r}")
+    path = Path(text)
+    # (os.path's tests, not Path's: they say False, not PermissionError, under a directory this
+    # process may not search, which the access check below then names)
+    if os.path.isdir(path):
+        raise CLIError(f"{option}: expected a file path, got the directory {text!r}")
+    parent = path.parent
+    if not os.path.isdir(parent):
+        if os.path.lexists(parent):
+            raise CLIError(f"{option}: not a directory: {parent}")
+        raise CLIError(f"{option}: directory does not exist: {parent}")
+    if in_place and os.path.exists(path):
+        if not _may(path, os.W_OK):
+            raise CLIError(f"{option}: file not writable: {path}")
+    elif not _may(parent, os.W_OK | os.X_OK):
+        raise CLIError(f"{option}: directory not writable: "
+                       f"{parent if parent != Path('.') else Path.cwd()}")
+    return path
+
+
+def _may(path: Path, mode: int) -> bool:
+    """os.access for this process's effective user where the platform can say (a setuid run)."""
+    return os.access(path, mode, effective_ids=os.access in os.supports_effective_ids)
+
+
+@contextlib.contextmanager
+def listen_errors(port_option: str, host_option: str | None = None) -> Iterator[None]:
+    """A listener that cannot bind (ds4.wire.address.ListenError) as the CLIError
+    `OPTION: cannot listen on HOST:PORT: reason`: OPTION is `host_option` where the host is at
+    fault (it does not resolve, or is not an address of this machine), else `port_option` (a
+    port in use or not allowed). The one way every listening command says it."""
+    from ds4.wire.address import ListenError
+
+    try:
+        yield
+    except ListenError as e:
+        option = host_option if host_option is not None and e.host_fault else port_option
+        raise CLIError(f"{option}: {e}") from None
 
 
 def check_output(dest: Path, option: str, model_path: Path | None) -> None:

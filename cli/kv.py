@@ -22,8 +22,9 @@ from ds4.wire.address import LOOPBACK, format_hostport
 
 from .tp import (DEFAULT_GATE_TIMEOUT_MS, DEFAULT_TP_WAIT_S, DebugHashOption, GateTimeoutOption,
                  TpLeader, TpListenOption, TpTransportOption, TpWaitOption)
-from .common import (CLIError, check_output, check_prefill_cap, err, human_bytes, library_errors, open_engine,
-                     out, prompt_file_text, prompt_text, rate, resolve_model, stream_reply)
+from .common import (CLIError, check_output, check_prefill_cap, err, human_bytes, library_errors,
+                     listen_errors, open_engine, out, output_file, prompt_file_text, prompt_text, rate,
+                     resolve_model, stream_reply)
 from .wire_options import (DEFAULT_IO_TIMEOUT, AuthTokenFileOption, AuthTokenOption, IoTimeoutOption,
                            TlsCaOption, TlsCertOption, TlsKeyOption, client_tls, server_tls, warn,
                            warn_exposed, wire_token)
@@ -79,8 +80,8 @@ def prefill(
         "--prompt-file", metavar="FILE", exists=True, dir_okay=False, readable=True, show_default=False,
         help="Read the user message from FILE: UTF-8, byte for byte (a trailing newline or a "
              "\\r\\n stays in the message).")] = None,
-    save_kv: Annotated[Optional[Path], typer.Option(
-        "--save-kv", metavar="FILE", dir_okay=False, show_default=False,
+    save_kv: Annotated[Optional[str], typer.Option(  # (str: Path would drop a trailing "/")
+        "--save-kv", metavar="FILE", show_default=False,
         help="Write the session payload to FILE (atomically).")] = None,
     send_kv: Annotated[Optional[str], typer.Option(
         "--send-kv", metavar="HOST:PORT", show_default=False,
@@ -123,11 +124,12 @@ def prefill(
         prompt = prompt_file_text(prompt_file) if prompt_file is not None else prompt_text(prompt)
         token = wire_token(auth_token, auth_token_file) if send_kv is not None else None
         tls = client_tls(tls_cert, tls_key, tls_ca) if send_kv is not None else None
-        # Where the payload goes is checked before the prefill, not after it: the probe runs
-        # the same hello and mutual proof as the transfer, so a dead host, a listener that is
-        # not a DS4K receiver and a token mismatch all fail here.
-        if save_kv is not None and not save_kv.resolve().parent.is_dir():
-            raise CLIError(f"--save-kv: directory does not exist: {save_kv.parent}")
+        # Where the payload goes is checked before the prefill, not after it: a directory that
+        # is missing or may not be written; the probe runs the same hello and mutual proof as
+        # the transfer, so a dead host, a listener that is not a DS4K receiver and a token
+        # mismatch all fail here.
+        if save_kv is not None:
+            save_kv = output_file(save_kv, "--save-kv")
         if dest is not None:
             from ds4.wire.ds4k import probe_receiver
 
@@ -251,7 +253,7 @@ def decode(
         if recv_kv is not None:
             path = tmp / "session.dsv4"
             _receive(recv_kv, path, host, eng.model.fingerprint, eng.config, limit, token,
-                     io_timeout, wait, tls)
+                     io_timeout, wait, tls, port_option="--recv-kv")
         else:
             path = load_kv
             if not path.is_file():
@@ -333,8 +335,8 @@ def kv_send(
 
 def kv_recv(
     port: ListenPort,
-    out_file: Annotated[Path, typer.Option(
-        "--out", "-o", metavar="FILE", dir_okay=False, show_default=False,
+    out_file: Annotated[str, typer.Option(  # (str: Path would drop a trailing "/")
+        "--out", "-o", metavar="FILE", show_default=False,
         help="Where to put the payload (written atomically; nothing is left there on failure).")],
     model: Annotated[Optional[Path], typer.Option(
         "--model", "-m", metavar="GGUF", dir_okay=False, show_default=False,
@@ -356,17 +358,17 @@ def kv_recv(
         token = wire_token(auth_token, auth_token_file)
         tls = server_tls(tls_cert, tls_key, tls_ca)
         fingerprint = config = None
+        # (at startup: a directory that cannot take the file would fail every transfer late)
+        out_file = output_file(out_file, "--out")
         if model is not None:
             from ds4.core.gguf_model import GGUFModel
 
             m = GGUFModel(resolve_model(model))
             fingerprint, config = m.fingerprint, m.config
             check_output(out_file, "--out", m.path)
-        if not out_file.resolve().parent.is_dir():
-            raise CLIError(f"--out: directory does not exist: {out_file.parent}")
         t0 = time.perf_counter()
         manifest = _receive(port, out_file, host, fingerprint, config, limit, token, io_timeout,
-                            wait, tls)
+                            wait, tls, port_option="PORT")
         dt = time.perf_counter() - t0
     out.print(Text("received ", style="green") + Text(str(out_file), style="bold")
               + Text(f" ({manifest.n_tokens} tokens, {manifest.payload_bytes:,} bytes, "
@@ -380,7 +382,10 @@ class _WarnFailures(logging.Handler):
         warn(record.getMessage())
 
 
-def _receive(port, path, host, fingerprint, config, limit, token, io_timeout, wait, tls):
+def _receive(port, path, host, fingerprint, config, limit, token, io_timeout, wait, tls, *,
+             port_option: str):
+    """Listen on host:port (a failure names `port_option` or --host) until a payload lands at
+    path."""
     from ds4.core.atomic import signals_unwind
     from ds4.wire.ds4k import Receiver
 
@@ -391,11 +396,14 @@ def _receive(port, path, host, fingerprint, config, limit, token, io_timeout, wa
     propagate, logger.propagate = logger.propagate, False  # one line per failure, not two
     try:
         # SIGTERM unwinds the receiver, which removes its partial file
-        with signals_unwind(), Receiver(port, host=host, fingerprint=fingerprint, config=config,
-                                        max_bytes=limit, auth_token=token, timeout=io_timeout,
-                                        tls=tls) as r:
-            err.print(Text(f"listening on {format_hostport(r.host, r.port)}", style="dim"), soft_wrap=True)
-            return r.receive(path, wait)
+        with signals_unwind():
+            with listen_errors(port_option, "--host"):
+                r = Receiver(port, host=host, fingerprint=fingerprint, config=config,
+                             max_bytes=limit, auth_token=token, timeout=io_timeout, tls=tls)
+            with r:
+                err.print(Text(f"listening on {format_hostport(r.host, r.port)}", style="dim"),
+                          soft_wrap=True)
+                return r.receive(path, wait)
     finally:
         logger.removeHandler(handler)
         logger.propagate = propagate

@@ -21,9 +21,9 @@ import typer
 from rich.text import Text
 
 from ds4.serve import DEFAULT_MAX_BODY
-from ds4.wire.address import format_hostport
+from ds4.wire.address import listen_socket
 
-from .common import CLIError, check_prefill_cap, err, library_errors, open_engine
+from .common import CLIError, check_prefill_cap, err, library_errors, listen_errors, open_engine
 from .options import BackendOption, CtxOption, ModelOption, NumericsOption, PrefillCapOption, check_range
 from .pipe import LayersOption, SplitNextOption, open_split_engine
 from .tp import (DEFAULT_GATE_TIMEOUT_MS, DEFAULT_TP_WAIT_S, DebugHashOption, GateTimeoutOption,
@@ -74,15 +74,10 @@ def exposure_warning(host: str, key: str | None) -> str | None:
 
 
 def bind(host: str, port: int) -> socket.socket:
-    family = socket.AF_INET6 if ":" in host else socket.AF_INET
-    sock = socket.socket(family, socket.SOCK_STREAM)
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-    try:
-        sock.bind((host, port))
-    except OSError as e:
-        sock.close()
-        raise CLIError(f"cannot listen on {format_hostport(host, port)}: {e.strerror or e}") from None
-    sock.listen(LISTEN_BACKLOG)
+    """The server's listening socket (a failure: `--port: cannot listen on HOST:PORT: reason`,
+    or --host's where the host is at fault)."""
+    with listen_errors("--port", "--host"):
+        sock = listen_socket(host, port, LISTEN_BACKLOG)
     sock.set_inheritable(True)
     return sock
 

@@ -22,11 +22,13 @@ runs its steps back to back.
 from __future__ import annotations
 
 import csv
+import io
 import math
 import os
 import platform
 import time
 from dataclasses import dataclass, field, fields
+from pathlib import Path
 from typing import Callable, Iterable, TextIO
 
 import numpy as np
@@ -294,10 +296,21 @@ def write_csv(rows: Iterable[BenchRow], f: TextIO) -> None:
     write_csv_rows(rows, f)
 
 
+def decode_utf8(data: bytes, what: str) -> str:
+    """data as UTF-8 text, or a ValueError `WHAT: not UTF-8 text (byte N is 0xNN)`."""
+    try:
+        return data.decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise ValueError(f"{what}: not UTF-8 text (byte {e.start} is {data[e.start]:#04x})") from None
+
+
 def read_csv(path: str | os.PathLike) -> list[BenchRow]:
-    """Rows of a CSV that `write_csv` wrote (extra columns are ignored)."""
+    """Rows of a CSV that `write_csv` wrote (extra columns are ignored). A file that is not one
+    (not UTF-8, a column missing, a bad value) is a ValueError that starts with the path."""
     types = {f.name: f.type for f in fields(BenchRow)}
-    with open(path, newline="") as fh:
+    # (decoded whole, so a byte that is not UTF-8 is named by its offset in the file)
+    text = decode_utf8(Path(path).read_bytes(), str(path))
+    with io.StringIO(text, newline="") as fh:
         reader = csv.DictReader(fh)
         missing = [c for c in CSV_COLUMNS if c not in (reader.fieldnames or [])]
         if missing:

@@ -63,3 +63,24 @@ def model_path(tmp_path_factory):
     from ds4.core.tiny import make_tiny
 
     return make_tiny(tmp_path_factory.mktemp("model") / "test.gguf", preset="test")
+
+
+@pytest.fixture
+def read_only_dir(tmp_path, monkeypatch):
+    """A directory this process may not create files in: mode 0555. A process that writes there
+    anyway (root, CAP_DAC_OVERRIDE) is told no by os.access for it, as any other user is, since
+    that is how the commands check a directory before writing (cli/common.py output_file)."""
+    d = tmp_path / "ro"
+    d.mkdir()
+    d.chmod(0o555)
+    if os.access(d, os.W_OK):
+        real = os.access
+
+        def access(path, mode, *args, **kwargs):
+            if mode & os.W_OK and os.path.realpath(path) == os.path.realpath(d):
+                return False
+            return real(path, mode, *args, **kwargs)
+
+        monkeypatch.setattr(os, "access", access)
+    yield d
+    d.chmod(0o755)

@@ -5,6 +5,7 @@ where a command listens)."""
 
 from __future__ import annotations
 
+import errno
 import re
 import socket
 
@@ -12,7 +13,7 @@ import pytest
 from typer.testing import CliRunner
 
 from ds4.wire import ds4k
-from ds4.wire.address import AddressError, format_hostport, parse_hostport
+from ds4.wire.address import AddressError, ListenError, format_hostport, listen_socket, parse_hostport
 
 from cli.main import app
 
@@ -167,3 +168,47 @@ def test_listeners_take_an_ipv6_host(model_path):
             assert c.family == socket.AF_INET6
     finally:
         w.stop()
+
+
+@pytest.fixture
+def busy_port():
+    """A loopback port another socket listens on."""
+    with socket.socket() as s:
+        s.bind((LOOPBACK, 0))
+        s.listen()
+        yield s.getsockname()[1]
+
+
+def test_a_listener_that_cannot_bind_names_the_address(busy_port):
+    """listen_socket's one error: `cannot listen on HOST:PORT: reason` (the reason without its
+    errno, an IPv6 host in brackets), and whether the host or the port is at fault."""
+    with pytest.raises(ListenError) as e:
+        listen_socket(LOOPBACK, busy_port)
+    assert str(e.value) == f"cannot listen on 127.0.0.1:{busy_port}: Address already in use"
+    assert isinstance(e.value, OSError) and e.value.errno == errno.EADDRINUSE and not e.value.host_fault
+    with pytest.raises(ListenError) as e:  # (a documentation address: no machine's own)
+        listen_socket("192.0.2.1", 0)
+    assert e.value.host_fault and str(e.value).startswith("cannot listen on 192.0.2.1:0: ")
+    v6 = ListenError("::1", 7, OSError(errno.EADDRINUSE, "Address already in use"))
+    assert str(v6) == "cannot listen on [::1]:7: Address already in use"
+    unknown = socket.gaierror(socket.EAI_NONAME, "Name or service not known")
+    assert ListenError("nohost", 7, unknown).host_fault
+
+
+def test_every_listening_command_names_its_option_and_the_address(model_path, busy_port):
+    """A port in use is `error: OPTION: cannot listen on HOST:PORT: reason` from every command
+    that listens (kv-recv and decode --recv-kv: test_ds4k.py), as serve said it (without the
+    option): pipe-worker and --tp-listen printed Python's `[Errno 98] ... (while attempting to
+    bind on address (...))`. A host that is not this machine's names --host."""
+    want = f"cannot listen on 127.0.0.1:{busy_port}: Address already in use"
+    for args, option in [
+        (["pipe-worker", busy_port, "1:5", "-m", model_path, "--backend", "reference"], "PORT"),
+        (["generate", "-m", model_path, "-p", "hi", "--backend", "reference",
+          "--tp-listen", f"127.0.0.1:{busy_port}", "--tp-wait", "0.2"], "--tp-listen"),
+        (["serve", "-m", model_path, "--backend", "reference", "--port", busy_port], "--port"),
+    ]:
+        r = run(*args)
+        assert r.exit_code == 1 and f"error: {option}: {want}" in r.stderr, (args, r.output)
+        assert "Errno" not in r.output and "while attempting" not in r.output
+    r = run("pipe-worker", 0, "1:5", "-m", model_path, "--backend", "reference", "--host", "192.0.2.1")
+    assert r.exit_code == 1 and "error: --host: cannot listen on 192.0.2.1:0: " in r.stderr, r.output

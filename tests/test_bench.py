@@ -412,3 +412,64 @@ def test_cli_csv_appends_unless_overwrite(model_path, tmp_path):
     assert r.exit_code == 0, r.output
     assert [x.frontier for x in bench.read_csv(out_csv)] == [16, 32, 64]
     assert os.listdir(tmp_path) == ["runs.csv"]
+
+
+def _one_row_csv(path):
+    row = bench.BenchRow("reference", "cpu", "m.gguf", 16, 16, 0.5, 32.0, 4, 0.25, 16.0, 1024, 4096)
+    with open(path, "w", newline="") as f:
+        bench.write_csv([row], f)
+    return path
+
+
+def test_cli_plot_from_csvs_checks_its_directory_first(tmp_path, read_only_dir):
+    """--plot --from: the same check as on a run, before the CSVs are read (a missing directory
+    was found only when the PNG's temporary file could not be made)."""
+    good = _one_row_csv(tmp_path / "good.csv")
+    r = run("--plot", tmp_path / "nodir" / "p.png", "--from", good)
+    assert r.exit_code == 1, r.output
+    assert f"--plot: directory does not exist: {tmp_path / 'nodir'}" in r.stderr
+    assert "Errno" not in r.output
+    r = run("--plot", read_only_dir / "p.png", "--from", good)
+    assert r.exit_code == 1 and f"--plot: directory not writable: {read_only_dir}" in r.stderr, r.output
+    r = run("--plot", f"{tmp_path}/p.png/", "--from", good)
+    assert r.exit_code == 1, r.output
+    assert f"--plot: expected a file path, got a directory path '{tmp_path}/p.png/'" in r.stderr
+    assert sorted(os.listdir(tmp_path)) == ["good.csv", "ro"] and os.listdir(read_only_dir) == []
+    r = run("--plot", tmp_path / "p.png", "--from", good)  # (the same CSV plots)
+    assert r.exit_code == 0 and (tmp_path / "p.png").is_file(), r.output
+
+
+def test_cli_csv_that_is_not_utf8_names_the_option_and_file(model_path, tmp_path):
+    binary = tmp_path / "bin.csv"
+    binary.write_bytes(b"backend,dev\xbdice\n")
+    r = run("-m", model_path, *SMALL, "--csv", binary)
+    assert r.exit_code == 1, r.output
+    assert f"--csv {binary}: not UTF-8 text (byte 11 is 0xbd)" in r.stderr and "codec" not in r.output
+    assert binary.read_bytes() == b"backend,dev\xbdice\n"
+    # --from: the byte's offset in the file, past the decoder's first chunk
+    late = _one_row_csv(tmp_path / "late.csv")
+    text = late.read_bytes()
+    late.write_bytes(text + b"x" * 9000 + b"\xbd\n")
+    r = run("--plot", tmp_path / "p.png", "--from", late)
+    assert r.exit_code == 1, r.output
+    assert f"--from {late}: not UTF-8 text (byte {len(text) + 9000} is 0xbd)" in r.stderr
+    assert "codec" not in r.output and not (tmp_path / "p.png").exists()
+
+
+def test_cli_csv_checks_where_it_writes(model_path, tmp_path, read_only_dir):
+    """A new --csv needs a directory that takes a file (it is written beside and renamed);
+    appending to an existing one needs only the file (it is opened in place)."""
+    r = run("-m", model_path, *SMALL, "--csv", read_only_dir / "new.csv")
+    assert r.exit_code == 1 and f"--csv: directory not writable: {read_only_dir}" in r.stderr, r.output
+    assert "tokens/s" not in r.output
+    r = run("-m", model_path, *SMALL, "--csv", f"{tmp_path}/new/")
+    assert r.exit_code == 1, r.output
+    assert f"--csv: expected a file path, got a directory path '{tmp_path}/new/'" in r.stderr
+    assert not (tmp_path / "new").exists()
+    old = _one_row_csv(tmp_path / "old.csv")
+    read_only_dir.chmod(0o755)
+    os.replace(old, read_only_dir / "old.csv")
+    read_only_dir.chmod(0o555)
+    r = run("-m", model_path, *SMALL, "--csv", read_only_dir / "old.csv")
+    assert r.exit_code == 0, r.output
+    assert [x.frontier for x in bench.read_csv(read_only_dir / "old.csv")] == [16, 16, 32, 64]

@@ -486,3 +486,42 @@ def test_cli_kv_send_checks_the_file_first(cli, model_path, payload, tmp_path):
     assert r.exit_code == 1 and "not found" in r.stderr
     r = cli("kv-recv", 0, "--out", tmp_path / "no" / "dir" / "x.dsv4")
     assert r.exit_code == 1 and "does not exist" in r.stderr
+
+
+def test_cli_kv_recv_checks_the_out_directory_at_startup(cli, tmp_path, read_only_dir):
+    """A directory the payload cannot be written to is refused before listening (the receiver
+    listened, and every transfer failed late on its temporary file); a path that names a
+    directory is refused rather than written as a file."""
+    r = cli("kv-recv", 0, "--out", read_only_dir / "x.dsv4", "--wait", 1)
+    assert r.exit_code == 1 and f"--out: directory not writable: {read_only_dir}" in r.stderr, r.output
+    assert "listening on" not in r.output
+    dest = f"{tmp_path}/new/"
+    r = cli("kv-recv", 0, "--out", dest, "--wait", 1)
+    assert r.exit_code == 1, r.output
+    assert f"--out: expected a file path, got a directory path {dest!r}" in r.stderr
+    assert "listening on" not in r.output and sorted(os.listdir(tmp_path)) == ["ro"]
+
+
+@pytest.fixture
+def busy_port():
+    """A loopback port another socket listens on."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        s.listen()
+        yield s.getsockname()[1]
+
+
+def test_cli_receivers_name_the_option_and_address_they_cannot_listen_on(cli, model_path, tmp_path,
+                                                                          busy_port):
+    out = tmp_path / "x.dsv4"
+    r = cli("kv-recv", busy_port, "--out", out, "--wait", 1)
+    assert r.exit_code == 1, r.output
+    assert f"error: PORT: cannot listen on 127.0.0.1:{busy_port}: Address already in use" in r.stderr
+    # the host's fault names --host (192.0.2.1: a documentation address, no machine's own)
+    r = cli("kv-recv", 0, "--out", out, "--host", "192.0.2.1", "--wait", 1, env={"DS4_WIRE_TOKEN": "t"})
+    assert r.exit_code == 1, r.output
+    assert "error: --host: cannot listen on 192.0.2.1:0: " in r.stderr and "Errno" not in r.output
+    r = cli("decode", "-m", model_path, "--recv-kv", busy_port, "--wait", 1)
+    assert r.exit_code == 1, r.output
+    assert f"error: --recv-kv: cannot listen on 127.0.0.1:{busy_port}: Address already in use" in r.stderr
+    assert "Traceback" not in r.output and not out.exists()

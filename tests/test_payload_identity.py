@@ -234,6 +234,33 @@ def test_prefill_save_kv_checks_the_directory_first(cli, models, tmp_path, monke
     assert r.exit_code == 1 and "directory does not exist" in r.stderr, r.output
 
 
+def test_prefill_save_kv_checks_the_directory_is_writable_first(cli, models, tmp_path, monkeypatch,
+                                                                read_only_dir):
+    """A directory that cannot take the file is refused before the prefill, naming the option
+    (it failed after the prefill, with a Permission denied on the temporary file)."""
+    a, _ = models
+    _no_prefill(monkeypatch)
+    r = cli("prefill", "-m", a.model.path, "-p", "hi", "--save-kv", read_only_dir / "x.dsv4")
+    assert r.exit_code == 1 and f"--save-kv: directory not writable: {read_only_dir}" in r.stderr, r.output
+    (tmp_path / "file").write_bytes(b"")
+    r = cli("prefill", "-m", a.model.path, "-p", "hi", "--save-kv", tmp_path / "file" / "x.dsv4")
+    assert r.exit_code == 1 and f"--save-kv: not a directory: {tmp_path / 'file'}" in r.stderr, r.output
+    assert os.listdir(read_only_dir) == []
+
+
+@pytest.mark.parametrize("tail", ["newfile/", "newfile/.", "."])
+def test_prefill_save_kv_refuses_a_directory_path(cli, models, tmp_path, monkeypatch, tail):
+    """A path that names a directory is refused, not written as a file (pathlib drops the
+    trailing "/": `--save-kv out/` wrote a file `out`)."""
+    a, _ = models
+    _no_prefill(monkeypatch)
+    dest = f"{tmp_path}/{tail}"
+    r = cli("prefill", "-m", a.model.path, "-p", "hi", "--save-kv", dest)
+    assert r.exit_code == 1, r.output
+    assert f"--save-kv: expected a file path, got a directory path {dest!r}" in r.stderr, r.output
+    assert os.listdir(tmp_path) == []
+
+
 def test_prefill_send_kv_to_a_dead_host_fails_before_prefilling(cli, models, monkeypatch):
     a, _ = models
     _no_prefill(monkeypatch)

@@ -67,7 +67,9 @@ def test_chat_turns_reuse_the_session(tmp_path):
 
     missing = tmp_path / "missing" / "x.dsv4"  # (a failed /save is said, and the chat goes on)
     model = default_model_path()
-    script = (f"Hello\nAgain\n/save {missing}\n/save {model}\n/save {save}\n/think on\nMore\n/reset\n"
+    folder = f"{tmp_path}/folder/"  # (names a directory: not written as a file `folder`)
+    script = (f"Hello\nAgain\n/save {missing}\n/save {folder}\n/save {model}\n/save {save}\n/think on\n"
+              "More\n/reset\n"
               "/think off\nHello\n")
     chat.stdin.write(script)  # (a few bytes: the pipe holds them until the chat reads)
     chat.stdin.flush()
@@ -91,7 +93,9 @@ def test_chat_turns_reuse_the_session(tmp_path):
     no_eos = lambda g: [t for t in g if t != eos]  # noqa: E731
     assert replies[0] == tok.decode(no_eos(g1)) == replies[3]
     assert replies[1] == tok.decode(no_eos(g2))
-    assert f"not saved to {missing}: No such file or directory" in r.stderr
+    assert f"not saved to {missing}: /save: directory does not exist: {missing.parent}" in r.stderr
+    assert f"not saved to {folder}: /save: expected a file path, got a directory path {folder!r}" in r.stderr
+    assert not (tmp_path / "folder").exists()
     assert f"not saved to {model}: /save: {model} is the model file this command reads" in r.stderr
     # /save wrote the session after the second turn as a DSV4 payload
     s = eng.session(ctx=4096)

@@ -11,7 +11,7 @@ from queue import Queue
 
 from ..engine import Engine
 from ..wire import qkp, sniff
-from ..wire.address import format_hostport, listen_family, parse_hostport
+from ..wire.address import format_hostport, listen_socket, parse_hostport
 from ..wire.deadline import Deadline
 from .common import (DEFAULT_CONNECT_TIMEOUT, DEFAULT_IDLE_TIMEOUT, DEFAULT_IO_TIMEOUT,
                      DEFAULT_MAX_CONNS, DEFAULT_MAX_ROWS, parse_layers)
@@ -49,7 +49,7 @@ class Worker:
         self.max_conns = max_conns
         self.tls_server = tls_server  # ssl.SSLContext for clients of this stage, or None
         self.tls_client = tls_client  # ssl.SSLContext for the link to the next stage, or None
-        self._sock = socket.create_server((host, port), family=listen_family(host), reuse_port=False)
+        self._sock = listen_socket(host, port, v6only=True)  # (a failure: ListenError)
         self._sock.settimeout(0.2)
         self.port = self._sock.getsockname()[1]
         self._stop = threading.Event()

@@ -31,7 +31,7 @@ from ..core.payload import session_payload_bytes
 from ..core.payload_identity import IDENTITY_FOOTER_BYTES, MAX_MODEL_NAME_BYTES
 from ..core.state import SessionLayout
 from ..wire import ds4t, sniff
-from ..wire.address import format_hostport, listen_family
+from ..wire.address import format_hostport, listen_socket
 from ..wire.deadline import Deadline
 from .partner import TorchPartner, WirePartner
 
@@ -138,9 +138,8 @@ def _shake(sock: socket.socket, mine: ds4t.Hello, opts: Options, role: ds4t.Role
 
 
 def listen(host: str, port: int) -> socket.socket:
-    s = socket.create_server((host, port), family=listen_family(host), reuse_port=False)
-    s.listen(LISTEN_BACKLOG)
-    return s
+    """The leader's listener (a port in use or a foreign host: ListenError, naming the address)."""
+    return listen_socket(host, port, LISTEN_BACKLOG, v6only=True)
 
 
 class _Arrival:

@@ -11,11 +11,16 @@ refused, naming the bracketed form). A port is 1..65535; `any_port` also takes 0
 a command listens on, where 0 asks the system for a free port. ":PORT" (no host) is read only
 where the caller gives `default_host`, for a command whose documented form allows it. A refused
 address is an `AddressError` naming the option, the form it takes and the value it got.
+
+Every listener binds with `listen_socket`, so a port in use or a host that is no address of this
+machine is one `ListenError`, `cannot listen on HOST:PORT: reason`, whichever listener it is.
 """
 
 from __future__ import annotations
 
+import errno
 import ipaddress
+import os
 import socket
 
 LOOPBACK = "127.0.0.1"  # the host of ":PORT" where a command takes that form
@@ -99,3 +104,54 @@ def listen_family(host: str) -> socket.AddressFamily:
     needs an IPv6 socket (socket.create_server's default family is IPv4); a name or an IPv4
     address takes IPv4, as before."""
     return socket.AF_INET6 if ":" in host else socket.AF_INET
+
+
+# the errors of bind() that are the host's, not the port's: a name that does not resolve (any
+# getaddrinfo error), an address that is not this machine's, an address family it lacks
+_HOST_ERRNOS = frozenset({errno.EADDRNOTAVAIL, errno.EAFNOSUPPORT})
+
+
+class ListenError(OSError):
+    """A listener that could not bind or listen on HOST:PORT. str(): `cannot listen on
+    HOST:PORT: reason` (an IPv6 host in brackets; the system's reason without its errno, which
+    stays in `errno`). `host_fault`: the host is what failed (it does not resolve, or is not an
+    address of this machine), so a command can name the option that gave the host rather than
+    the port's."""
+
+    def __init__(self, host: str, port: int, cause: OSError):
+        super().__init__(cause.errno, cause.strerror or str(cause) or type(cause).__name__)
+        self.host, self.port = host, port
+        self.host_fault = isinstance(cause, socket.gaierror) or cause.errno in _HOST_ERRNOS
+
+    def __str__(self) -> str:
+        return f"cannot listen on {format_hostport(self.host, self.port)}: {self.strerror}"
+
+
+def listen_socket(host: str, port: int, backlog: int | None = None, *,
+                  v6only: bool | None = None) -> socket.socket:
+    """A TCP socket bound to (host, port) and listening (port 0: a free one). SO_REUSEADDR is
+    set (except on Windows, where it would let another socket take the port), so a restarted
+    listener gets back a port whose old connections linger in TIME_WAIT. `v6only`, for an IPv6
+    host: accept IPv6 only (True), IPv4 too (False), or as the system does (None). Any failure is
+    a ListenError naming the address."""
+    try:
+        sock = socket.socket(listen_family(host), socket.SOCK_STREAM)
+    except OSError as e:
+        raise ListenError(host, port, e) from None
+    try:
+        if os.name not in ("nt", "cygwin"):
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        if v6only is not None and sock.family == socket.AF_INET6 and hasattr(socket, "IPV6_V6ONLY"):
+            sock.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, int(v6only))
+        sock.bind((host, port))
+        if backlog is None:
+            sock.listen()
+        else:
+            sock.listen(backlog)
+    except OSError as e:
+        sock.close()
+        raise ListenError(host, port, e) from None
+    except BaseException:
+        sock.close()
+        raise
+    return sock

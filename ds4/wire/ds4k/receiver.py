@@ -22,7 +22,7 @@ from ...core.config import ModelConfig
 from ...core.payload import HEADER_BYTES, ModelRef, PayloadError, check_payload
 from ...core.payload_identity import SHORT_HEX, distinct_digits, short_hex
 from .. import auth, sniff
-from ..address import format_hostport
+from ..address import format_hostport, listen_socket
 from ..deadline import Deadline
 from .records import (ACCEPT_POLL, ACCEPT_POLL_MIN, AUTH_FAILED, CHUNK, CORRUPT,
                       DEFAULT_MAX_BYTES, DEFAULT_MAX_CONNS, DEFAULT_MIN_RATE, DEFAULT_TIMEOUT,
@@ -64,15 +64,8 @@ class Receiver:
         # (a receiver waiting without a time limit must not grow with every peer that fails)
         self.n_failures = 0
         self.failures: list[DS4KError] = []
-        family = socket.AF_INET6 if ":" in host else socket.AF_INET
-        self.sock = socket.socket(family, socket.SOCK_STREAM)
-        try:
-            self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-            self.sock.bind((host, port))
-            self.sock.listen(max(4, max_conns))
-        except BaseException:
-            self.sock.close()
-            raise
+        # (a port in use or a host that is not this machine's: ListenError, naming the address)
+        self.sock = listen_socket(host, port, max(4, max_conns))
         self.host, self.port = self.sock.getsockname()[:2]
         self._lock = threading.Lock()
         self._landing = threading.Lock()  # one payload streams to the destination at a time
