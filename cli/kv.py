@@ -241,34 +241,44 @@ def decode(
     with library_errors():
         token = wire_token(auth_token, auth_token_file) if recv_kv is not None else None
         tls = server_tls(tls_cert, tls_key, tls_ca) if recv_kv is not None else None
-    tp = TpLeader.of(tp_listen, tp_transport, gate_timeout_ms, debug_hash, tp_wait)
-    eng = (tp.open(model, backend, numerics, ctx=ctx, auth_token=auth_token, auth_token_file=auth_token_file,
-                   io_timeout=io_timeout, tls_files=(tls_cert, tls_key, tls_ca))
-           if tp else open_engine(model, backend, numerics))
-    with library_errors():  # (the vocabulary is read here, on first use)
-        tok = eng.tokenizer
-    from ds4.core.atomic import temp_dir
-
-    with library_errors(), temp_dir(KV_TEMP_PREFIX) as tmp:
+        # bound before the model is loaded (minutes for a large one): a port in use says so at once
+        recv_sock = None
         if recv_kv is not None:
-            path = tmp / "session.dsv4"
-            _receive(recv_kv, path, host, eng.model.fingerprint, eng.config, limit, token,
-                     io_timeout, wait, tls, port_option="--recv-kv")
-        else:
-            path = load_kv
-            if not path.is_file():
-                raise CLIError(f"KV file not found: {path}")
-        # (with the model: the header's counts and the file's size are checked before the
-        # session it asks for is allocated)
-        h = check_payload(path, eng.config)
-        session_ctx = h.ctx if ctx is None else ctx
-        if h.ctx > session_ctx:
-            raise CLIError(f"--ctx {session_ctx} is smaller than the saved session's ctx {h.ctx}")
-        session = eng.session(ctx=session_ctx, prefill_cap=h.prefill_cap)
-        t0 = time.perf_counter()
-        session.load_payload(path)
-        t_load = time.perf_counter() - t0
-        size = path.stat().st_size
+            from ds4.wire.ds4k.receiver import listen
+
+            with listen_errors("--recv-kv", "--host"):
+                recv_sock = listen(host, recv_kv)
+    # (closed on every way out; the Receiver owns it once it is made)
+    with recv_sock if recv_sock is not None else contextlib.nullcontext():
+        tp = TpLeader.of(tp_listen, tp_transport, gate_timeout_ms, debug_hash, tp_wait)
+        eng = (tp.open(model, backend, numerics, ctx=ctx, auth_token=auth_token,
+                       auth_token_file=auth_token_file, io_timeout=io_timeout,
+                       tls_files=(tls_cert, tls_key, tls_ca))
+               if tp else open_engine(model, backend, numerics))
+        with library_errors():  # (the vocabulary is read here, on first use)
+            tok = eng.tokenizer
+        from ds4.core.atomic import temp_dir
+
+        with library_errors(), temp_dir(KV_TEMP_PREFIX) as tmp:
+            if recv_kv is not None:
+                path = tmp / "session.dsv4"
+                _receive(recv_kv, path, host, eng.model.fingerprint, eng.config, limit, token,
+                         io_timeout, wait, tls, port_option="--recv-kv", sock=recv_sock)
+            else:
+                path = load_kv
+                if not path.is_file():
+                    raise CLIError(f"KV file not found: {path}")
+            # (with the model: the header's counts and the file's size are checked before the
+            # session it asks for is allocated)
+            h = check_payload(path, eng.config)
+            session_ctx = h.ctx if ctx is None else ctx
+            if h.ctx > session_ctx:
+                raise CLIError(f"--ctx {session_ctx} is smaller than the saved session's ctx {h.ctx}")
+            session = eng.session(ctx=session_ctx, prefill_cap=h.prefill_cap)
+            t0 = time.perf_counter()
+            session.load_payload(path)
+            t_load = time.perf_counter() - t0
+            size = path.stat().st_size
     n_prompt = len(session.tokens)
 
     generated, stop, t_gen = stream_reply(session, tok, n, params, rng)
@@ -383,9 +393,9 @@ class _WarnFailures(logging.Handler):
 
 
 def _receive(port, path, host, fingerprint, config, limit, token, io_timeout, wait, tls, *,
-             port_option: str):
-    """Listen on host:port (a failure names `port_option` or --host) until a payload lands at
-    path."""
+             port_option: str, sock=None):
+    """Listen on host:port (a failure names `port_option` or --host), or on `sock` when bound
+    already (the receiver closes it), until a payload lands at path."""
     from ds4.core.atomic import signals_unwind
     from ds4.wire.ds4k import Receiver
 
@@ -399,7 +409,8 @@ def _receive(port, path, host, fingerprint, config, limit, token, io_timeout, wa
         with signals_unwind():
             with listen_errors(port_option, "--host"):
                 r = Receiver(port, host=host, fingerprint=fingerprint, config=config,
-                             max_bytes=limit, auth_token=token, timeout=io_timeout, tls=tls)
+                             max_bytes=limit, auth_token=token, timeout=io_timeout, tls=tls,
+                             sock=sock)
             with r:
                 err.print(Text(f"listening on {format_hostport(r.host, r.port)}", style="dim"),
                           soft_wrap=True)

@@ -125,6 +125,7 @@ def pipe_worker(
 ) -> None:
     """Serve layers A:B of a model as one pipeline stage (qkp6: wire.md §1 and ds4/wire/qkp.py)."""
     from ds4.pipeline import serve
+    from ds4.pipeline.worker import listen
 
     next_addr = check_hostport(next_stage, "--next") if next_stage is not None else None
     logging.basicConfig(stream=sys.stderr, level=logging.INFO if verbose else logging.WARNING,
@@ -137,12 +138,18 @@ def pipe_worker(
         tls_client = client_tls(tls_cert, tls_key, tls_ca) if next_stage and tls_server else None
         path = resolve_model(model)
         backend = choose_backend(backend)
+        # bound before the model is loaded (minutes for a large one): a port in use says so at once
         with listen_errors("PORT", "--host"):
+            sock = listen(host, port)
+        try:
             worker = serve(path, layers, port=port, backend=backend, numerics=numerics, slots=slots,
                            ctx=ctx, snapshots=snapshots, max_rows=min(max_rows, ctx), host=host,
                            auth_token=token, next_addr=next_addr, io_timeout=io_timeout,
                            idle_timeout=idle_timeout, max_conns=max_conns, tls_server=tls_server,
-                           tls_client=tls_client)
+                           tls_client=tls_client, sock=sock)
+        except BaseException:
+            sock.close()
+            raise
     st = worker.stage
     h = st.hello
     role = "last stage" if st.last else f"next {next_stage}"

@@ -92,7 +92,7 @@ def open_tp_engine(model: Path | None, backend: str, numerics: str, listen: str,
     """The leader's engine (`ds4.tp.TPEngine`), once its worker has joined: a visible wait line,
     a timeout, and one `error:` line for any failure (a refused hello names the field)."""
     from ds4.tp import TPEngine
-    from ds4.tp.link import Options
+    from ds4.tp.link import Options, listen as tp_listen
 
     with library_errors():
         # (port 0: a free port, which the wait line names, as every other listener takes it)
@@ -109,9 +109,15 @@ def open_tp_engine(model: Path | None, backend: str, numerics: str, listen: str,
                            f"`ds4 tp-worker --leader {format_hostport(*where)}` ...", style="dim"),
                       soft_wrap=True)
 
+        # bound before the model is loaded (minutes for a large one): a port in use says so at once
         with listen_errors("--tp-listen"):
+            listener = tp_listen(*addr)
+        try:
             eng = TPEngine.open(path, addr, backend=backend, numerics=numerics, ctx=ctx, opts=opts,
-                                wait_s=wait_s, on_wait=waiting)
+                                wait_s=wait_s, on_wait=waiting, listener=listener)
+        except BaseException:
+            listener.close()
+            raise
         peer = eng.pair.peer
         err.print(Text(f"tensor parallel: worker joined ({peer.backend.name.lower()} backend, "
                        f"{transport})", style="dim"), soft_wrap=True)

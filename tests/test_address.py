@@ -212,3 +212,20 @@ def test_every_listening_command_names_its_option_and_the_address(model_path, bu
         assert "Errno" not in r.output and "while attempting" not in r.output
     r = run("pipe-worker", 0, "1:5", "-m", model_path, "--backend", "reference", "--host", "192.0.2.1")
     assert r.exit_code == 1 and "error: --host: cannot listen on 192.0.2.1:0: " in r.stderr, r.output
+
+
+@pytest.mark.parametrize("command", ["pipe-worker", "--tp-listen"])
+def test_listening_commands_bind_before_they_load_the_model(tmp_path, busy_port, command):
+    """pipe-worker and --tp-listen bind their port before they open the model (minutes for the
+    real one): a port in use is their error even when the model is no GGUF at all."""
+    not_a_model = tmp_path / "not-a-model.gguf"
+    not_a_model.write_bytes(b"not a GGUF file\n" * 64)
+    args, option = {
+        "pipe-worker": (["pipe-worker", busy_port, "1:5", "-m", not_a_model, "--backend",
+                         "reference"], "PORT"),
+        "--tp-listen": (["generate", "-m", not_a_model, "-p", "hi", "--backend", "reference",
+                         "--tp-listen", f"127.0.0.1:{busy_port}", "--tp-wait", "0.2"], "--tp-listen"),
+    }[command]
+    r = run(*args)
+    want = f"error: {option}: cannot listen on 127.0.0.1:{busy_port}: Address already in use"
+    assert r.exit_code == 1 and want in r.stderr, r.output

@@ -525,3 +525,15 @@ def test_cli_receivers_name_the_option_and_address_they_cannot_listen_on(cli, mo
     assert r.exit_code == 1, r.output
     assert f"error: --recv-kv: cannot listen on 127.0.0.1:{busy_port}: Address already in use" in r.stderr
     assert "Traceback" not in r.output and not out.exists()
+
+
+def test_decode_recv_kv_binds_before_it_loads_the_model(cli, tmp_path, busy_port):
+    """`decode --recv-kv` binds its port before it opens the model (minutes for the real one): a
+    port in use is its error even when the model is no GGUF at all, with --tp-listen too."""
+    not_a_model = tmp_path / "not-a-model.gguf"
+    not_a_model.write_bytes(b"not a GGUF file\n" * 64)
+    want = f"error: --recv-kv: cannot listen on 127.0.0.1:{busy_port}: Address already in use"
+    for extra in [[], ["--tp-listen", "127.0.0.1:0", "--tp-wait", 0.2]]:
+        r = cli("decode", "-m", not_a_model, "--recv-kv", busy_port, "--wait", 1, *extra)
+        assert r.exit_code == 1 and want in r.stderr, (extra, r.output)
+        assert "Traceback" not in r.output

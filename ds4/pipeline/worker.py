@@ -34,7 +34,10 @@ class Worker:
                  auth_token: str | None = None, next_addr: str | tuple[str, int] | None = None,
                  io_timeout: float = DEFAULT_IO_TIMEOUT, idle_timeout: float = DEFAULT_IDLE_TIMEOUT,
                  connect_timeout: float = DEFAULT_CONNECT_TIMEOUT,
-                 max_conns: int = DEFAULT_MAX_CONNS, tls_server=None, tls_client=None):
+                 max_conns: int = DEFAULT_MAX_CONNS, tls_server=None, tls_client=None,
+                 sock: socket.socket | None = None):
+        """`sock`: a socket already listening (see `listen`), which the worker then owns, so that
+        a caller binds before it loads the model; None: bind host:port here."""
         if next_addr is not None and stage.last:
             raise ValueError("next: the last stage has no next stage")
         if max_conns < 1:
@@ -49,7 +52,7 @@ class Worker:
         self.max_conns = max_conns
         self.tls_server = tls_server  # ssl.SSLContext for clients of this stage, or None
         self.tls_client = tls_client  # ssl.SSLContext for the link to the next stage, or None
-        self._sock = listen_socket(host, port, v6only=True)  # (a failure: ListenError)
+        self._sock = sock if sock is not None else listen(host, port)  # (a failure: ListenError)
         self._sock.settimeout(0.2)
         self.port = self._sock.getsockname()[1]
         self._stop = threading.Event()
@@ -291,10 +294,17 @@ class _Relay:
         self._thread.join(timeout=self.down.timeout + 1)
 
 
+def listen(host: str, port: int) -> socket.socket:
+    """A worker's listener (a port in use or a foreign host: ListenError, naming the address):
+    bound before the model is loaded, it is Worker's (and serve's) `sock`."""
+    return listen_socket(host, port, v6only=True)
+
+
 def serve(path, layers: str | range, *, port: int = 0, backend: str = "reference",
           numerics: str = "ds4", slots: int = 1, ctx: int = 4096, snapshots: int = 0,
           max_rows: int = DEFAULT_MAX_ROWS, **worker_kw) -> Worker:
-    """Open layers A:B of the model and bind a worker for them (call `serve_forever()`)."""
+    """Open layers A:B of the model and bind a worker for them (call `serve_forever()`);
+    `sock=` (in worker_kw) serves on a socket bound beforehand (see `listen`) instead."""
     from ..core.gguf_model import GGUFModel
 
     if path is None:

@@ -61,16 +61,19 @@ class TPEngine(EngineFront):
     def open(cls, path, listen_addr: tuple[str, int], backend: str = "reference",
              numerics: str = "ds4", ctx: int | None = None, opts: Options | None = None,
              wait_s: float = DEFAULT_WAIT_S, on_wait=None, connect: bool = True,
-             **backend_options) -> "TPEngine":
+             listener: socket.socket | None = None, **backend_options) -> "TPEngine":
         """Bind rank 0's share of the model, listen, and (connect=True) wait for the worker.
-        `ctx`: the largest session the pair serves (default the model's context_length)."""
+        `ctx`: the largest session the pair serves (default the model's context_length).
+        `listener`: a socket already listening on listen_addr (`ds4.tp.link.listen`), so that a
+        caller binds before it loads the model; the engine owns it once open returns."""
         opts = opts or Options()
         engine = open_rank(path, LEADER_RANK, backend, numerics, **backend_options)
         ctx = engine.config.context_length if ctx is None else ctx
         if ctx > engine.config.context_length:
             raise ValueError(f"ctx: expected at most the model's context_length "
                              f"{engine.config.context_length}, got {ctx}")
-        listener = listen(*listen_addr)
+        if listener is None:
+            listener = listen(*listen_addr)
         eng = cls(engine, listener, ctx, opts, wait_s, on_wait)
         if connect:
             eng.ensure_worker()

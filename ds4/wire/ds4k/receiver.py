@@ -36,6 +36,13 @@ log = logging.getLogger("ds4.wire.ds4k")
 KEPT_FAILURES = 64  # the dropped connections a receiver keeps for its error message
 
 
+def listen(host: str, port: int, max_conns: int = DEFAULT_MAX_CONNS) -> socket.socket:
+    """A receiver's listener, as Receiver binds it (a port in use or a host that is not this
+    machine's: ListenError, naming the address): bound before the model is loaded, it is
+    Receiver's `sock`."""
+    return listen_socket(host, port, max(4, max_conns))
+
+
 class Receiver:
     """A listening DS4K endpoint (bound on construction, so port 0 picks a free port).
 
@@ -48,7 +55,10 @@ class Receiver:
                  config: ModelConfig | None = None, max_bytes: int = DEFAULT_MAX_BYTES,
                  auth_token: str | None = None, timeout: float = DEFAULT_TIMEOUT,
                  min_rate: float = DEFAULT_MIN_RATE, max_conns: int = DEFAULT_MAX_CONNS,
-                 tls: ssl.SSLContext | None = None):
+                 tls: ssl.SSLContext | None = None, sock: socket.socket | None = None):
+        """`sock`: a socket already listening (see `listen`), which the receiver then owns, so
+        that a caller binds before it loads the model (port and host are then the socket's);
+        None: bind host:port here."""
         if max_conns < 1 or min_rate <= 0:
             raise ValueError(f"max_conns: expected at least 1 (and min_rate > 0), got "
                              f"{max_conns}, {min_rate}")
@@ -65,7 +75,7 @@ class Receiver:
         self.n_failures = 0
         self.failures: list[DS4KError] = []
         # (a port in use or a host that is not this machine's: ListenError, naming the address)
-        self.sock = listen_socket(host, port, max(4, max_conns))
+        self.sock = sock if sock is not None else listen(host, port, max_conns)
         self.host, self.port = self.sock.getsockname()[:2]
         self._lock = threading.Lock()
         self._landing = threading.Lock()  # one payload streams to the destination at a time
