@@ -108,6 +108,72 @@ def test_peek_prefix_says_no_bytes_came_when_none_did():
             sniff.peek_prefix(conn, sniff.Deadline(0.2, "the peer's first bytes"))
 
 
+class _Refusal:
+    """A wire's refusal for `sniff.accept_tls`, counting its calls."""
+
+    def __init__(self, record: bytes | None):
+        self.record, self.error, self.calls = record, ValueError("plain peer"), 0
+
+    def __call__(self):
+        self.calls += 1
+        return self.error, self.record
+
+
+@contextlib.contextmanager
+def _accepted():
+    """(the server's accepted socket, the peer's), on loopback."""
+    with socket.create_server(("127.0.0.1", 0)) as lsock, \
+            socket.create_connection(lsock.getsockname(), timeout=T_OUT) as peer:
+        conn, _ = lsock.accept()
+        with conn:
+            conn.settimeout(SLOW_S)
+            yield conn, peer
+
+
+def _read_to_eof(sock: socket.socket) -> bytes:
+    got = b""
+    while chunk := sock.recv(4096):
+        got += chunk
+    return got
+
+
+@pytest.mark.parametrize("record", [b"NO TLS HERE", None], ids=["record", "caller-answers"])
+def test_accept_tls_refuses_a_plain_peer_with_the_wires_record(contexts, record):
+    """A plain peer gets no handshake: the wire's record (none where its caller answers), then
+    the end of the connection, and the wire's error is raised."""
+    server, _ = contexts
+    refusal, plain = _Refusal(record), b"GET / HTTP/1.0\r\n\r\n"
+    with _accepted() as (conn, peer):
+        peer.sendall(plain)
+        peer.shutdown(socket.SHUT_WR)  # (the refusal's drain ends at once)
+        with pytest.raises(ValueError) as e:
+            sniff.accept_tls(server, conn, sniff.Deadline(SLOW_S, "first bytes"), refusal)
+        assert e.value is refusal.error and refusal.calls == 1
+        if record is None:  # (nothing was read either: DS4K's caller reads the opener next)
+            assert conn.recv(len(plain)) == plain
+            conn.shutdown(socket.SHUT_WR)
+        assert _read_to_eof(peer) == (record or b"")  # (a reset would raise here)
+
+
+def test_accept_tls_wraps_a_tls_peer_and_refuses_nothing(contexts):
+    """A ClientHello gets the handshake: what comes back carries the peer's bytes over TLS."""
+    server, client = contexts
+    refusal = _Refusal(b"NO TLS HERE")
+    with _accepted() as (conn, peer):
+        def dial():
+            with client.wrap_socket(peer, server_hostname="127.0.0.1") as c:
+                c.sendall(b"ping")
+                c.recv(1)
+
+        t = threading.Thread(target=dial, daemon=True)
+        t.start()
+        with sniff.accept_tls(server, conn, sniff.Deadline(SLOW_S, "first bytes"), refusal) as s:
+            assert isinstance(s, ssl.SSLSocket) and s.recv(4) == b"ping"
+            s.sendall(b"!")
+        t.join(T_OUT)
+    assert refusal.calls == 0
+
+
 # ---- DS4K: prefill --send-kv / kv-send against decode --recv-kv / kv-recv ------------------------
 
 

@@ -169,15 +169,11 @@ class Worker:
                 self._conns.discard(sock)
 
     def _accept_tls(self, sock: socket.socket):
-        """The TLS socket of a client whose first bytes are a TLS handshake record; a client
-        that connected in plain text is refused in plain text (`ds4.wire.sniff`), so that it
-        learns why instead of reading a closed connection."""
-        first = sniff.peek_prefix(sock, Deadline(self.io_timeout, "the client's first bytes"))
-        if first and not sniff.looks_like_tls(first):
-            e = qkp.TlsMismatch("tls", sniff.plain_client_reason("client", "stage"))
-            qkp.refuse(sock, e)
-            raise e
-        return self.tls_server.wrap_socket(sock, server_side=True)
+        """The TLS socket of a client; one that connected in plain text gets qkp's refusal
+        (`sniff.accept_tls`), so that it learns why instead of reading a closed connection."""
+        return sniff.accept_tls(self.tls_server, sock,
+                                Deadline(self.io_timeout, "the client's first bytes"),
+                                _plain_client)
 
     def _connect_next(self, flags: int) -> qkp.Conn:
         host, port = self.next_addr
@@ -250,6 +246,11 @@ class Worker:
         if h.op == qkp.FREE:
             return stage.free(owner, h.slot)
         return stage.save(h, owner) if h.op == qkp.SAVE else stage.load(h, owner)
+
+
+def _plain_client() -> tuple[qkp.TlsMismatch, bytes]:
+    e = qkp.TlsMismatch("tls", sniff.plain_client_reason("client", "stage"))
+    return e, qkp.refusal_record(e)
 
 
 class _Relay:

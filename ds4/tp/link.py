@@ -318,15 +318,16 @@ def accept_worker(listener: socket.socket, model, ctx: int, opts: Options,
 
 
 def _accept_tls(sock: socket.socket, opts: Options) -> ssl.SSLSocket:
-    """The leader's TLS socket for a worker whose first bytes are a TLS handshake record; a
-    worker that connected in plain text gets a refusal in plain text (ds4t.refuse) and
-    TlsMismatch is raised, so that it fails at once instead of retrying a closed connection."""
-    first = sniff.peek_prefix(sock, Deadline(opts.io_timeout, "the worker's first bytes"))
-    if first and not sniff.looks_like_tls(first):
-        e = ds4t.TlsMismatch("tls", sniff.plain_client_reason("worker", "leader"))
-        ds4t.refuse(sock, str(e))
-        raise e
-    return opts.tls.wrap_socket(sock, server_side=True)
+    """The leader's TLS socket for a worker; one that connected in plain text gets DS4T's
+    refusal and TlsMismatch is raised (`sniff.accept_tls`), so that it fails at once instead of
+    retrying a closed connection."""
+    return sniff.accept_tls(opts.tls, sock, Deadline(opts.io_timeout, "the worker's first bytes"),
+                            _plain_worker)
+
+
+def _plain_worker() -> tuple[ds4t.TlsMismatch, bytes]:
+    e = ds4t.TlsMismatch("tls", sniff.plain_client_reason("worker", "leader"))
+    return e, ds4t.refusal_record(str(e))
 
 
 def _dial(host: str, port: int, opts: Options, timeout: float) -> socket.socket:

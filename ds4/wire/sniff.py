@@ -11,7 +11,8 @@ other until the io timeout. So:
   (`peek_prefix`): a ClientHello is a TLS handshake record, whose first two bytes are the
   record type `TLS_HANDSHAKE_RECORD` and the major version `TLS_MAJOR_VERSION`. Anything else
   is a plain peer, which the wire answers in plain text with its own refusal record
-  (`refuse`), naming the mismatch;
+  (`refuse`), naming the mismatch. `accept_tls` is that whole path, once for every wire: only
+  the refusal differs between them;
 * a plain end checks the first bytes it reads from its peer (`looks_like_tls`);
 * a TLS client whose handshake meets a plain answer gets ssl's "wrong version number" (the
   answer is no TLS record); `wrap_client` raises `PlainPeer` for it instead.
@@ -25,6 +26,7 @@ import contextlib
 import socket
 import ssl
 import time
+from typing import Callable
 
 from .deadline import Deadline
 
@@ -122,6 +124,23 @@ def _peek_now(sock: socket.socket) -> bytes:
 def _short_prefix(first: bytes, deadline: Deadline) -> str:
     return (f"{deadline.what}: expected {TLS_PREFIX_BYTES} bytes within {deadline.seconds:g} s, "
             f"got {len(first)}")
+
+
+def accept_tls(ctx: ssl.SSLContext, sock: socket.socket, deadline: Deadline,
+               refusal: Callable[[], tuple[Exception, bytes | None]]) -> ssl.SSLSocket:
+    """A TLS server's socket for a new connection whose first bytes are a TLS record (or whose
+    peer closed first: the handshake then says so). The peek waits until `deadline`, the
+    handshake as long as the socket's timeout. A peer that connected in plain text would read
+    a failed handshake as a closed connection, so it gets none: `refusal()` gives the wire's
+    error and its refusal record, the record is sent (`refuse`) and the error raised. A record
+    of None leaves the answer to the caller's error path (DS4K answers every failure there)."""
+    first = peek_prefix(sock, deadline)
+    if first and not looks_like_tls(first):
+        error, record = refusal()
+        if record is not None:
+            refuse(sock, record)
+        raise error
+    return ctx.wrap_socket(sock, server_side=True)
 
 
 def wrap_client(ctx: ssl.SSLContext, sock: socket.socket, host: str, what: str) -> ssl.SSLSocket:

@@ -188,8 +188,7 @@ class Receiver:
         try:
             try:
                 if self.tls is not None:
-                    self._sniff(conn)
-                    conn = holder["sock"] = self.tls.wrap_socket(conn, server_side=True)
+                    conn = holder["sock"] = self._accept_tls(conn)
                 return self._serve(conn, out_path, landed)
             except (OSError, ssl.SSLError) as e:  # the connection failed outside the payload
                 raise DS4KError(f"connection error: {e}", INCOMPLETE) from None
@@ -200,19 +199,21 @@ class Receiver:
                 _send_reply(conn, e.status, e.reason)
             raise
 
-    def _sniff(self, conn: socket.socket) -> None:
-        """Before the TLS handshake: DS4KError (TLS_MISMATCH) when the sender's first bytes are
-        not a TLS record, i.e. it connected in plain text (its opener, step 0, names it)."""
+    def _accept_tls(self, conn: socket.socket) -> ssl.SSLSocket:
+        """The TLS socket of a sender; DS4KError (TLS_MISMATCH) when its first bytes are not a
+        TLS record, i.e. it connected in plain text (its opener, step 0, names it). The error is
+        not answered here: `_serve_one` answers it, as it answers every failure."""
         # (one deadline for the peek and the opener: a stranger that trickles its bytes holds
         # this slot for one io timeout, not one for each)
         deadline = Deadline(self.timeout, "the sender's first bytes and opener")
-        first = sniff.peek_prefix(conn, deadline)
-        if sniff.looks_like_tls(first) or not first:
-            return  # (a peer that closed at once: the handshake says so)
-        opener = _recv_exact(conn, OPENER.size, "the sender's opener", deadline)
-        what = "sender" if OPENER.unpack(opener)[0] == MAGIC else \
-            f"peer (first bytes {opener.hex()}, neither TLS nor a DS4K opener)"
-        raise DS4KError(sniff.plain_client_reason(what, "receiver"), TLS_MISMATCH)
+
+        def plain_sender() -> tuple[DS4KError, None]:
+            opener = _recv_exact(conn, OPENER.size, "the sender's opener", deadline)
+            what = "sender" if OPENER.unpack(opener)[0] == MAGIC else \
+                f"peer (first bytes {opener.hex()}, neither TLS nor a DS4K opener)"
+            return DS4KError(sniff.plain_client_reason(what, "receiver"), TLS_MISMATCH), None
+
+        return sniff.accept_tls(self.tls, conn, deadline, plain_sender)
 
     def _serve(self, conn: socket.socket, out_path: Path, landed: threading.Event) -> Manifest:
         deadline = Deadline(self.timeout, "the DS4K hello")

@@ -175,7 +175,8 @@ from .frames import (_VARIABLE, FRAME_TYPES, SENT_BY, AckStatus, CommandAck, Eva
                      FrameType, Hash, Invalidate, Limits, Logits, RecvExact, Rewind, SessionCreate,
                      SessionDestroy, State, Stop, Sync, _check_token, _Fixed, check_frame_header,
                      pack_frame, read_frame, unpack_frame)
-from .channels import ControlChannel, _tls_pending, handshake, mutual_auth, recv_exact, refuse
+from .channels import (ControlChannel, _tls_pending, handshake, mutual_auth, recv_exact,
+                       refusal_record)
 from .gates import GateChannel, GateHeader, check_gate_header, reduce_in_rank_order
 
 __all__ = [
@@ -193,7 +194,7 @@ __all__ = [
     "Invalidate", "SessionDestroy", "Stop", "Hash", "CommandAck", "Logits", "State", "Frame",
     "FRAME_TYPES", "pack_frame", "check_frame_header", "RecvExact", "read_frame", "unpack_frame",
     # channels
-    "recv_exact", "ControlChannel", "mutual_auth", "handshake", "refuse",
+    "recv_exact", "ControlChannel", "mutual_auth", "handshake", "refusal_record",
     # gates
     "GateHeader", "check_gate_header", "reduce_in_rank_order", "GateChannel",
 ]

@@ -2,7 +2,7 @@
 through `_tls_pending`), the `ControlChannel` that carries frames between leader and worker,
 and connection setup: `handshake` (exchange and check the hellos, or take a leader's refusal)
 with `mutual_auth`, the shared-secret proof that runs right after the hellos when FLAG_AUTH is
-set, and `refuse`, the leader's refusal in place of its hello.
+set, and `refusal_record`, the leader's refusal in place of its hello.
 """
 
 from __future__ import annotations
@@ -141,9 +141,9 @@ def mutual_auth(token: str | bytes, role: Role, timeout: float) -> Callable[[soc
     return as_leader if role == Role.LEADER else as_worker
 
 
-def refuse(sock: socket.socket, reason: str) -> None:
-    """A leader's refusal in place of its hello (the caller closes the socket)."""
-    sniff.refuse(sock, refusal.pack(REFUSAL_MAGIC, reason))
+def refusal_record(reason: str) -> bytes:
+    """A leader's refusal, sent in place of its hello (`sniff.refuse` sends it)."""
+    return refusal.pack(REFUSAL_MAGIC, reason)
 
 
 def _read_hello(sock: socket.socket, me: Role, timeout: float) -> Hello:
