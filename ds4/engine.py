@@ -18,7 +18,7 @@ import numpy as np
 
 from .backends import backend_class
 from .core.gguf_model import GGUFModel
-from .core.graph import Partner, chunk_bounds, forward_chunk
+from .core.graph import Partner, chunk_bounds, chunk_groups, forward_chunk, forward_chunks
 from .core.sampling import GREEDY, Rng, SamplingParams, sample, unsorted_path
 from .core.state import SessionLayout, alloc_states, states_from_host, states_to_host
 from .core.tokenizer import Tokenizer
@@ -169,7 +169,8 @@ class Session:
         return check_tokens(tokens, self.engine.config.n_vocab, self.ctx)
 
     def _prefill(self, new: list[int]) -> None:
-        """Evaluate `new` after the current tokens, in chunks aligned to prefill_cap."""
+        """Evaluate `new` after the current tokens, in chunks aligned to prefill_cap (several at
+        a time where the backend runs their FFN sublayers together: prefill_ffn_rows)."""
         be, w = self.engine.backend, self.engine.weights
         if w.token_embd is None or w.output is None:
             raise RuntimeError(f"this engine holds layers {self.engine.layers.start}:"
@@ -178,10 +179,16 @@ class Session:
         end = start + len(new)
         # (slices of `new` only: `tokens + new` copied the whole history twice a decode step, part
         # of 0.34 ms of host time before the step's launch at 32768 tokens, 0.11 without)
-        for a, b in chunk_bounds(start, end, self.layout.prefill_cap):
+        tp = self.engine.partner
+        bounds = chunk_bounds(start, end, self.layout.prefill_cap)
+        for group in chunk_groups(bounds, be.prefill_ffn_rows if tp is None else 0):
+            a, b = group[0][0], group[-1][1]
             part = new[a - start:b - start]
-            out = forward_chunk(be, w, self.states, np.asarray(part, dtype=np.int64), a,
-                                logits=(b == end), tp=self.engine.partner)
+            ids = np.asarray(part, dtype=np.int64)
+            if len(group) == 1:
+                out = forward_chunk(be, w, self.states, ids, a, logits=(b == end), tp=tp)
+            else:
+                out = forward_chunks(be, w, self.states, ids, group, logits=(b == end))
             self._tokens.extend(part)  # (the session's own list: tokens / snapshot hand out copies)
         self._logits = np.asarray(be.to_numpy(out), dtype=np.float32)
 

@@ -8,7 +8,7 @@ import pytest
 
 import ds4
 from ds4.backends.reference.backend import ReferenceBackend
-from ds4.core.graph import forward_chunk
+from ds4.core.graph import chunk_bounds, chunk_groups, forward_chunk, forward_chunks
 from ds4.core.gguf_model import GGUFModel
 from ds4.core.quants import dequantize_rows
 from ds4.core.sampling import GREEDY, Rng, SamplingParams, sample, unsorted_path
@@ -55,6 +55,53 @@ def test_one_shot_chunked_and_decode_agree(engine):
         step.eval(t)
     assert _rel(step.logits, one.logits) <= 1e-5
     assert step.tokens == PROMPT
+
+
+def _states(engine, s):
+    be = engine.backend
+    return {il: {k: be.state_to_numpy(st, k) for k in st} for il, st in s.states.items()}
+
+
+@pytest.mark.parametrize("cap, rows", [(5, 48), (16, 32), (16, 48)])
+def test_chunks_sharing_their_ffn_compute_each_chunk_alone(engine, monkeypatch, cap, rows):
+    """A prompt's chunks whose FFN sublayers run together (prefill_ffn_rows: attention chunk by
+    chunk at each layer, then one FFN over the group) leave the logits and every state row bit
+    for bit as the chunks run one after another: the reordering changes no sum."""
+    import ds4.engine as eng
+
+    groups = []
+    monkeypatch.setattr(eng, "forward_chunks", lambda *a, **k: groups.append(a[4]) or forward_chunks(*a, **k))
+    alone = engine.session(ctx=128, prefill_cap=cap)
+    alone.sync(PROMPT)
+    assert not groups
+    monkeypatch.setattr(engine.backend, "prefill_ffn_rows", rows)
+    shared = engine.session(ctx=128, prefill_cap=cap)
+    shared.sync(PROMPT)
+    want_groups = [g for g in chunk_groups(chunk_bounds(0, len(PROMPT), cap), rows) if len(g) > 1]
+    assert groups == want_groups and groups
+    assert np.array_equal(shared.logits, alone.logits)
+    want, got = _states(engine, alone), _states(engine, shared)
+    for il in want:
+        for k in want[il]:
+            assert np.array_equal(got[il][k], want[il][k], equal_nan=True), (il, k)
+    shared.eval(3)  # a decode step after it: one chunk of one token
+    alone.eval(3)
+    assert np.array_equal(shared.logits, alone.logits)
+
+
+def test_chunk_groups_gather_whole_chunks_up_to_the_rows():
+    bounds = [(3, 5), (5, 10), (10, 15), (15, 20), (20, 22)]
+    assert chunk_groups(bounds, 0) == [[b] for b in bounds]
+    assert chunk_groups(bounds, 4) == [[b] for b in bounds]  # a chunk past the rows stays alone
+    assert chunk_groups(bounds, 10) == [[(3, 5), (5, 10)], [(10, 15), (15, 20)], [(20, 22)]]
+    assert chunk_groups(bounds, 19) == [bounds]
+    assert chunk_groups([], 8) == []
+
+
+def test_forward_chunks_refuses_chunks_that_do_not_follow_each_other(engine):
+    s = engine.session(ctx=128)
+    with pytest.raises(ValueError, match="not consecutive chunks"):
+        forward_chunks(engine.backend, engine.weights, s.states, np.arange(10), [(0, 4), (5, 10)])
 
 
 def test_sync_reuses_prefix_and_rewinds(engine):

@@ -280,6 +280,34 @@ def test_hc_pre_post(pair, rng, monkeypatch):
         assert _rel(tri.to_numpy(Xn), Xw) < 1e-6
 
 
+def test_concat_rows_writes_pending_expansions_in_place(pair, rng):
+    """concat_rows (graph.forward_chunks) of chunk states, pending mHC expansions among them (one
+    with two summed outputs), equals the reference's expansions one after another, bit for bit
+    against each expansion made alone; rows gives a chunk back."""
+    ref, wr, tri, wt = pair
+    cfg = ref.cfg
+    parts, want, alone = [], [], []
+    for i, n in enumerate((3, 5, 2)):
+        X = rng.standard_normal((n, cfg.n_hc, cfg.n_embd)).astype(np.float32)
+        _, post, comb = ref.hc_pre(X, wr.layers[1].hc_ffn)
+        y, y2 = (rng.standard_normal((n, cfg.n_embd)).astype(np.float32) for _ in range(2))
+        if i == 2:  # an array already made: copied as it is
+            parts.append(_t(tri, X))
+            want.append(X)
+            alone.append(X)
+            continue
+        ys = tri.add(_t(tri, y), _t(tri, y2)) if i == 1 else _t(tri, y)
+        args = (_t(tri, X), _t(tri, post), _t(tri, comb))
+        parts.append(tri.hc_post(ys, *args))
+        want.append(ref.hc_post(y + y2 if i == 1 else y, X, post, comb))
+        alone.append(tri.to_numpy(tri.hc_post(tri.add(_t(tri, y), _t(tri, y2)) if i == 1 else _t(tri, y), *args)))
+    got = tri.concat_rows(parts)
+    assert tuple(got.shape) == (10, cfg.n_hc, cfg.n_embd)
+    assert _rel(tri.to_numpy(got), np.concatenate(want)) < 1e-6
+    assert np.array_equal(tri.to_numpy(got), np.concatenate(alone))
+    assert np.array_equal(tri.to_numpy(tri.rows(got, 3, 8)), alone[1])
+
+
 @pytest.mark.parametrize("heads", [64, 1], ids=["heads64", "heads1"])
 def test_norms_and_rope(pair, heads, rng, monkeypatch):
     """heads: heads per RoPE program in decode (rope_rows_decode; 1: a program per head).

@@ -130,6 +130,36 @@ def test_logits_and_greedy_tokens_match_reference(engines, cases, numerics):
             assert close.mean() > 0.99, (il, k)
 
 
+@needs_gpu
+@pytest.mark.parametrize("numerics", ["ds4", "exact"])
+def test_chunks_sharing_their_ffn_change_no_bit(engines, monkeypatch, numerics):
+    """Two 2048-token prefill chunks whose FFN sublayers run as one (prefill_ffn_rows:
+    graph.forward_chunks, the mHC expansions written straight into the shared rows) leave the
+    logits and the state bit for bit as the chunks one after another do: the mixing kernel
+    splits its K for 4096 rows as for 2048 (hc_split_rows), where it used to split it in 2
+    parts instead of 4 and the sums came out in another order. (GPU only: the interpreter is
+    too slow for two such chunks; concat_rows has its own test.)"""
+    import ds4.engine as eng
+    from ds4.core.graph import forward_chunks
+
+    _, tri = engines[numerics]
+    prompt = [int(x) for x in np.random.default_rng([SEED, 2]).integers(0, tri.config.n_vocab, 4096)]
+    be = tri.backend
+    calls = []
+    monkeypatch.setattr(eng, "forward_chunks", lambda *a, **k: calls.append(a[4]) or forward_chunks(*a, **k))
+    out = {}
+    for rows in (0, 4096):
+        monkeypatch.setattr(be, "prefill_ffn_rows", rows)
+        s = tri.session(ctx=4096, prefill_cap=2048)
+        s.sync(prompt)
+        out[rows] = (s.logits, {il: {k: be.state_to_numpy(st, k) for k in st} for il, st in s.states.items()})
+    assert calls == [[(0, 2048), (2048, 4096)]]
+    assert np.array_equal(out[4096][0], out[0][0])
+    for il, st in out[0][1].items():
+        for k, want in st.items():
+            assert np.array_equal(out[4096][1][il][k], want, equal_nan=True), (il, k)
+
+
 def test_session_hands_off_between_backends(engines, cases):
     """A session prefilled on one backend continues on the other with the same greedy tokens
     (state_to_numpy / state_from_numpy are exact float32 copies)."""

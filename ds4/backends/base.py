@@ -27,6 +27,9 @@ LayerState = dict  # name -> Array, shapes from ds4.core.state.layer_state_shape
 
 class Backend(ABC):
     name: str = "?"
+    # A prompt's chunks gathered so that their FFN sublayers run once over up to this many rows
+    # (graph.forward_chunks); 0: each chunk runs alone (forward_chunk)
+    prefill_ffn_rows: int = 0
 
     def __init__(self, cfg: ModelConfig, numerics: str = "ds4"):
         if numerics not in ("ds4", "exact"):
@@ -177,6 +180,14 @@ class Backend(ABC):
 
     @abstractmethod
     def add(self, a: Array, b: Array) -> Array: ...
+
+    def rows(self, X: Array, a: int, b: int) -> Array:
+        """Rows [a, b) of X (graph.forward_chunks: one chunk of a group)."""
+        return X[a:b]
+
+    @abstractmethod
+    def concat_rows(self, parts: list) -> Array:
+        """The arrays `parts` one after another along their first axis."""
 
     @abstractmethod
     def head_norm(self, q: Array) -> Array:

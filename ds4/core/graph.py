@@ -4,7 +4,8 @@ A chunk of tokens at absolute positions [p0, p0 + n) runs layer-major: every lay
 sublayer for the whole chunk, then its FFN sublayer, then the next layer. Within a chunk the ops
 respect causality themselves (the raw window and compressed rows a query sees depend on its own
 position), so one chunk, many chunks and token-by-token decode compute the same function.
-Spec §3 has every formula; the comments here point at its sections.
+Several chunks of one prompt may also share their FFN sublayers (forward_chunks), which treat
+each token alone. Spec §3 has every formula; the comments here point at its sections.
 """
 
 from __future__ import annotations
@@ -114,6 +115,46 @@ def forward_chunk(be, w: ModelWeights, states: dict, tokens: np.ndarray, p0: int
     X = be.embed(w.token_embd, tokens)
     X = run_layers(be, w, states, X, tokens, p0, range(w.cfg.n_layer), tp)
     return be.output_logits(X, w.output_hc, w.output_norm, w.output) if logits else None
+
+
+def forward_chunks(be, w: ModelWeights, states: dict, tokens: np.ndarray, bounds: list[tuple[int, int]],
+                   logits: bool = True):
+    """Consecutive chunks `bounds` ([a, b) each, absolute; `tokens` holds all of theirs in order)
+    in one pass over the layers: at each layer every chunk's attention sublayer, in order, then
+    one FFN sublayer over all their rows. A chunk's attention at layer l reads only layer l's
+    state, which the chunks before it have written by then, and the FFN sublayer takes each
+    token alone, so this computes what forward_chunk does chunk by chunk (bit for bit where a
+    backend's FFN products treat a row alike whatever rows come with it); the routed experts,
+    seeing every token of the group at once, fill their grouped tiles better (the backend's
+    prefill_ffn_rows). One rank only: tensor-parallel ranks exchange each chunk's gates in
+    chunk order (wire.md §2)."""
+    p0 = bounds[0][0]
+    if sum(b - a for a, b in bounds) != len(tokens) or any(
+            b0 != a1 for (_, b0), (a1, _) in zip(bounds, bounds[1:])):
+        raise ValueError(f"forward_chunks: bounds {bounds} are not consecutive chunks of "
+                         f"the {len(tokens)} tokens")
+    be.begin_chunk(states, tokens, p0, logits)
+    X = be.embed(w.token_embd, tokens)
+    for il in range(w.cfg.n_layer):
+        L = w.layers[il]
+        parts = [attention_sublayer(be, L, states[il], be.rows(X, a - p0, b - p0), a) for a, b in bounds]
+        X = ffn_sublayer(be, L, be.concat_rows(parts), tokens)
+    return be.output_logits(X, w.output_hc, w.output_norm, w.output) if logits else None
+
+
+def chunk_groups(bounds: list[tuple[int, int]], rows: int) -> list[list[tuple[int, int]]]:
+    """Consecutive chunks gathered into groups of at most `rows` tokens for forward_chunks (a
+    chunk longer than `rows` stays alone; rows 0: every chunk alone)."""
+    groups: list[list[tuple[int, int]]] = []
+    total = 0
+    for a, b in bounds:
+        if groups and total + (b - a) <= rows:
+            groups[-1].append((a, b))
+            total += b - a
+        else:
+            groups.append([(a, b)])
+            total = b - a
+    return groups
 
 
 def chunk_bounds(start: int, end: int, prefill_cap: int) -> list[tuple[int, int]]:

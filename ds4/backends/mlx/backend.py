@@ -448,6 +448,9 @@ class MLXBackend(Backend):
     def add(self, a, b):
         return a + b
 
+    def concat_rows(self, parts):
+        return mx.concatenate(parts, axis=0)
+
     def output_logits(self, X, hc, norm, out):
         cfg = self.cfg
         x = X[-1:]  # [1, HC, E]

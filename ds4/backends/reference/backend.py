@@ -296,6 +296,9 @@ class ReferenceBackend(Backend):
     def add(self, a, b):
         return a + b
 
+    def concat_rows(self, parts):
+        return np.concatenate(parts, axis=0)
+
     def _head_input(self, X, hc, norm):
         """§3.8 up to the LM head: mHC collapse with the head's weights, then the final norm."""
         cfg = self.cfg

@@ -332,17 +332,21 @@ class TritonBackend(_LinearOps, _DecodeSteps, _HcOps, _AttentionOps, _MoeOps, Ba
         elif isinstance(x, _AttnOut):
             out = x.take(False)
         elif isinstance(x, _Expanded):
-            X = x.X
-            n, HC, E = X.shape
-            out = self._new((n, HC, E))
-            BE = min(1024, _pow2(E))
-            y2 = x.y2 if x.y2 is not None else x.y
-            self._launch(K.hc_post_kernel, (n, _cdiv(E, BE)), x.y, y2, X, x.post, x.comb,
-                         out, E, HC=HC, BE=BE, HAS_Y2=x.y2 is not None, num_warps=4,
-                         nbytes=4 * (2 * X.numel() + 2 * n * E))
+            out = self._expand_into(x, self._new(x.shape))
         else:
             raise TypeError(type(x))
         x.val = out
+        return out
+
+    def _expand_into(self, x: _Expanded, out: torch.Tensor) -> torch.Tensor:
+        """hc_post's new mHC state written into `out` (rows of a larger tensor: concat_rows)."""
+        X = x.X
+        n, HC, E = X.shape
+        BE = min(1024, _pow2(E))
+        y2 = x.y2 if x.y2 is not None else x.y
+        self._launch(K.hc_post_kernel, (n, _cdiv(E, BE)), x.y, y2, X, x.post, x.comb,
+                     out, E, HC=HC, BE=BE, HAS_Y2=x.y2 is not None, num_warps=4,
+                     nbytes=4 * (2 * X.numel() + 2 * n * E))
         return out
 
     def _blocks(self, ttype: int, K_: int, cap: int) -> tuple[int, int]:

@@ -45,7 +45,8 @@ class _HcOps:
         cap = 32 if BT > 1 else max(32, min(128, Kd // self.hc_mix_split))
         NB, VB = self._blocks(fn.kt, Kd, 1024 if self.interpret else cap)
         BK = NB * VB
-        split = 1 if self.interpret else max(1, min(self.hc_mix_split, max(128, self.hc_mix_split) // _cdiv(n, BT)))
+        rows = min(n, self.hc_split_rows)
+        split = 1 if self.interpret else max(1, min(self.hc_mix_split, max(128, self.hc_mix_split) // _cdiv(rows, BT)))
         split = min(split, Kd // BK)
         split = _largest_pow2_divisor(Kd // BK, split)
         part = self._new((n, split, NM))
@@ -107,6 +108,24 @@ class _HcOps:
     @_op
     def add(self, a, b):
         return _Sum(a, b)
+
+    def rows(self, X, a, b):
+        return self._val(X)[a:b]
+
+    def concat_rows(self, parts):
+        """The chunks' mHC states as one [n, HC, E] tensor: an expansion not yet made is written
+        straight into its rows (one pass, as materialising it alone would take)."""
+        n = sum(int(p.shape[0]) for p in parts)
+        out = self._new((n, *parts[0].shape[1:]))
+        r = 0
+        for p in parts:
+            m = int(p.shape[0])
+            if isinstance(p, _Expanded) and p.val is None:
+                self._expand_into(p, out[r:r + m])
+            else:
+                out[r:r + m].copy_(self._val(p))
+            r += m
+        return out
 
     @_op
     def output_logits(self, X, hc, norm, out):

@@ -33,6 +33,7 @@ import os
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 
+from ...core.state import DEFAULT_PREFILL_CAP
 from .formats import Decoder, KernelType
 
 _D = Decoder
@@ -106,6 +107,10 @@ class TritonTuning:
     # the shared expert's Q8C gate/up in prefill as two such products on one split of x and the
     # SwiGLU, instead of the fused gate/up kernel's bf16x3 Q8_0 path
     shared_hl: bool = True
+    # a prompt's chunks run their FFN sublayers together over up to this many rows
+    # (graph.forward_chunks; 0: chunk by chunk): a 2048 chunk gives each routed expert 48
+    # assignments on average, under three quarters of a 64-row tile
+    prefill_ffn_rows: int = 8192
     topk_reg_max: int = 16384  # indexer rows that top-k keeps in registers
     # numerics "ds4": the indexer's compressed rows (Hadamard + FP4, then f16) and its QAT'd query
     # hold at most 3 significant bits, so both are exact in bfloat16: the rows are kept in
@@ -151,6 +156,9 @@ class TritonTuning:
     # finalize program, and whether a one-token finalize computes post and comb (the Sinkhorn
     # iterations) in a launch of its own, beside the sublayer, instead of before it
     hc_mix_split: int = 128
+    # prefill mHC: the mixing kernel splits K by the programs of at most this many rows (ds4's
+    # chunk), so that a group of chunks (prefill_ffn_rows) sums in each chunk's own order
+    hc_split_rows: int = DEFAULT_PREFILL_CAP
     hc_fin_be: int = 256
     hc_comb_beside: bool = True
     # one-token finalize: the comb tile stored and loaded again before the Sinkhorn iterations
