@@ -430,3 +430,16 @@ def test_fp16_path_tiles_fit_the_shared_memory_they_are_given():
              for BM, BN, BK, GM, warps, stages in tiles]
     for ms, (ptx, shared) in zip(limits, compile_sm90(cases)):
         assert "cp.async" in ptx and 0 < shared <= ms, (ms, shared)
+
+
+def test_ffn_rows_come_from_the_environment():
+    """DS4_TRITON_FFN_ROWS sets how many prompt rows run their FFN sublayers together (0: chunk
+    by chunk, for a GPU short of memory); anything but a whole number names the variable."""
+    from ds4.backends.triton.tuning import load_tuning
+
+    base = {"DS4_TRITON_MV_SHAPES": ""}
+    assert load_tuning(False, None, env=base).prefill_ffn_rows == 8192
+    assert load_tuning(False, None, env={**base, "DS4_TRITON_FFN_ROWS": "0"}).prefill_ffn_rows == 0
+    assert load_tuning(False, None, env={**base, "DS4_TRITON_FFN_ROWS": "4096"}).prefill_ffn_rows == 4096
+    with pytest.raises(ValueError, match="DS4_TRITON_FFN_ROWS: expected a whole number.*got '-1'"):
+        load_tuning(False, None, env={**base, "DS4_TRITON_FFN_ROWS": "-1"})

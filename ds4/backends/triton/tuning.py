@@ -15,6 +15,8 @@ DS4_TRITON_DOT              prefill product precision: bf16x3 (default), f16, tf
                             (the backend's dot_precision argument wins)
 DS4_TRITON_UNITS            units per K-step of the generic decoders (default 1)
 DS4_TRITON_LANES            side streams of a decode step, 0 = none (default 6)
+DS4_TRITON_FFN_ROWS         prompt rows whose FFN sublayers run together (default 8192; 0 = chunk
+                            by chunk, the least GPU memory)
 DS4_TRITON_MM               matrix-matrix tile "rows of x,rows of W,warps" (default 64,64,8)
 DS4_TRITON_MOE              JSON {"gateup"|"down"|"shared": [rows of W, warps]}: grouped-expert tiles
 DS4_TRITON_MOE16            "0": no integer fp16 prefill experts (default "1")
@@ -233,6 +235,11 @@ def load_tuning(interpret: bool, max_shared: int | None = None, dot_precision: s
     t["lanes"] = int(lanes)
     t["mm_tile"] = tuple(int(v) for v in env.get("DS4_TRITON_MM", "64,64,8").split(","))
     defaults = TritonTuning()
+    ffn_rows = env.get("DS4_TRITON_FFN_ROWS", str(defaults.prefill_ffn_rows))
+    if not ffn_rows.isdigit():
+        raise ValueError(f"DS4_TRITON_FFN_ROWS: expected a whole number of prompt rows (0 = chunk by "
+                         f"chunk), got {ffn_rows!r}")
+    t["prefill_ffn_rows"] = int(ffn_rows)
     moe_tile = dict(defaults.moe_tile)
     moe_tile.update({k: tuple(v) for k, v in json.loads(env.get("DS4_TRITON_MOE", "{}")).items()})
     t["moe_tile"] = moe_tile
