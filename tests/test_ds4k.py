@@ -537,3 +537,15 @@ def test_decode_recv_kv_binds_before_it_loads_the_model(cli, tmp_path, busy_port
         r = cli("decode", "-m", not_a_model, "--recv-kv", busy_port, "--wait", 1, *extra)
         assert r.exit_code == 1 and want in r.stderr, (extra, r.output)
         assert "Traceback" not in r.output
+
+
+def test_a_status_reply_cuts_its_reason_at_a_character():
+    """A status record is {u32 status, u32 reason_bytes} + UTF-8 reason of at most 4096 bytes
+    (written out here from wire.md); an over-long reason is cut at a character boundary, so a
+    two-byte character straddling the limit goes whole."""
+    assert ds4k.records._reply(7, "ok") == struct.pack("<II", 7, 2) + b"ok"
+    assert ds4k.records._reply(0) == struct.pack("<II", 0, 0)
+    cut = ds4k.records._reply(3, "a" * 4095 + "é" + "b")
+    assert cut == struct.pack("<II", 3, 4095) + b"a" * 4095
+    whole = ds4k.records._reply(3, "a" * 4094 + "é")
+    assert whole == struct.pack("<II", 3, 4096) + ("a" * 4094 + "é").encode()

@@ -12,7 +12,7 @@ import socket
 import struct
 from dataclasses import asdict, dataclass
 
-from .. import auth
+from .. import auth, refusal
 from ..deadline import Deadline
 
 MAGIC = 0x4B345344  # b"DS4K"
@@ -22,12 +22,12 @@ FLAG_AUTH = 1
 OPENER = struct.Struct("<I")  # step 0: the sender's magic, its first bytes on every connection
 HELLO = struct.Struct("<4I32s")
 RECORD = struct.Struct("<4I")
-REPLY = struct.Struct("<2I")
+REPLY = struct.Struct("<2I")  # status, reason_bytes: the refusal record's layout (ds4.wire.refusal)
 PROOF_BYTES = auth.PROOF_BYTES
 NONCE_BYTES = auth.NONCE_BYTES
 MAX_MANIFEST_BYTES = 64 << 10
 MAX_MANIFEST_DEPTH = 2  # the manifest is one flat object; a little room for a later field
-MAX_REASON_BYTES = 4 << 10
+MAX_REASON_BYTES = refusal.MAX_REASON_BYTES
 DEFAULT_MAX_BYTES = 16 << 30  # a real-model session of ~1.2M tokens; --max-kv-bytes raises it
 DEFAULT_TIMEOUT = 120.0
 PROBE_CONNECT_TIMEOUT = 10.0  # how long a probe retries a refused connection (a starting receiver)
@@ -174,8 +174,9 @@ def _recv_exact(sock: socket.socket, n: int, what: str, deadline: Deadline | Non
 
 
 def _reply(status: int, reason: str = "") -> bytes:
-    r = reason.encode("utf-8")[:MAX_REASON_BYTES]
-    return REPLY.pack(status, len(r)) + r
+    """A status record: the refusal record with the status in the magic's place, so its reason is
+    cut to MAX_REASON_BYTES at a character boundary (the peer reads valid UTF-8)."""
+    return refusal.pack(status, reason)
 
 
 def _send_reply(sock: socket.socket, status: int, reason: str = "") -> None:
