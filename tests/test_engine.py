@@ -57,33 +57,21 @@ def test_one_shot_chunked_and_decode_agree(engine):
     assert step.tokens == PROMPT
 
 
-def _states(engine, s):
-    be = engine.backend
-    return {il: {k: be.state_to_numpy(st, k) for k in st} for il, st in s.states.items()}
-
-
 @pytest.mark.parametrize("cap, rows", [(5, 48), (16, 32), (16, 48)])
 def test_chunks_sharing_their_ffn_compute_each_chunk_alone(engine, monkeypatch, cap, rows):
     """A prompt's chunks whose FFN sublayers run together (prefill_ffn_rows: attention chunk by
     chunk at each layer, then one FFN over the group) leave the logits and every state row bit
     for bit as the chunks run one after another: the reordering changes no sum."""
     import ds4.engine as eng
+    from ffn_groups import assert_same_bits, prefill_both_ways
 
     groups = []
     monkeypatch.setattr(eng, "forward_chunks", lambda *a, **k: groups.append(a[4]) or forward_chunks(*a, **k))
-    alone = engine.session(ctx=128, prefill_cap=cap)
-    alone.sync(PROMPT)
-    assert not groups
-    monkeypatch.setattr(engine.backend, "prefill_ffn_rows", rows)
-    shared = engine.session(ctx=128, prefill_cap=cap)
-    shared.sync(PROMPT)
-    want_groups = [g for g in chunk_groups(chunk_bounds(0, len(PROMPT), cap), rows) if len(g) > 1]
-    assert groups == want_groups and groups
-    assert np.array_equal(shared.logits, alone.logits)
-    want, got = _states(engine, alone), _states(engine, shared)
-    for il in want:
-        for k in want[il]:
-            assert np.array_equal(got[il][k], want[il][k], equal_nan=True), (il, k)
+    out = prefill_both_ways(engine, PROMPT, 128, cap, rows, monkeypatch)
+    assert groups == [g for g in chunk_groups(chunk_bounds(0, len(PROMPT), cap), rows) if len(g) > 1]
+    assert groups  # (none while chunk by chunk)
+    assert_same_bits(out[rows], out[0])
+    shared, alone = out[rows][2], out[0][2]
     shared.eval(3)  # a decode step after it: one chunk of one token
     alone.eval(3)
     assert np.array_equal(shared.logits, alone.logits)

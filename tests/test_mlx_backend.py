@@ -766,15 +766,7 @@ def test_cli_generate_with_mlx(models):
 def test_chunks_sharing_their_ffn_change_no_bit(models, numerics, monkeypatch):
     """Prefill chunks whose FFN sublayers run as one (prefill_ffn_rows, graph.forward_chunks)
     leave the logits and every state row as the chunks one after another do, bit for bit."""
-    eng = open_mlx(models["q2"], numerics)
-    be = eng.backend
-    out = {}
-    for rows in (0, 48):
-        monkeypatch.setattr(be, "prefill_ffn_rows", rows)
-        s = eng.session(ctx=128, prefill_cap=16)
-        s.sync(PROMPT)
-        out[rows] = (s.logits, {il: {k: be.state_to_numpy(st, k) for k in st} for il, st in s.states.items()})
-    assert np.array_equal(out[48][0], out[0][0])
-    for il, st in out[0][1].items():
-        for k, want in st.items():
-            assert np.array_equal(out[48][1][il][k], want, equal_nan=True), (il, k)
+    from ffn_groups import assert_same_bits, prefill_both_ways
+
+    out = prefill_both_ways(open_mlx(models["q2"], numerics), PROMPT, 128, 16, 48, monkeypatch)
+    assert_same_bits(out[48], out[0])

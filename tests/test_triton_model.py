@@ -141,23 +141,15 @@ def test_chunks_sharing_their_ffn_change_no_bit(engines, monkeypatch, numerics):
     too slow for two such chunks; concat_rows has its own test.)"""
     import ds4.engine as eng
     from ds4.core.graph import forward_chunks
+    from ffn_groups import assert_same_bits, prefill_both_ways
 
     _, tri = engines[numerics]
     prompt = [int(x) for x in np.random.default_rng([SEED, 2]).integers(0, tri.config.n_vocab, 4096)]
-    be = tri.backend
     calls = []
     monkeypatch.setattr(eng, "forward_chunks", lambda *a, **k: calls.append(a[4]) or forward_chunks(*a, **k))
-    out = {}
-    for rows in (0, 4096):
-        monkeypatch.setattr(be, "prefill_ffn_rows", rows)
-        s = tri.session(ctx=4096, prefill_cap=2048)
-        s.sync(prompt)
-        out[rows] = (s.logits, {il: {k: be.state_to_numpy(st, k) for k in st} for il, st in s.states.items()})
+    out = prefill_both_ways(tri, prompt, 4096, 2048, 4096, monkeypatch)
     assert calls == [[(0, 2048), (2048, 4096)]]
-    assert np.array_equal(out[4096][0], out[0][0])
-    for il, st in out[0][1].items():
-        for k, want in st.items():
-            assert np.array_equal(out[4096][1][il][k], want, equal_nan=True), (il, k)
+    assert_same_bits(out[4096], out[0])
 
 
 def test_session_hands_off_between_backends(engines, cases):
