@@ -153,9 +153,9 @@ def bench(
         append = False
         if csv_path is not None:
             # rows are appended to a non-empty file in place, else written beside it and renamed
-            appending = not overwrite and os.path.isfile(csv_path) and os.path.getsize(csv_path) > 0
-            csv_path = output_file(csv_path, "--csv", in_place=appending)
-            append = _appends_to(csv_path, overwrite)
+            append = not overwrite and os.path.isfile(csv_path) and os.path.getsize(csv_path) > 0
+            csv_path = output_file(csv_path, "--csv", in_place=append)
+            _check_csv_target(csv_path, append)
 
     table_console = out if csv_path is not None else err
     with contextlib.ExitStack() as stack:
@@ -233,16 +233,16 @@ def _check_model(model: Path | None, ctx_max: int, gen_tokens: int) -> None:
                        f"the model's context_length {cfg.context_length}")
 
 
-def _appends_to(path: Path, overwrite: bool) -> bool:
-    """True for a non-empty ds4 bench CSV without --overwrite (rows are appended); False when
-    there is nothing there or it is to be replaced. Anything else is refused rather than
-    appended to or replaced without --overwrite."""
+def _check_csv_target(path: Path, append: bool) -> None:
+    """--csv names a regular file where anything is there, and (`append`: a non-empty file
+    without --overwrite, whose rows are appended to) a ds4 bench CSV. Anything else is refused
+    rather than appended to or replaced without --overwrite."""
     from ds4.bench import CSV_COLUMNS, decode_utf8
 
     if path.exists() and not path.is_file():
         raise CLIError(f"--csv {path}: not a regular file")
-    if overwrite or not path.exists() or path.stat().st_size == 0:
-        return False
+    if not append:
+        return
     with open(path, "rb") as f:
         first = f.readline()
     try:  # (the first line alone: the rows after it are not read)
@@ -252,7 +252,6 @@ def _appends_to(path: Path, overwrite: bool) -> bool:
     if header != ",".join(CSV_COLUMNS):
         raise CLIError(f"--csv {path}: not a ds4 bench CSV (its first line is {header[:80]!r}, "
                        f"expected {','.join(CSV_COLUMNS)!r}); pass --overwrite to replace it")
-    return True
 
 
 def _read_csv(path: Path) -> list:
