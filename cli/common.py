@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import socket
 import sys
 import time
 from pathlib import Path
@@ -194,6 +195,21 @@ def listen_errors(port_option: str, host_option: str | None = None) -> Iterator[
     except ListenError as e:
         option = host_option if host_option is not None and e.host_fault else port_option
         raise CLIError(f"{option}: {e}") from None
+
+
+@contextlib.contextmanager
+def bound_first(listen: Callable[[], socket.socket], port_option: str,
+                host_option: str | None = None) -> Iterator[socket.socket]:
+    """A listener bound before the block loads the model (minutes for a large one), so that a
+    port in use says so at once (listen_errors words it); the block hands it to what serves on
+    it, and it is closed only if the block fails."""
+    with listen_errors(port_option, host_option):
+        sock = listen()
+    try:
+        yield sock
+    except BaseException:
+        sock.close()
+        raise
 
 
 def check_output(dest: Path, option: str, model_path: Path | None) -> None:

@@ -22,7 +22,7 @@ import typer
 from ds4.core.atomic import signals_unwind
 from ds4.wire.address import format_hostport
 
-from .common import CLIError, choose_backend, library_errors, listen_errors, resolve_model
+from .common import CLIError, bound_first, choose_backend, library_errors, resolve_model
 from .options import BackendOption, CtxOption, ModelOption, NumericsOption, check_hostport, check_range
 from .wire_options import (DEFAULT_IO_TIMEOUT, AuthTokenFileOption, AuthTokenOption, IoTimeoutOption, TlsCaOption,
                            TlsCertOption, TlsKeyOption, client_tls, server_tls, warn_exposed,
@@ -138,18 +138,12 @@ def pipe_worker(
         tls_client = client_tls(tls_cert, tls_key, tls_ca) if next_stage and tls_server else None
         path = resolve_model(model)
         backend = choose_backend(backend)
-        # bound before the model is loaded (minutes for a large one): a port in use says so at once
-        with listen_errors("PORT", "--host"):
-            sock = listen(host, port)
-        try:
+        with bound_first(lambda: listen(host, port), "PORT", "--host") as sock:
             worker = serve(path, layers, port=port, backend=backend, numerics=numerics, slots=slots,
                            ctx=ctx, snapshots=snapshots, max_rows=min(max_rows, ctx), host=host,
                            auth_token=token, next_addr=next_addr, io_timeout=io_timeout,
                            idle_timeout=idle_timeout, max_conns=max_conns, tls_server=tls_server,
                            tls_client=tls_client, sock=sock)
-        except BaseException:
-            sock.close()
-            raise
     st = worker.stage
     h = st.hello
     role = "last stage" if st.last else f"next {next_stage}"

@@ -20,7 +20,7 @@ from rich.text import Text
 
 from ds4.wire.address import format_hostport
 
-from .common import CLIError, choose_backend, err, library_errors, listen_errors, resolve_model
+from .common import CLIError, bound_first, choose_backend, err, library_errors, resolve_model
 from .options import BackendOption, ModelOption, NumericsOption, check_hostport, check_range
 from .wire_options import (DEFAULT_IO_TIMEOUT, AuthTokenFileOption, AuthTokenOption, IoTimeoutOption, TlsCaOption,
                            TlsCertOption, TlsKeyOption, client_tls, server_tls, warn_exposed,
@@ -109,15 +109,9 @@ def open_tp_engine(model: Path | None, backend: str, numerics: str, listen: str,
                            f"`ds4 tp-worker --leader {format_hostport(*where)}` ...", style="dim"),
                       soft_wrap=True)
 
-        # bound before the model is loaded (minutes for a large one): a port in use says so at once
-        with listen_errors("--tp-listen"):
-            listener = tp_listen(*addr)
-        try:
+        with bound_first(lambda: tp_listen(*addr), "--tp-listen") as listener:
             eng = TPEngine.open(path, addr, backend=backend, numerics=numerics, ctx=ctx, opts=opts,
                                 wait_s=wait_s, on_wait=waiting, listener=listener)
-        except BaseException:
-            listener.close()
-            raise
         peer = eng.pair.peer
         err.print(Text(f"tensor parallel: worker joined ({peer.backend.name.lower()} backend, "
                        f"{transport})", style="dim"), soft_wrap=True)

@@ -136,9 +136,9 @@ def test_chunks_sharing_their_ffn_change_no_bit(engines, monkeypatch, numerics):
     """Two 2048-token prefill chunks whose FFN sublayers run as one (prefill_ffn_rows:
     graph.forward_chunks, the mHC expansions written straight into the shared rows) leave the
     logits and the state bit for bit as the chunks one after another do: the mixing kernel
-    splits its K for 4096 rows as for 2048 (hc_split_rows), where it used to split it in 2
-    parts instead of 4 and the sums came out in another order. (GPU only: the interpreter is
-    too slow for two such chunks; concat_rows has its own test.)"""
+    splits its K for 4096 rows as for 2048 (hc_split_rows; split by their own count, 4096 rows
+    would take 2 parts against a chunk's 4 and sum in another order). (GPU only: the
+    interpreter is too slow for two such chunks; concat_rows has its own test.)"""
     import ds4.engine as eng
     from ds4.core.graph import forward_chunks
     from ffn_groups import assert_same_bits, prefill_both_ways
