@@ -28,6 +28,11 @@ ROOT = Path(__file__).resolve().parents[1]
 DS4 = "import sys; from cli.main import main; sys.argv[0] = 'ds4'; main()"
 T_OUT = 30.0
 SIGNALS = [signal.SIGTERM, signal.SIGINT]
+# Each child first puts SIGINT and SIGHUP back as a fresh Python has them: a suite started in the
+# background (`&` ignores SIGINT) or under nohup (SIGHUP) passes the ignoring on to its children,
+# and a command that inherits it rightly stays deaf to that signal.
+FRESH_SIGNALS = ("import signal; signal.signal(signal.SIGINT, signal.default_int_handler); "
+                 "signal.signal(signal.SIGHUP, signal.SIG_DFL)\n")
 HELLO_BYTES, REPLY_BYTES, OPENER_BYTES = 48, 8, 4  # DS4K (ds4/wire/ds4k/)
 DS4K_MAGIC, DS4K_VERSION = 0x4B345344, 3
 
@@ -50,7 +55,7 @@ def payload(model_path) -> bytes:
 def start(tmp_path: Path, code: str, *args) -> subprocess.Popen:
     tmp = tmp_path / "tmp"
     tmp.mkdir(exist_ok=True)
-    return subprocess.Popen([sys.executable, "-c", code, *map(str, args)], cwd=ROOT, text=True,
+    return subprocess.Popen([sys.executable, "-c", FRESH_SIGNALS + code, *map(str, args)], cwd=ROOT, text=True,
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                             env={**os.environ, "PYTHONPATH": str(ROOT), "TMPDIR": str(tmp),
                                  "COLUMNS": "200", "DS4_CACHE": str(tmp_path / "cache")})
