@@ -33,7 +33,7 @@ from ds4.core.quants import GGMLType as T  # noqa: E402
 from ds4.core.quants import dequantize_rows, random_blocks, row_bytes  # noqa: E402
 from ds4.core.rope import layer_inv_freq  # noqa: E402
 from ds4.core.state import FILL  # noqa: E402
-from triton_pair import DEVICE, _cfg, _check_xq, _rel, _states, _t  # noqa: E402
+from triton_pair import DEVICE, _cfg, _check_xq, _rel, _states, _t, several_tiles  # noqa: E402
 from triton_pair import model, pair, rng  # noqa: E402,F401  (fixtures)
 
 
@@ -94,7 +94,7 @@ def test_q8c_prefill_products_on_two_fp16_planes(rng):
     rows), groups; and the same bound with q8_hl off (matmul_kernel). On a GPU the bound also
     catches one tensor-core accumulator over K (hl_fresh off exceeds it; the errors measured:
     bench/triton/results_h100/q8hl-accuracy-2026-12-06.csv)."""
-    tri = TritonBackend(_cfg(), device=DEVICE)
+    tri = several_tiles(TritonBackend(_cfg(), device=DEVICE))
     N, K = 48, 512
     blocks = random_blocks(T.Q8_0, N * K, rng, scale=0.05).reshape(-1, 34)
     d = blocks[:, :2].copy().view("<f2").astype(np.float32)

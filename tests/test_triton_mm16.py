@@ -25,6 +25,7 @@ from ds4.core.quants import random_blocks  # noqa: E402
 from ds4.core.tiny import preset_config  # noqa: E402
 from seeds import rng_for_test  # noqa: E402
 from sm90 import compile_sm90, ptx_sm90  # noqa: E402
+from triton_pair import several_tiles  # noqa: E402
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 # Errors are measured against the first-order error scale of each output (for a product,
@@ -45,7 +46,7 @@ def rng(request):
 @pytest.fixture(scope="module")
 def tri():
     # the fp16 integer path (bf16x3 products with moe_int16), whatever the tuning's defaults
-    be = TritonBackend(preset_config("test"), device=DEVICE, dot_precision="bf16x3")
+    be = several_tiles(TritonBackend(preset_config("test"), device=DEVICE, dot_precision="bf16x3"))
     be.moe_int16 = True
     be.moe_down_i8 = False  # the fp16 down (test_triton_mm8.py has the int8 one)
     return be
@@ -305,7 +306,7 @@ def _f16_rounded(x, block):
 
 @pytest.fixture(scope="module")
 def tri16():
-    be = TritonBackend(preset_config("test"), device=DEVICE, dot_precision="f16")
+    be = several_tiles(TritonBackend(preset_config("test"), device=DEVICE, dot_precision="f16"))
     be.moe_int16 = True
     be.q8_f16w = True  # the fp16 path for Q8C and F16 rows, whatever the tuning's default
     be.f16w_types = (80, 1)

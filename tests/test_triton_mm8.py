@@ -22,6 +22,7 @@ from ds4.core.quants import GGMLType as T  # noqa: E402
 from ds4.core.tiny import preset_config  # noqa: E402
 from seeds import rng_for_test  # noqa: E402
 from sm90 import compile_sm90  # noqa: E402
+from triton_pair import several_tiles  # noqa: E402
 from test_triton_mm16 import TOL, _activations, _experts, _moe_layer, _rel_rows, _schedule  # noqa: E402
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
@@ -38,7 +39,7 @@ def rng(request):
 
 @pytest.fixture(scope="module")
 def tri():
-    be = TritonBackend(preset_config("test"), device=DEVICE, dot_precision="bf16x3")
+    be = several_tiles(TritonBackend(preset_config("test"), device=DEVICE, dot_precision="bf16x3"))
     be.moe_int16 = True
     be.moe_down_i8 = True
     return be

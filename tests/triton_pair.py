@@ -10,6 +10,7 @@ import torch
 
 from ds4.backends.reference.backend import ReferenceBackend
 from ds4.backends.triton.backend import TritonBackend
+from ds4.backends.triton.tuning import TritonTuning
 from ds4.core import numerics as nx
 from ds4.core.gguf_model import GGUFModel
 from ds4.core.state import FILL, SessionLayout, layer_state_shapes
@@ -66,6 +67,21 @@ def _states(ref, tri, cfg, il, ctx=128, rng=None):
     for k in rs:
         tri.state_from_numpy(ts, k, rs[k])
     return rs, ts
+
+
+# Tiles for the kernel tests' own small shapes: several programs along each side of a product, the
+# last one ragged. The interpreter's tuning (tuning.load_tuning) takes one large tile instead, so
+# that the whole-model tests run few programs; the routed experts' tiles are the GPU's.
+SEVERAL_TILES = dict(f16w_tile=(16, 32, 64, 2, 4, 1), hl_tile=(16, 32, 64, 2, 4, 1),
+                     hl_split_rows=TritonTuning.hl_split_rows, mm8_tile=TritonTuning.mm8_tile,
+                     moe16_tile=TritonTuning().moe16_tile)
+
+
+def several_tiles(be: TritonBackend) -> TritonBackend:
+    """be with SEVERAL_TILES."""
+    for name, tile in SEVERAL_TILES.items():
+        setattr(be, name, tile)
+    return be
 
 
 def _cfg():

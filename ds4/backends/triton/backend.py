@@ -409,7 +409,9 @@ class TritonBackend(_LinearOps, _DecodeSteps, _HcOps, _AttentionOps, _MoeOps, Ba
             R = tune[4]
         if self.interpret:  # few, large programs (a per-shape entry keeps its K-step: tests split K)
             cap = cap if (kind, ttype, int(N), int(K_)) in self.mv_shapes else 1024
-            BN = min(256 if t == Decoder.Q2S_HALVES_XQ else 64, _pow2(N))  # (unrolled slots cost per program)
+            # (the interpreter's cost grows with programs, hardly with their size; unrolled slots
+            # cost per program)
+            BN = min(256 if t == Decoder.Q2S_HALVES_XQ or t in _IQ2_GROUPS else 64, _pow2(N))
         elif t != Decoder.Q2S_HALVES_XQ:  # (its programs are [BN / R, halves] threads: the tuning sets BN)
             while BN > (4 if t in _IQ2_GROUPS else R) and _cdiv(N, BN) * slots * S < 264:  # two programs per SM
                 BN //= 2

@@ -147,7 +147,7 @@ class _LinearOps:
         exactly, in quant byte order: q8c_hl_kernel, into buffers of this product only."""
         hi = torch.empty((w.N, w.K), dtype=torch.float16, device=self.dev)
         lo = torch.empty_like(hi)
-        BR = 4
+        BR = self.hl_split_rows
         self._launch(K.q8c_hl_kernel, (_cdiv(w.N, BR), w.K // 256), w.b8, w.i16, t, hi, lo, w.N, w.K, w.RB,
                      BR=BR, num_warps=4, nbytes=w.RB * w.N + 4 * w.N * w.K)
         return hi, lo

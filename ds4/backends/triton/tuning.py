@@ -106,6 +106,7 @@ class TritonTuning:
     hl_tile: tuple = (128, 128, 64, 8, 8, 3)
     hl_fresh: bool = True
     hl_products: int = 3  # (the low terms' product is under 2^-24 of |x|·|w|)
+    hl_split_rows: int = 4  # Q8C rows per program of the split into planes (q8c_hl_kernel)
     # the shared expert's Q8C gate/up in prefill as two such products on one split of x and the
     # SwiGLU, instead of the fused gate/up kernel's bf16x3 Q8_0 path
     shared_hl: bool = True
@@ -265,8 +266,9 @@ def load_tuning(interpret: bool, max_shared: int | None = None, dot_precision: s
     if interpret:  # few, large programs; the interpreter's tests use small shapes of their own
         t.update(moe_tile={"gateup": (64, 4), "down": (64, 4), "shared": (64, 4)}, topk_bucket=32, topk_rows=64,
                  idx_score_rows=128,
-                 hc_mix_bt=(2, 16), combine_pairs=16, rope_rows_decode=64, f16w_tile=(16, 32, 64, 2, 4, 1),
-                 hl_tile=(16, 32, 64, 2, 4, 1))
+                 hc_mix_bt=(2, 16), combine_pairs=16, rope_rows_decode=64, f16w_tile=(32, 128, 64, 2, 4, 1),
+                 hl_tile=(32, 128, 64, 2, 4, 1), hl_split_rows=64, mm8_tile=(256, 128, 4, 1),
+                 moe16_tile={"gateup": (256, 128, 4, 1), "down": (256, 128, 4, 1)})
     elif table:
         t["mv_shapes"] = load_mv_shapes(table)
     return dataclasses.replace(defaults, **t)
