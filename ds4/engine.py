@@ -181,7 +181,7 @@ class Session:
         # of 0.34 ms of host time before the step's launch at 32768 tokens, 0.11 without)
         tp = self.engine.partner
         bounds = chunk_bounds(start, end, self.layout.prefill_cap)
-        for group in chunk_groups(bounds, be.prefill_ffn_rows if tp is None else 0):
+        for group in chunk_groups(bounds, be.prefill_ffn_rows if tp is None else 0, be.prefill_ffn_min_rows):
             a, b = group[0][0], group[-1][1]
             part = new[a - start:b - start]
             ids = np.asarray(part, dtype=np.int64)

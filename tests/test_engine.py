@@ -84,6 +84,24 @@ def test_chunk_groups_gather_whole_chunks_up_to_the_rows():
     assert chunk_groups(bounds, 10) == [[(3, 5), (5, 10)], [(10, 15), (15, 20)], [(20, 22)]]
     assert chunk_groups(bounds, 19) == [bounds]
     assert chunk_groups([], 8) == []
+    # a chunk under min_rows stays alone, and the next chunk does not join it
+    assert chunk_groups(bounds, 19, 3) == [[(3, 5)], [(5, 10), (10, 15), (15, 20)], [(20, 22)]]
+    assert chunk_groups(bounds, 19, 6) == [[b] for b in bounds]
+
+
+def test_a_backend_keeps_its_short_chunks_out_of_groups(engine, monkeypatch):
+    """Session groups only chunks of at least the backend's prefill_ffn_min_rows tokens."""
+    import ds4.engine as eng
+
+    groups = []
+    monkeypatch.setattr(eng, "forward_chunks", lambda *a, **k: groups.append(a[4]) or forward_chunks(*a, **k))
+    monkeypatch.setattr(engine.backend, "prefill_ffn_rows", 64)
+    monkeypatch.setattr(engine.backend, "prefill_ffn_min_rows", 16)
+    s = engine.session(ctx=128, prefill_cap=16)
+    tokens = PROMPT + PROMPT[:5]
+    s.sync(tokens[:5])
+    s.sync(tokens)  # chunks [5, 16) alone, [16, 32) with [32, 48), [48, 53) alone
+    assert groups == [[(16, 32), (32, 48)]]
 
 
 def test_forward_chunks_refuses_chunks_that_do_not_follow_each_other(engine):

@@ -16,6 +16,7 @@ pytest.importorskip("triton")
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"  # cpu: the interpreter (conftest.py)
 
 import ds4  # noqa: E402
+from ds4.backends.triton.plumbing import MM_MIN  # noqa: E402
 from ds4.core.tiny import make_tiny  # noqa: E402
 from seeds import SEED  # noqa: E402
 
@@ -130,26 +131,31 @@ def test_logits_and_greedy_tokens_match_reference(engines, cases, numerics):
             assert close.mean() > 0.99, (il, k)
 
 
-@needs_gpu
-@pytest.mark.parametrize("numerics", ["ds4", "exact"])
+# A grouped prefill's chunk: on a GPU ds4's 2048 tokens; in the interpreter the fewest that take
+# the matrix-matrix kernels (a shorter chunk is not grouped: TritonBackend.prefill_ffn_min_rows)
+GROUP_CHUNK = 2048 if GPU else MM_MIN
+
+
+@pytest.mark.parametrize("numerics", ["ds4", pytest.param("exact", marks=needs_gpu)])
 def test_chunks_sharing_their_ffn_change_no_bit(engines, monkeypatch, numerics):
-    """Two 2048-token prefill chunks whose FFN sublayers run as one (prefill_ffn_rows:
-    graph.forward_chunks, the mHC expansions written straight into the shared rows) leave the
-    logits and the state bit for bit as the chunks one after another do: the mixing kernel
-    splits its K for 4096 rows as for 2048 (hc_split_rows; split by their own count, 4096 rows
-    would take 2 parts against a chunk's 4 and sum in another order). (GPU only: the
-    interpreter is too slow for two such chunks; concat_rows has its own test.)"""
+    """Two prefill chunks whose FFN sublayers run as one (prefill_ffn_rows: graph.forward_chunks,
+    the mHC expansions written straight into the shared rows) leave the logits and the state bit
+    for bit as the chunks one after another do. On a GPU the chunks are 2048 tokens, and the
+    mixing kernel splits its K for 4096 rows as for 2048 (hc_split_rows; split by their own
+    count, 4096 rows would take 2 parts against a chunk's 4 and sum in another order); the
+    interpreter, which does not split that K, runs two of the shortest chunks a group takes."""
     import ds4.engine as eng
     from ds4.core.graph import forward_chunks
     from ffn_groups import assert_same_bits, prefill_both_ways
 
     _, tri = engines[numerics]
-    prompt = [int(x) for x in np.random.default_rng([SEED, 2]).integers(0, tri.config.n_vocab, 4096)]
+    n = 2 * GROUP_CHUNK
+    prompt = [int(x) for x in np.random.default_rng([SEED, 2]).integers(0, tri.config.n_vocab, n)]
     calls = []
     monkeypatch.setattr(eng, "forward_chunks", lambda *a, **k: calls.append(a[4]) or forward_chunks(*a, **k))
-    out = prefill_both_ways(tri, prompt, 4096, 2048, 4096, monkeypatch)
-    assert calls == [[(0, 2048), (2048, 4096)]]
-    assert_same_bits(out[4096], out[0])
+    out = prefill_both_ways(tri, prompt, max(64, n), GROUP_CHUNK, n, monkeypatch)
+    assert calls == [[(0, GROUP_CHUNK), (GROUP_CHUNK, n)]]
+    assert_same_bits(out[n], out[0])
 
 
 def test_session_hands_off_between_backends(engines, cases):

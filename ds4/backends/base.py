@@ -30,6 +30,9 @@ class Backend(ABC):
     # A prompt's chunks gathered so that their FFN sublayers run once over up to this many rows
     # (graph.forward_chunks); 0: each chunk runs alone (forward_chunk)
     prefill_ffn_rows: int = 0
+    # the fewest tokens a chunk needs to join such a group (a backend whose FFN kernels for fewer
+    # rows compute otherwise sets its threshold, so a group keeps each chunk's arithmetic)
+    prefill_ffn_min_rows: int = 1
 
     def __init__(self, cfg: ModelConfig, numerics: str = "ds4"):
         if numerics not in ("ds4", "exact"):

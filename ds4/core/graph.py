@@ -142,13 +142,16 @@ def forward_chunks(be, w: ModelWeights, states: dict, tokens: np.ndarray, bounds
     return be.output_logits(X, w.output_hc, w.output_norm, w.output) if logits else None
 
 
-def chunk_groups(bounds: list[tuple[int, int]], rows: int) -> list[list[tuple[int, int]]]:
+def chunk_groups(bounds: list[tuple[int, int]], rows: int, min_rows: int = 1) -> list[list[tuple[int, int]]]:
     """Consecutive chunks gathered into groups of at most `rows` tokens for forward_chunks (a
-    chunk longer than `rows` stays alone; rows 0: every chunk alone)."""
+    chunk longer than `rows` stays alone; rows 0: every chunk alone). A chunk of fewer than
+    `min_rows` tokens stays alone too: a backend whose FFN takes other kernels for so few rows
+    (Triton's matrix-vector paths) would give its rows other arithmetic inside a group."""
     groups: list[list[tuple[int, int]]] = []
     total = 0
     for a, b in bounds:
-        if groups and total + (b - a) <= rows:
+        last = groups[-1][-1] if groups else None
+        if last and total + (b - a) <= rows and min(b - a, last[1] - last[0]) >= min_rows:
             groups[-1].append((a, b))
             total += b - a
         else:

@@ -57,8 +57,9 @@ from .ops_attention import TOPK_MAX_CHUNKS, _AttentionOps
 from .ops_hc import _HcOps
 from .ops_moe import _MoeOps
 from .plumbing import (
-    GRID_NIBBLES, QWeight, ROW_UNIT, Selection, _AttnOut, _AttnParts, _Combined, _Expanded, _GraphEntry, _HeadNormed,
-    _IQ2_GROUPS, _Lazy, _Normed, _Roped, _Step, _Sum, _UNNORMED, _UNROLLED_VB, _VALUE_ROLES, _X16_ONLY, _cdiv,
+    GRID_NIBBLES, MM_MIN, QWeight, ROW_UNIT, Selection, _AttnOut, _AttnParts, _Combined, _Expanded, _GraphEntry,
+    _HeadNormed, _IQ2_GROUPS, _Lazy, _Normed, _Roped, _Step, _Sum, _UNNORMED, _UNROLLED_VB, _VALUE_ROLES, _X16_ONLY,
+    _cdiv,
     _grid_table, _ksign_table, _largest_pow2_divisor, _max_shared, _pow2, check_config,
 )
 from .steps import _DecodeSteps
@@ -75,6 +76,8 @@ class TritonBackend(_LinearOps, _DecodeSteps, _HcOps, _AttentionOps, _MoeOps, Ba
                                      Decoder.IQ2_GROUPS_XQ),
                 KernelType.Q2_K: (Decoder.Q2_K_UNROLLED, Decoder.Q2_K_XQ, Decoder.Q2S_HALVES_XQ)}
     XQ_PATHS = FLOAT_DECODER  # integer decoder -> the float one where x is not in XQ form
+    # a chunk of fewer tokens takes the matrix-vector kernels, so it is not grouped with others
+    prefill_ffn_min_rows = MM_MIN
 
     @staticmethod
     def runs_here() -> bool:
