@@ -128,6 +128,37 @@ def test_q8c_prefill_products_on_two_fp16_planes(rng):
         check(y[:, 16 * g:16 * (g + 1)], xg[:, g * K:(g + 1) * K], dense[16 * g:16 * (g + 1)], ("group", g))
 
 
+def test_a_prefill_groups_chunks_split_each_q8c_weight_once(rng):
+    """Between a prefill group's rows (its chunks' attention sublayers) and concat_rows (its FFN),
+    a Q8C weight's fp16 planes are made once and serve every chunk (hl_keep); then made anew.
+    The products equal those on planes made per chunk, bit for bit, and gguf-py's within 2^-20
+    of Σ|x||w|."""
+    tri = several_tiles(TritonBackend(_cfg(), device=DEVICE))
+    N, K, C = 48, 512, 16
+    raws = [random_blocks(T.Q8_0, N * K, rng, scale=0.05) for _ in range(2)]
+    ws = [tri.upload(Tensor(f"w{i}", T.Q8_0, (K, N), r)) for i, r in enumerate(raws)]
+    dense = [gq.dequantize(r.reshape(N, row_bytes(T.Q8_0, K)), GGMLQuantizationType(int(T.Q8_0))).astype(np.float64)
+             for r in raws]
+    x = rng.standard_normal((2 * C, K)).astype(np.float32)
+    xt = _t(tri, x)
+
+    def group(keep):
+        tri.hl_keep, tri.ledger = keep, []
+        tri.begin_chunk({}, np.zeros(2 * C, np.int64), 0, False)
+        ys = [tri.to_numpy(tri.linear(tri.rows(xt, a, a + C), w)) for a in (0, C) for w in ws]
+        tri.concat_rows([xt[:C], xt[C:]])
+        ys.append(tri.to_numpy(tri.linear(xt[:C], ws[0])))  # the FFN's (or the next layer's) own
+        return ys, [k for k, _ in tri.ledger].count("q8c_hl_kernel")
+
+    kept, splits = group(True)
+    fresh, fresh_splits = group(False)
+    assert (splits, fresh_splits) == (3, 5)
+    for i, (a, w) in enumerate([(0, 0), (0, 1), (C, 0), (C, 1), (0, 0)]):
+        assert np.array_equal(kept[i], fresh[i]), i
+        want = x[a:a + C].astype(np.float64) @ dense[w].T
+        assert (np.abs(kept[i] - want) <= np.abs(x[a:a + C]) @ np.abs(dense[w]).T * 2.0 ** -20).all(), i
+
+
 @pytest.mark.parametrize("ttype,fast", [(T.IQ2_XXS, 417), (T.Q2_K, 110)], ids=["IQ2_XXS", "Q2_K"])
 def test_decoders_with_16_byte_x_loads_fall_back_on_unaligned_rows(ttype, fast, rng):
     """417 (416) and 110 load x 16 bytes at a time, so a row of x that does not start on 16 bytes (a

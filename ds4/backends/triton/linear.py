@@ -144,12 +144,18 @@ class _LinearOps:
 
     def _q8c_hl(self, w: QWeight, t):
         """Q8C rows [N, K] -> (hi, lo) [N, K] fp16, hi + lo = each weight times its row's t,
-        exactly, in quant byte order: q8c_hl_kernel, into buffers of this product only."""
+        exactly, in quant byte order: q8c_hl_kernel, into buffers of this product only, or of
+        the layer's chunks in a prefill group (hl_keep: the same planes for each chunk)."""
+        kept = self._hl_kept if self.hl_keep else None
+        if kept is not None and id(w) in kept and kept[id(w)][0] is w:
+            return kept[id(w)][1:]
         hi = torch.empty((w.N, w.K), dtype=torch.float16, device=self.dev)
         lo = torch.empty_like(hi)
         BR = self.hl_split_rows
         self._launch(K.q8c_hl_kernel, (_cdiv(w.N, BR), w.K // 256), w.b8, w.i16, t, hi, lo, w.N, w.K, w.RB,
                      BR=BR, num_warps=4, nbytes=w.RB * w.N + 4 * w.N * w.K)
+        if kept is not None:
+            kept[id(w)] = (w, hi, lo)
         return hi, lo
 
     def _row_scale(self, w: QWeight):

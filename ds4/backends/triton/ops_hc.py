@@ -110,11 +110,15 @@ class _HcOps:
         return _Sum(a, b)
 
     def rows(self, X, a, b):
+        # a group's chunks run their attention sublayers one after another from here to
+        # concat_rows, each on the same weights: their fp16 planes are made once (_q8c_hl)
+        self._hl_kept = self._hl_kept if self._hl_kept is not None else {}
         return self._val(X)[a:b]
 
     def concat_rows(self, parts):
         """The chunks' mHC states as one [n, HC, E] tensor: an expansion not yet made is written
         straight into its rows (one pass, as materialising it alone would take)."""
+        self._hl_kept = None  # (the layer's attention weights are done with)
         n = sum(int(p.shape[0]) for p in parts)
         out = self._new((n, *parts[0].shape[1:]))
         r = 0

@@ -107,6 +107,10 @@ class TritonTuning:
     hl_fresh: bool = True
     hl_products: int = 3  # (the low terms' product is under 2^-24 of |x|·|w|)
     hl_split_rows: int = 4  # Q8C rows per program of the split into planes (q8c_hl_kernel)
+    # a prefill group's chunks (prefill_ffn_rows) share each layer's planes of its attention
+    # weights, made once, instead of one split per chunk (at the Flash shapes up to five weights,
+    # ~0.43 GB, held while the layer's chunks run)
+    hl_keep: bool = True
     # the shared expert's Q8C gate/up in prefill as two such products on one split of x and the
     # SwiGLU, instead of the fused gate/up kernel's bf16x3 Q8_0 path
     shared_hl: bool = True
