@@ -179,7 +179,7 @@ def make_tiny(
     preset: Annotated[PresetName, typer.Option(
         "--preset",
         help="tiny: the embedded default (real vocabulary, 6 layers); test: a small vocabulary "
-             "and windows for fast tests; flash: the real DS4 Flash shapes (~81 GB).")] = "tiny",
+             "and windows for fast tests; flash: the real DS4 Flash shapes (~87 GB).")] = "tiny",
     experts: Annotated[ExpertsName, typer.Option(
         "--experts",
         help="Block format of the routed experts: q2 (IQ2_XXS gate/up, Q2_K down, as DS4 Flash "
