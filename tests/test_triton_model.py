@@ -140,15 +140,19 @@ GROUP_CHUNK = 2048 if GPU else MM_MIN
 def test_chunks_sharing_their_ffn_change_no_bit(engines, monkeypatch, numerics):
     """Two prefill chunks whose FFN sublayers run as one (prefill_ffn_rows: graph.forward_chunks,
     the mHC expansions written straight into the shared rows) leave the logits and the state bit
-    for bit as the chunks one after another do. On a GPU the chunks are 2048 tokens, and the
-    mixing kernel splits its K for 4096 rows as for 2048 (hc_split_rows; split by their own
-    count, 4096 rows would take 2 parts against a chunk's 4 and sum in another order); the
-    interpreter, which does not split that K, runs two of the shortest chunks a group takes."""
+    for bit as the chunks one after another do. The mHC mixing kernel splits its K by the rows it
+    gets (a 2048 chunk in 4 parts, 4096 rows in 2), so the FFN collapses a group one chunk at a
+    time. On a GPU the chunks are 2048 tokens; the interpreter runs two of the shortest chunks a
+    group takes, with the mixing kernel split as on a GPU (2 tokens a program: 16 parts for a
+    chunk, 8 for the group's 32 rows)."""
     import ds4.engine as eng
     from ds4.core.graph import forward_chunks
     from ffn_groups import assert_same_bits, prefill_both_ways
 
     _, tri = engines[numerics]
+    if not GPU:
+        for name, value in (("hc_mix_bt", (2, 2)), ("hc_mix_split", 128), ("hc_mix_step", 32)):
+            monkeypatch.setattr(tri.backend, name, value)
     n = 2 * GROUP_CHUNK
     prompt = [int(x) for x in np.random.default_rng([SEED, 2]).integers(0, tri.config.n_vocab, n)]
     calls = []

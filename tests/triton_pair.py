@@ -69,18 +69,20 @@ def _states(ref, tri, cfg, il, ctx=128, rng=None):
     return rs, ts
 
 
-# Tiles for the kernel tests' own small shapes: several programs along each side of a product, the
-# last one ragged. The interpreter's tuning (tuning.load_tuning) takes one large tile instead, so
-# that the whole-model tests run few programs; the routed experts' tiles are the GPU's.
+# Tiles for the kernel tests' own small shapes in the interpreter: several programs along each
+# side of a product, the last one ragged. The interpreter's tuning (tuning.load_tuning) takes one
+# large tile instead, so that the whole-model tests run few programs; the routed experts' tiles
+# are the GPU's. On a GPU the kernel tests keep the backend's own tiles.
 SEVERAL_TILES = dict(f16w_tile=(16, 32, 64, 2, 4, 1), hl_tile=(16, 32, 64, 2, 4, 1),
                      hl_split_rows=TritonTuning.hl_split_rows, mm8_tile=TritonTuning.mm8_tile,
                      moe16_tile=TritonTuning().moe16_tile)
 
 
 def several_tiles(be: TritonBackend) -> TritonBackend:
-    """be with SEVERAL_TILES."""
-    for name, tile in SEVERAL_TILES.items():
-        setattr(be, name, tile)
+    """be with SEVERAL_TILES in the interpreter, as it is on a GPU."""
+    if be.interpret:
+        for name, tile in SEVERAL_TILES.items():
+            setattr(be, name, tile)
     return be
 
 

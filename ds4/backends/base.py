@@ -105,8 +105,9 @@ class Backend(ABC):
         return contextlib.nullcontext()
 
     def begin_chunk(self, states: dict, tokens: np.ndarray, p0: int, logits: bool) -> None:
-        """Called by forward_chunk before a chunk's first op. A backend that replays whole decode
-        steps (CUDA graphs) learns here which session (`states`) and position a step is for."""
+        """Called by forward_chunk before a chunk's first op (by forward_chunks once for a group,
+        with all its tokens and its first position). A backend that replays whole decode steps
+        (CUDA graphs) learns here which session (`states`) and position a step is for."""
 
     @abstractmethod
     def embed(self, token_embd, tokens: np.ndarray) -> Array:
@@ -190,7 +191,9 @@ class Backend(ABC):
 
     @abstractmethod
     def concat_rows(self, parts: list) -> Array:
-        """The arrays `parts` one after another along their first axis."""
+        """The arrays `parts` one after another along their first axis (graph.forward_chunks: the
+        group's chunks before their FFN sublayer, whose hc_pre comes next; a backend whose mHC
+        collapse sums rows otherwise in bulk than alone collapses them chunk by chunk there)."""
 
     @abstractmethod
     def head_norm(self, q: Array) -> Array:

@@ -14,6 +14,9 @@ from .tuning import INTEGER_PRECISIONS, ONE_TERM
 
 ROW_SCALE_ROWS = 8192  # rows per pass of _row_scale
 MAX_POW2 = 126  # the largest scale exponent whose reciprocal stays a normal float32
+# the most weights whose fp16 planes a prefill group keeps (hl_keep): a layer's attention has up
+# to five Q8C weights; the bound caps what a group cut short by an error leaves behind
+HL_KEEP_MAX = 8
 
 
 class _LinearOps:
@@ -156,6 +159,8 @@ class _LinearOps:
                      BR=BR, num_warps=4, nbytes=w.RB * w.N + 4 * w.N * w.K)
         if kept is not None:
             kept[id(w)] = (w, hi, lo)
+            while len(kept) > HL_KEEP_MAX:
+                kept.pop(next(iter(kept)))
         return hi, lo
 
     def _row_scale(self, w: QWeight):

@@ -6,6 +6,8 @@ from __future__ import annotations
 from . import kernels as K
 from .plumbing import QWeight, _Expanded, _HeadNormed, _Normed, _Sum, _cdiv, _largest_pow2_divisor, _op, _pow2
 
+HC_MIX_PROGRAMS = 128  # the mixing kernel's programs that its K split aims at (about one an SM)
+
 
 class _HcOps:
     """The residual-stream ops of TritonBackend (a mixin: it uses the state TritonBackend.__init__ sets up)."""
@@ -22,7 +24,9 @@ class _HcOps:
                      NB=NB, VB=VB, nbytes=n * (token_embd.RB + 4 * HC * E))
         return X
 
-    def _hc_collapse(self, X, hc, head: bool):
+    def _hc_collapse(self, X, hc, head: bool, into=None):
+        """(x_in, post, comb) of the mHC collapse of X [n, HC, E]; into: those three to write
+        (row ranges of a group's, _hc_pre_by_chunk)."""
         cfg = self.cfg
         n, HC, E = X.shape
         Kd = HC * E
@@ -42,11 +46,11 @@ class _HcOps:
             expand = (ex.y, ex.y2 if ex.y2 is not None else ex.y, ex.X, ex.post, ex.comb)
         # (32-value K-steps for BT > 1: larger ones spill registers, sm_90 SASS; one token: up to
         # 128, one K-step per program where hc_mix_split parts make them shorter)
-        cap = 32 if BT > 1 else max(32, min(128, Kd // self.hc_mix_split))
-        NB, VB = self._blocks(fn.kt, Kd, 1024 if self.interpret else cap)
+        cap = self.hc_mix_step or (32 if BT > 1 else max(32, min(128, Kd // self.hc_mix_split)))
+        NB, VB = self._blocks(fn.kt, Kd, cap)
         BK = NB * VB
-        rows = min(n, self.hc_split_rows)
-        split = 1 if self.interpret else max(1, min(self.hc_mix_split, max(128, self.hc_mix_split) // _cdiv(rows, BT)))
+        # K parts: about HC_MIX_PROGRAMS programs over the rows, at most hc_mix_split a tile
+        split = max(1, min(self.hc_mix_split, max(HC_MIX_PROGRAMS, self.hc_mix_split) // _cdiv(n, BT)))
         split = min(split, Kd // BK)
         split = _largest_pow2_divisor(Kd // BK, split)
         part = self._new((n, split, NM))
@@ -55,9 +59,12 @@ class _HcOps:
                      part, ss, n, NR, Kd, fn.RB, Kd // split, *expand, E, NM=NM, TYPE=fn.kt, NB=NB, VB=VB,
                      BT=BT, EXPAND=ex is not None, HAS_Y2=ex is not None and ex.y2 is not None, HC=HC,
                      num_warps=4, nbytes=fn.RB * NR * _cdiv(n, BT) + 4 * X.numel() * (3 if ex is not None else 1))
-        x_in = self._new((n, E))
-        post = self._dummy_f if head else self._new((n, HC))
-        comb = self._dummy_f if head else self._new((n, HC, HC))
+        if into is not None:
+            x_in, post, comb = into
+        else:
+            x_in = self._new((n, E))
+            post = self._dummy_f if head else self._new((n, HC))
+            comb = self._dummy_f if head else self._new((n, HC, HC))
         BT = min(_pow2(n), 32) if self.interpret else 1
         BE = min(1024 // BT if self.interpret else self.hc_fin_be, _pow2(E))
         consts = (n, E, cfg.rms_eps, cfg.hc_eps, cfg.hc_sinkhorn_iter)
@@ -82,7 +89,23 @@ class _HcOps:
 
     @_op
     def hc_pre(self, X, hc):
+        parts, self._group_parts = self._group_parts, None
+        if parts is not None and X.shape[0] == sum(parts) and X.shape[0] > parts[0]:
+            return self._hc_pre_by_chunk(self._val(X), hc, parts)
         return self._hc_collapse(X, hc, head=False)
+
+    def _hc_pre_by_chunk(self, X, hc, parts):
+        """The FFN's mHC collapse over a group's rows (concat_rows), one chunk's rows at a time:
+        the mixing kernel's tile and K split follow the rows it gets, and this way each chunk's
+        rows get what they get alone (one collapse over the group summed 4 K parts of a 2048
+        chunk's rows in 1, and other parts for a shorter chunk)."""
+        n, HC, E = X.shape
+        out = (self._new((n, E)), self._new((n, HC)), self._new((n, HC, HC)))
+        r = 0
+        for m in parts:
+            self._hc_collapse(X[r:r + m], hc, head=False, into=tuple(t[r:r + m] for t in out))
+            r += m
+        return out
 
     @_op
     def hc_post(self, y, X, post, comb):
@@ -119,6 +142,7 @@ class _HcOps:
         """The chunks' mHC states as one [n, HC, E] tensor: an expansion not yet made is written
         straight into its rows (one pass, as materialising it alone would take)."""
         self._hl_kept = None  # (the layer's attention weights are done with)
+        self._group_parts = [int(p.shape[0]) for p in parts]  # (for the FFN's hc_pre)
         n = sum(int(p.shape[0]) for p in parts)
         out = self._new((n, *parts[0].shape[1:]))
         r = 0

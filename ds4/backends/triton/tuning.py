@@ -35,7 +35,6 @@ import os
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 
-from ...core.state import DEFAULT_PREFILL_CAP
 from .formats import Decoder, KernelType
 
 _D = Decoder
@@ -159,13 +158,13 @@ class TritonTuning:
     fuse_kv_store: bool = True
     # decode: the mixing kernel of an mHC collapse computes the pending expand (hc_post) itself
     fuse_expand: bool = True
-    # decode mHC: K parts of the mixing projections (programs per token), collapse values per
-    # finalize program, and whether a one-token finalize computes post and comb (the Sinkhorn
-    # iterations) in a launch of its own, beside the sublayer, instead of before it
+    # mHC: K parts of the mixing projections (at most, a tile of tokens: programs per token in
+    # decode; fewer as the rows grow), their K-step in values (0: 32 for several tokens a program,
+    # up to 128 for one), collapse values per finalize program, and whether a one-token finalize
+    # computes post and comb (the Sinkhorn iterations) in a launch of its own, beside the
+    # sublayer, instead of before it
     hc_mix_split: int = 128
-    # prefill mHC: the mixing kernel splits K by the programs of at most this many rows (ds4's
-    # chunk), so that a group of chunks (prefill_ffn_rows) sums in each chunk's own order
-    hc_split_rows: int = DEFAULT_PREFILL_CAP
+    hc_mix_step: int = 0
     hc_fin_be: int = 256
     hc_comb_beside: bool = True
     # one-token finalize: the comb tile stored and loaded again before the Sinkhorn iterations
@@ -270,7 +269,8 @@ def load_tuning(interpret: bool, max_shared: int | None = None, dot_precision: s
     if interpret:  # few, large programs; the interpreter's tests use small shapes of their own
         t.update(moe_tile={"gateup": (64, 4), "down": (64, 4), "shared": (64, 4)}, topk_bucket=32, topk_rows=64,
                  idx_score_rows=128,
-                 hc_mix_bt=(2, 16), combine_pairs=16, rope_rows_decode=64, f16w_tile=(32, 128, 64, 2, 4, 1),
+                 hc_mix_bt=(2, 16), hc_mix_split=1, hc_mix_step=1024, combine_pairs=16, rope_rows_decode=64,
+                 f16w_tile=(32, 128, 64, 2, 4, 1),
                  hl_tile=(32, 128, 64, 2, 4, 1), hl_split_rows=64, mm8_tile=(256, 128, 4, 1),
                  moe16_tile={"gateup": (256, 128, 4, 1), "down": (256, 128, 4, 1)})
     elif table:
