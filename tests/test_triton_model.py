@@ -107,7 +107,7 @@ def test_logits_and_greedy_tokens_match_reference(engines, cases, numerics):
     a.sync(prompt)  # 24 tokens: the matrix-matrix (prefill) kernels
     b.sync(prompt)
     tri.backend.ledger = []
-    for _ in range(3):  # eager, captured and replayed decode steps on a GPU
+    for _ in range(3 if GPU else 1):  # eager, captured and replayed decode steps on a GPU
         assert _rel(b.logits, a.logits) <= rtol
         assert _same_greedy(b.logits, a.logits)
         t = int(np.argmax(a.logits))
@@ -143,15 +143,16 @@ def test_chunks_sharing_their_ffn_change_no_bit(engines, monkeypatch, numerics):
     for bit as the chunks one after another do. The mHC mixing kernel splits its K by the rows it
     gets (a 2048 chunk in 4 parts, 4096 rows in 2), so the FFN collapses a group one chunk at a
     time. On a GPU the chunks are 2048 tokens; the interpreter runs two of the shortest chunks a
-    group takes, with the mixing kernel split as on a GPU (2 tokens a program: 16 parts for a
-    chunk, 8 for the group's 32 rows)."""
+    group takes, with the mixing kernel split by its rows as on a GPU, for 16 programs of 2 tokens
+    (2 parts for a chunk, 1 for the group's 32 rows)."""
     import ds4.engine as eng
     from ds4.core.graph import forward_chunks
     from ffn_groups import assert_same_bits, prefill_both_ways
 
     _, tri = engines[numerics]
     if not GPU:
-        for name, value in (("hc_mix_bt", (2, 2)), ("hc_mix_split", 128), ("hc_mix_step", 32)):
+        for name, value in (("hc_mix_bt", (2, 2)), ("hc_mix_split", 128), ("hc_mix_programs", 16),
+                            ("hc_mix_step", 32)):
             monkeypatch.setattr(tri.backend, name, value)
     n = 2 * GROUP_CHUNK
     prompt = [int(x) for x in np.random.default_rng([SEED, 2]).integers(0, tri.config.n_vocab, n)]

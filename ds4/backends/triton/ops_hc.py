@@ -6,8 +6,6 @@ from __future__ import annotations
 from . import kernels as K
 from .plumbing import QWeight, _Expanded, _HeadNormed, _Normed, _Sum, _cdiv, _largest_pow2_divisor, _op, _pow2
 
-HC_MIX_PROGRAMS = 128  # the mixing kernel's programs that its K split aims at (about one an SM)
-
 
 class _HcOps:
     """The residual-stream ops of TritonBackend (a mixin: it uses the state TritonBackend.__init__ sets up)."""
@@ -49,8 +47,8 @@ class _HcOps:
         cap = self.hc_mix_step or (32 if BT > 1 else max(32, min(128, Kd // self.hc_mix_split)))
         NB, VB = self._blocks(fn.kt, Kd, cap)
         BK = NB * VB
-        # K parts: about HC_MIX_PROGRAMS programs over the rows, at most hc_mix_split a tile
-        split = max(1, min(self.hc_mix_split, max(HC_MIX_PROGRAMS, self.hc_mix_split) // _cdiv(n, BT)))
+        # K parts: about hc_mix_programs programs over the rows, at most hc_mix_split a tile
+        split = max(1, min(self.hc_mix_split, max(self.hc_mix_programs, self.hc_mix_split) // _cdiv(n, BT)))
         split = min(split, Kd // BK)
         split = _largest_pow2_divisor(Kd // BK, split)
         part = self._new((n, split, NM))

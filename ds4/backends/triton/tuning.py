@@ -159,11 +159,13 @@ class TritonTuning:
     # decode: the mixing kernel of an mHC collapse computes the pending expand (hc_post) itself
     fuse_expand: bool = True
     # mHC: K parts of the mixing projections (at most, a tile of tokens: programs per token in
-    # decode; fewer as the rows grow), their K-step in values (0: 32 for several tokens a program,
-    # up to 128 for one), collapse values per finalize program, and whether a one-token finalize
-    # computes post and comb (the Sinkhorn iterations) in a launch of its own, beside the
-    # sublayer, instead of before it
+    # decode; fewer as the rows grow), the programs the parts aim at over all the rows (about one
+    # an SM), their K-step in values (0: 32 for several tokens a program, up to 128 for one),
+    # collapse values per finalize program, and whether a one-token finalize computes post and
+    # comb (the Sinkhorn iterations) in a launch of its own, beside the sublayer, instead of
+    # before it
     hc_mix_split: int = 128
+    hc_mix_programs: int = 128
     hc_mix_step: int = 0
     hc_fin_be: int = 256
     hc_comb_beside: bool = True
