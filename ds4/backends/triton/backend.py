@@ -123,7 +123,6 @@ class TritonBackend(_LinearOps, _DecodeSteps, _HcOps, _AttentionOps, _MoeOps, Ba
         # while a prefill group's chunks run one layer's attention sublayers (rows ..
         # concat_rows) with hl_keep: the Q8C weights' fp16 planes, {id(w): (w, hi, lo)}
         self._hl_kept: dict | None = None
-        self._group_parts: list | None = None  # a group's chunk rows, from concat_rows to the FFN's hc_pre
         self._tok1 = torch.zeros(1, dtype=torch.int32, device=d)
         # a decode step's token for the host, written by the GPU into pinned host memory at slot
         # p0 % 4 and read once the event recorded after the step's replay has passed; and the

@@ -4,7 +4,7 @@ norm, the linear op, add and the output logits."""
 from __future__ import annotations
 
 from . import kernels as K
-from .plumbing import QWeight, _Expanded, _HeadNormed, _Normed, _Sum, _cdiv, _largest_pow2_divisor, _op, _pow2
+from .plumbing import QWeight, _Expanded, _HeadNormed, _Normed, _Rows, _Sum, _cdiv, _largest_pow2_divisor, _op, _pow2
 
 
 class _HcOps:
@@ -87,9 +87,8 @@ class _HcOps:
 
     @_op
     def hc_pre(self, X, hc):
-        parts, self._group_parts = self._group_parts, None
-        if parts is not None and X.shape[0] == sum(parts) and X.shape[0] > parts[0]:
-            return self._hc_pre_by_chunk(self._val(X), hc, parts)
+        if isinstance(X, _Rows):
+            return self._hc_pre_by_chunk(X.val, hc, X.parts)
         return self._hc_collapse(X, hc, head=False)
 
     def _hc_pre_by_chunk(self, X, hc, parts):
@@ -137,10 +136,10 @@ class _HcOps:
         return self._val(X)[a:b]
 
     def concat_rows(self, parts):
-        """The chunks' mHC states as one [n, HC, E] tensor: an expansion not yet made is written
-        straight into its rows (one pass, as materialising it alone would take)."""
+        """The chunks' mHC states as one [n, HC, E] tensor (a _Rows, which names the chunks for
+        the FFN's collapse): an expansion not yet made is written straight into its rows (one
+        pass, as materialising it alone would take)."""
         self._hl_kept = None  # (the layer's attention weights are done with)
-        self._group_parts = [int(p.shape[0]) for p in parts]  # (for the FFN's hc_pre)
         n = sum(int(p.shape[0]) for p in parts)
         out = self._new((n, *parts[0].shape[1:]))
         r = 0
@@ -151,7 +150,7 @@ class _HcOps:
             else:
                 out[r:r + m].copy_(self._val(p))
             r += m
-        return out
+        return _Rows(out, [int(p.shape[0]) for p in parts])
 
     @_op
     def output_logits(self, X, hc, norm, out):

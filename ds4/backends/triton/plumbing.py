@@ -234,6 +234,19 @@ class _Expanded(_Lazy):
         return tuple(self.X.shape)
 
 
+class _Rows(_Lazy):
+    """A prefill group's mHC state (concat_rows), made already, with its chunks' row counts, so
+    that the FFN's collapse can take it one chunk at a time (_hc_pre_by_chunk)."""
+    __slots__ = ("parts",)
+
+    def __init__(self, val, parts):
+        self.val, self.parts = val, parts
+
+    @property
+    def shape(self):
+        return tuple(self.val.shape)
+
+
 class Selection:
     """Indexer top-k of each query: the kept compressed rows in increasing order, and how many."""
 

@@ -69,7 +69,6 @@ class _DecodeSteps:
     def begin_chunk(self, states, tokens, p0, logits) -> None:
         self._chunk = (states, int(p0), bool(logits))
         self._hl_kept = None
-        self._group_parts = None
 
     def _maybe_begin_step(self, tokens) -> None:
         if self._step is not None:
