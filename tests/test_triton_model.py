@@ -151,8 +151,8 @@ def test_chunks_sharing_their_ffn_change_no_bit(engines, monkeypatch, numerics):
 
     _, tri = engines[numerics]
     if not GPU:
-        for name, value in (("hc_mix_bt", (2, 2)), ("hc_mix_split", 128), ("hc_mix_programs", 16),
-                            ("hc_mix_step", 32)):
+        for name, value in (("hc_mix_bt", (2, 2)), ("hc_mix_split", 2), ("hc_mix_programs", 16),
+                            ("hc_mix_step", 256)):
             monkeypatch.setattr(tri.backend, name, value)
     n = 2 * GROUP_CHUNK
     prompt = [int(x) for x in np.random.default_rng([SEED, 2]).integers(0, tri.config.n_vocab, n)]
