@@ -141,6 +141,31 @@ def test_moe_prefill_end_to_end_int8_down(tri, rng, planes):
     assert _rel_rows(got, want, scale) < {3: 2.0 ** -14, 2: 2.0 ** -8}[planes]
 
 
+# tiles of 128 assignments on 8 warps (moe16_bm 128), which a prompt's FFN groups can fill (an
+# expert gets about 192 assignments at 8192 rows): not the default (slower on the H100, "What was
+# tried" in bench/triton/README.md), but a setting the benchmarks' variants take
+TILES_128 = dict(moe16_bm=128, moe16_tile={"gateup": (64, 128, 8, 1), "down": (64, 128, 8, 1)},
+                 mm8_tile=(64, 128, 8, 1))
+
+
+@pytest.mark.parametrize("down_i8", [True, False])
+def test_moe_prefill_at_128_assignment_tiles(tri, rng, down_i8):
+    """backend.moe with 128-assignment tiles on 8 warps (the int8 down, and the fp16 one) against
+    a float64 evaluation of the layer, each expert's 140 assignments in a full tile and a
+    partial one."""
+    keep = {name: getattr(tri, name) for name in (*TILES_128, "moe_down_i8", "mm8_planes")}
+    try:
+        for name, v in TILES_128.items():
+            setattr(tri, name, v)
+        tri.moe_down_i8, tri.mm8_planes = down_i8, 3
+        got, want, scale, ran = _moe_layer(tri, rng, NE=2, n=140)
+    finally:
+        for name, v in keep.items():
+            setattr(tri, name, v)
+    assert ("moe_down_mm8_kernel" in ran) == down_i8 and ("moe_down_mm16_kernel" in ran) != down_i8, ran
+    assert _rel_rows(got, want, scale) < (2.0 ** -14 if down_i8 else TOL)
+
+
 def test_int8_down_compiles_for_sm90_to_int8_wgmma():
     """The default tile compiles for sm_90 (loads aligned as a launch specialises them) to int8
     tensor-core products: in a K-step, the top two digit planes in one product of twice the rows
