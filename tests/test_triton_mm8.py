@@ -149,19 +149,13 @@ TILES_128 = dict(moe16_bm=128, moe16_tile={"gateup": (64, 128, 8, 1), "down": (6
 
 
 @pytest.mark.parametrize("down_i8", [True, False])
-def test_moe_prefill_at_128_assignment_tiles(tri, rng, down_i8):
+def test_moe_prefill_at_128_assignment_tiles(tri, rng, monkeypatch, down_i8):
     """backend.moe with 128-assignment tiles on 8 warps (the int8 down, and the fp16 one) against
     a float64 evaluation of the layer, each expert's 140 assignments in a full tile and a
     partial one."""
-    keep = {name: getattr(tri, name) for name in (*TILES_128, "moe_down_i8", "mm8_planes")}
-    try:
-        for name, v in TILES_128.items():
-            setattr(tri, name, v)
-        tri.moe_down_i8, tri.mm8_planes = down_i8, 3
-        got, want, scale, ran = _moe_layer(tri, rng, NE=2, n=140)
-    finally:
-        for name, v in keep.items():
-            setattr(tri, name, v)
+    for name, v in {**TILES_128, "moe_down_i8": down_i8, "mm8_planes": 3}.items():
+        monkeypatch.setattr(tri, name, v)  # (tri is the module's: restored after the test)
+    got, want, scale, ran = _moe_layer(tri, rng, NE=2, n=140)
     assert ("moe_down_mm8_kernel" in ran) == down_i8 and ("moe_down_mm16_kernel" in ran) != down_i8, ran
     assert _rel_rows(got, want, scale) < (2.0 ** -14 if down_i8 else TOL)
 
